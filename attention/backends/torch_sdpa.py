@@ -1,0 +1,64 @@
+"""TORCH_SDPA: MLA prefill in plain torch, on CPU and CUDA.
+
+For each sequence of the ragged batch it computes, in blocks of queries, the
+scores ``s [H, tq, S]`` in float32, their logsumexp (the exact natural-log
+LSE), the probabilities and ``o = p @ v`` -- the formulas of the contract in
+``base.py``. Scores are bounded to ``score_budget`` elements per block, so
+memory stays flat in the sequence length. Q/K keep their 192-wide head dim and
+V its 128: no padding is created or returned.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from attention.backends.base import BackendCapabilities, MLAPrefillBackend, RaggedPlan
+
+
+class TorchSDPAPrefillBackend(MLAPrefillBackend):
+    name = "TORCH_SDPA"
+    capabilities = BackendCapabilities(
+        device_kinds=("cpu", "cuda", "rocm"),
+        dtypes=(torch.float32, torch.float16, torch.bfloat16),
+    )
+    score_budget = 1 << 26  # float32 score elements per query block (256 MiB)
+
+    def _forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: RaggedPlan, return_lse: bool
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        out_THD = q.new_zeros(q.shape[0], self.num_heads, self.dims.v_head_dim)
+        lse_HT = torch.full((self.num_heads, q.shape[0]), float("-inf"), dtype=torch.float32, device=q.device)
+        q_start = k_start = 0
+        for q_len, kv_len in zip(plan.seqlens_q, plan.seqlens_k):
+            if q_len and kv_len:
+                qs, ks = slice(q_start, q_start + q_len), slice(k_start, k_start + kv_len)
+                self._attend_sequence(q[qs], k[ks], v[ks], plan.causal, out_THD[qs], lse_HT[:, qs])
+            q_start += q_len
+            k_start += kv_len
+        return out_THD, (lse_HT if return_lse else None)
+
+    def _attend_sequence(
+        self,
+        q_THD: torch.Tensor,
+        k_SHD: torch.Tensor,
+        v_SHD: torch.Tensor,
+        causal: bool,
+        out_THD: torch.Tensor,
+        lse_HT: torch.Tensor,
+    ) -> None:
+        q_len, kv_len = q_THD.shape[0], k_SHD.shape[0]
+        k_HDS = k_SHD.float().permute(1, 2, 0)
+        v_HSD = v_SHD.float().transpose(0, 1)
+        block = max(1, self.score_budget // (self.num_heads * kv_len))
+        key_pos = torch.arange(kv_len, device=q_THD.device)
+        for start in range(0, q_len, block):
+            stop = min(start + block, q_len)
+            s_HTS = torch.matmul(q_THD[start:stop].float().transpose(0, 1), k_HDS) * self.scale
+            if causal:
+                # bottom-right aligned: query i sees keys j <= i + (kv_len - q_len)
+                last_visible = torch.arange(start, stop, device=q_THD.device) + (kv_len - q_len)
+                s_HTS.masked_fill_(key_pos[None, :] > last_visible[:, None], float("-inf"))
+            lse = torch.logsumexp(s_HTS, dim=-1)  # [H, t]; -inf where a query sees nothing
+            p_HTS = torch.exp(s_HTS - torch.where(torch.isinf(lse), 0.0, lse).unsqueeze(-1))
+            out_THD[start:stop] = torch.matmul(p_HTS, v_HSD).transpose(0, 1).to(out_THD.dtype)
+            lse_HT[:, start:stop] = lse

@@ -1,0 +1,134 @@
+"""Triton kernels behind ``attention.merge`` (formulas and conventions there).
+
+One program handles a tile of BLOCK_T tokens x one head x the whole head dim;
+LSEs are read through their strides (``[H, T]`` views of ``[T, H]`` storage
+work), outputs need a contiguous last dim. Offsets are 64-bit.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _sanitize(lse):
+    # +inf and NaN mean "no keys": treat them as -inf.
+    return tl.where((lse != lse) | (lse == float("inf")), float("-inf"), lse)
+
+
+@triton.jit
+def _merge_two_kernel(
+    out_ptr, out_lse_ptr, p_ptr, p_lse_ptr, s_ptr, s_lse_ptr,
+    T, D,
+    out_st, out_sh, p_st, p_sh, s_st, s_sh,
+    out_lse_sh, out_lse_st, p_lse_sh, p_lse_st, s_lse_sh, s_lse_st,
+    HAS_OUT_LSE: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
+):  # fmt: skip
+    h = tl.program_id(1).to(tl.int64)
+    t = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T).to(tl.int64)
+    d = tl.arange(0, BLOCK_D)
+    t_ok = t < T
+    tile_ok = t_ok[:, None] & (d < D)[None, :]
+
+    p_lse = _sanitize(tl.load(p_lse_ptr + h * p_lse_sh + t * p_lse_st, mask=t_ok, other=float("-inf")))
+    s_lse = _sanitize(tl.load(s_lse_ptr + h * s_lse_sh + t * s_lse_st, mask=t_ok, other=float("-inf")))
+    m = tl.maximum(p_lse, s_lse)
+    m = tl.where(m == float("-inf"), 0.0, m)
+    p_e = tl.exp(p_lse - m)
+    s_e = tl.exp(s_lse - m)
+    total = p_e + s_e
+    inv = tl.where(total > 0, 1.0 / total, 0.0)
+    p_w = (p_e * inv)[:, None]
+    s_w = (s_e * inv)[:, None]
+
+    p_o = tl.load(p_ptr + t[:, None] * p_st + h * p_sh + d[None, :], mask=tile_ok, other=0.0).to(tl.float32)
+    s_o = tl.load(s_ptr + t[:, None] * s_st + h * s_sh + d[None, :], mask=tile_ok, other=0.0).to(tl.float32)
+    o = tl.where(p_w > 0, p_o * p_w, 0.0) + tl.where(s_w > 0, s_o * s_w, 0.0)
+    tl.store(out_ptr + t[:, None] * out_st + h * out_sh + d[None, :], o.to(out_ptr.dtype.element_ty), mask=tile_ok)
+    if HAS_OUT_LSE:
+        tl.store(out_lse_ptr + h * out_lse_sh + t * out_lse_st, tl.log(total) + m, mask=t_ok)
+
+
+@triton.jit
+def _merge_many_kernel(
+    out_ptr, out_lse_ptr, o_ptr, lse_ptr,
+    N, T, D,
+    out_st, out_sh, o_sn, o_st, o_sh,
+    out_lse_sh, out_lse_st, lse_sn, lse_sh, lse_st,
+    BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
+):  # fmt: skip
+    h = tl.program_id(1).to(tl.int64)
+    t = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T).to(tl.int64)
+    d = tl.arange(0, BLOCK_D)
+    t_ok = t < T
+    tile_ok = t_ok[:, None] & (d < D)[None, :]
+    lse_base = lse_ptr + h * lse_sh + t * lse_st
+
+    m = tl.full((BLOCK_T,), float("-inf"), tl.float32)
+    for n in range(N):
+        m = tl.maximum(m, _sanitize(tl.load(lse_base + n * lse_sn, mask=t_ok, other=float("-inf"))))
+    m = tl.where(m == float("-inf"), 0.0, m)
+    total = tl.zeros((BLOCK_T,), tl.float32)
+    for n in range(N):
+        total += tl.exp(_sanitize(tl.load(lse_base + n * lse_sn, mask=t_ok, other=float("-inf"))) - m)
+    inv = tl.where(total > 0, 1.0 / total, 0.0)
+
+    acc = tl.zeros((BLOCK_T, BLOCK_D), tl.float32)
+    for n in range(N):
+        lse = _sanitize(tl.load(lse_base + n * lse_sn, mask=t_ok, other=float("-inf")))
+        w = (tl.exp(lse - m) * inv)[:, None]
+        o = tl.load(o_ptr + n * o_sn + t[:, None] * o_st + h * o_sh + d[None, :], mask=tile_ok, other=0.0)
+        acc += tl.where(w > 0, o.to(tl.float32) * w, 0.0)
+    tl.store(out_ptr + t[:, None] * out_st + h * out_sh + d[None, :], acc.to(out_ptr.dtype.element_ty), mask=tile_ok)
+    tl.store(out_lse_ptr + h * out_lse_sh + t * out_lse_st, tl.log(total) + m, mask=t_ok)
+
+
+def _tiles(output: torch.Tensor) -> tuple[tuple[int, int], int, int]:
+    tokens, heads, dim = output.shape
+    block_d = triton.next_power_of_2(dim)
+    block_t = max(1, min(64, 4096 // block_d))
+    return (triton.cdiv(tokens, block_t), heads), block_t, block_d
+
+
+def _last_dim_contiguous(*tensors: torch.Tensor) -> None:
+    for tensor in tensors:
+        if tensor.stride(-1) != 1:
+            raise ValueError(f"the Triton merge needs a contiguous head dim, got strides {tensor.stride()}")
+
+
+def merge_two(
+    output: torch.Tensor,
+    prefix_output: torch.Tensor,
+    prefix_lse: torch.Tensor,
+    suffix_output: torch.Tensor,
+    suffix_lse: torch.Tensor,
+    output_lse: torch.Tensor | None,
+) -> None:
+    _last_dim_contiguous(output, prefix_output, suffix_output)
+    grid, block_t, block_d = _tiles(output)
+    lse_out = output_lse if output_lse is not None else prefix_lse  # not written when absent
+    _merge_two_kernel[grid](
+        output, lse_out, prefix_output, prefix_lse, suffix_output, suffix_lse,
+        output.shape[0], output.shape[2],
+        output.stride(0), output.stride(1), prefix_output.stride(0), prefix_output.stride(1),
+        suffix_output.stride(0), suffix_output.stride(1),
+        lse_out.stride(0), lse_out.stride(1), prefix_lse.stride(0), prefix_lse.stride(1),
+        suffix_lse.stride(0), suffix_lse.stride(1),
+        HAS_OUT_LSE=output_lse is not None, BLOCK_T=block_t, BLOCK_D=block_d,
+    )  # fmt: skip
+
+
+def merge_many(
+    output: torch.Tensor, output_lse: torch.Tensor, outputs: torch.Tensor, lses: torch.Tensor
+) -> None:
+    _last_dim_contiguous(output, outputs)
+    grid, block_t, block_d = _tiles(output)
+    _merge_many_kernel[grid](
+        output, output_lse, outputs, lses,
+        outputs.shape[0], output.shape[0], output.shape[2],
+        output.stride(0), output.stride(1), outputs.stride(0), outputs.stride(1), outputs.stride(2),
+        output_lse.stride(0), output_lse.stride(1), lses.stride(0), lses.stride(1), lses.stride(2),
+        BLOCK_T=block_t, BLOCK_D=block_d,
+    )  # fmt: skip
