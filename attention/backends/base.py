@@ -180,6 +180,18 @@ class RaggedPlan:
         return max(self.seqlens_k, default=0)
 
     @property
+    def blind_query_rows(self) -> tuple[slice, ...]:
+        """Query rows that see no key: all of a sequence with no keys, and under
+        the bottom-right causal mask the first ``q_len - kv_len`` of a longer one."""
+        rows, start = [], 0
+        for q_len, kv_len in zip(self.seqlens_q, self.seqlens_k):
+            blind = q_len if kv_len == 0 else (max(0, q_len - kv_len) if self.causal else 0)
+            if blind:
+                rows.append(slice(start, start + blind))
+            start += q_len
+        return tuple(rows)
+
+    @property
     def num_q_tokens(self) -> int:
         return sum(self.seqlens_q)
 
@@ -356,6 +368,18 @@ class MLAPrefillBackend(ABC):
                 raise ValueError(f"{self.name}: {name} is on {tensor.device}, backend runs on {self.device}")
         if not q.dtype == k.dtype == v.dtype:
             raise TypeError(f"{self.name}: q, k, v dtypes differ ({q.dtype}, {k.dtype}, {v.dtype})")
+
+
+def neutralize_blind_rows(out_THD: torch.Tensor, lse_HT: torch.Tensor | None, plan: RaggedPlan) -> None:
+    """Write the contract's ``o = 0``, ``lse = -inf`` into rows that see no key.
+
+    Kernel libraries disagree there (FA2 returns +inf LSE, others garbage);
+    the rows are known on the host from the plan, so this costs no sync.
+    """
+    for rows in plan.blind_query_rows:
+        out_THD[rows] = 0
+        if lse_HT is not None:
+            lse_HT[:, rows] = float("-inf")
 
 
 def _host_lengths(name: str, cu_seqlens: torch.Tensor) -> tuple[int, ...]:

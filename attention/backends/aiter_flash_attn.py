@@ -1,0 +1,34 @@
+"""AITER_FLASH_ATTN: AMD AITER's varlen flash attention (ROCm, MI300 and newer).
+
+Calls ``aiter.flash_attn_varlen_func`` with Q/K 192 and V 128 natively; its LSE
+is already natural-log ``[H, T]``. Not yet run on ROCm hardware by this
+project (see README).
+"""
+
+from __future__ import annotations
+
+from attention.backends.base import BackendCapabilities, MLAPrefillBackend, neutralize_blind_rows
+
+
+class AiterFlashAttnPrefillBackend(MLAPrefillBackend):
+    name = "AITER_FLASH_ATTN"
+    capabilities = BackendCapabilities(device_kinds=("rocm",), min_capability=(9, 4), requires=("aiter",))
+
+    def _forward(self, q, k, v, plan, return_lse):
+        import aiter
+
+        out, lse_HT = aiter.flash_attn_varlen_func(
+            q,
+            k,
+            v,
+            cu_seqlens_q=plan.cu_seqlens_q,
+            cu_seqlens_k=plan.cu_seqlens_k,
+            max_seqlen_q=plan.max_seqlen_q,
+            max_seqlen_k=plan.max_seqlen_k,
+            softmax_scale=self.scale,
+            causal=plan.causal,
+            return_lse=True,
+        )
+        lse_HT = lse_HT.float()
+        neutralize_blind_rows(out, lse_HT, plan)
+        return out, (lse_HT if return_lse else None)

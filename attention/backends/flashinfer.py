@@ -1,0 +1,67 @@
+"""FLASHINFER: FlashInfer's ragged prefill (``BatchPrefillWithRaggedKVCacheWrapper``).
+
+Q/K keep head dim 192 and V 128 (``head_dim_qk``/``head_dim_vo``), no padding.
+The wrapper is planned once per batch shape and dtype and run per layer;
+FlashInfer picks its ``fa3`` template on SM90 and ``fa2`` elsewhere
+(``backend="auto"``). Its LSE is base-2 ``[T, H]``; it is returned as the
+natural-log ``[H, T]`` view ``lse.T * ln 2``. The first plan of a new shape
+JIT-compiles the kernel (about a minute on H200), which is logged.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+
+import torch
+
+from attention.backends.base import BackendCapabilities, MLAPrefillBackend, RaggedPlan, neutralize_blind_rows
+
+logger = logging.getLogger(__name__)
+
+
+class FlashInferPrefillBackend(MLAPrefillBackend):
+    name = "FLASHINFER"
+    capabilities = BackendCapabilities(device_kinds=("cuda",), min_capability=(8, 0), requires=("flashinfer",))
+    workspace_bytes = 256 << 20
+    template = "auto"
+
+    def __init__(self, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self._workspace = torch.empty(self.workspace_bytes, dtype=torch.uint8, device=self.device)
+
+    def _build_state(self, plan: RaggedPlan) -> dict:
+        return {}  # one planned wrapper per dtype, built on the first run of that dtype
+
+    def _wrapper(self, plan: RaggedPlan, dtype: torch.dtype):
+        wrapper = plan.state.get(dtype)
+        if wrapper is None:
+            import flashinfer
+
+            wrapper = flashinfer.BatchPrefillWithRaggedKVCacheWrapper(self._workspace, "NHD", backend=self.template)
+            started = time.perf_counter()
+            wrapper.plan(
+                qo_indptr=plan.cu_seqlens_q.cpu(),
+                kv_indptr=plan.cu_seqlens_k.cpu(),
+                num_qo_heads=self.num_heads,
+                num_kv_heads=self.num_heads,
+                head_dim_qk=self.dims.qk_head_dim,
+                head_dim_vo=self.dims.v_head_dim,
+                causal=plan.causal,
+                sm_scale=self.scale,
+                q_data_type=dtype,
+                kv_data_type=dtype,
+            )
+            elapsed = time.perf_counter() - started
+            if elapsed > 1.0:
+                logger.info("FlashInfer planned ragged prefill in %.1f s (first use JIT-compiles its kernel)", elapsed)
+            plan.state[dtype] = wrapper
+        return wrapper
+
+    def _forward(self, q, k, v, plan, return_lse):
+        wrapper = self._wrapper(plan, q.dtype)
+        out, lse_TH = wrapper.run(q, k.contiguous(), v.contiguous(), return_lse=True)
+        lse_HT = lse_TH.t() * math.log(2.0)
+        neutralize_blind_rows(out, lse_HT, plan)
+        return out, (lse_HT if return_lse else None)

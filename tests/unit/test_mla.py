@@ -1,0 +1,166 @@
+"""The MLA layer: parity with transformers' DeepseekV3Attention, chunked context, planning."""
+
+import math
+
+import pytest
+import torch
+from transformers import DeepseekV3Config
+from transformers.models.deepseek_v3 import modeling_deepseek_v3 as hf
+
+from attention.backends.torch_sdpa import TorchSDPAPrefillBackend
+from attention.mla import MLAAttention, MLAConfig, plan_prefill_batch
+from attention.rope import YarnScaling
+
+YARN = dict(factor=4.0, original_max_position_embeddings=64, beta_fast=32, beta_slow=1, mscale=1.0, mscale_all_dim=0.8)
+TINY = dict(hidden_size=64, num_heads=4, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16)
+
+
+def _configs(q_lora_rank, yarn, interleave):
+    rope = {"rope_type": "default", "rope_theta": 10000.0}
+    if yarn:
+        rope = {"rope_type": "yarn", "rope_theta": 10000.0, **YARN}
+    hf_config = DeepseekV3Config(
+        vocab_size=100, intermediate_size=96, num_hidden_layers=1, num_attention_heads=TINY["num_heads"],
+        num_key_value_heads=TINY["num_heads"], q_lora_rank=q_lora_rank, max_position_embeddings=512,
+        rope_parameters=rope, rope_interleave=interleave, attention_bias=False, rms_norm_eps=1e-6,
+        **{k: v for k, v in TINY.items() if k != "num_heads"},
+    )  # fmt: skip
+    hf_config._attn_implementation = "eager"
+    ours = MLAConfig(
+        **TINY, q_lora_rank=q_lora_rank, rope_theta=10000.0, rope_interleave=interleave,
+        yarn=YarnScaling(**YARN) if yarn else None, rms_norm_eps=1e-6,
+    )  # fmt: skip
+    return hf_config, ours
+
+
+def _layers(q_lora_rank=24, yarn=True, interleave=True):
+    hf_config, config = _configs(q_lora_rank, yarn, interleave)
+    reference = hf.DeepseekV3Attention(hf_config, layer_idx=0).eval()
+    for param in reference.parameters():  # RMSNorm weights start at 1: randomize everything
+        torch.nn.init.normal_(param, std=0.2)
+    backend = config.create_backend(TorchSDPAPrefillBackend)
+    ours = MLAAttention(config, backend)
+    ours.load_state_dict(reference.state_dict())
+    return reference, ours, hf_config
+
+
+@torch.no_grad()
+def _hf_forward(reference, hf_config, hidden):
+    tokens = hidden.shape[0]
+    positions = torch.arange(tokens)[None]
+    cos, sin = hf.DeepseekV3RotaryEmbedding(hf_config)(hidden[None], positions)
+    mask = torch.full((tokens, tokens), float("-inf")).triu(1)[None, None]
+    return reference(hidden[None], position_embeddings=(cos, sin), attention_mask=mask)[0][0]
+
+
+@pytest.mark.parametrize(
+    "q_lora_rank,yarn,interleave",
+    [(24, True, True), (None, False, True), (24, False, False), (None, True, False)],
+    ids=["q_lora+yarn+interleaved", "q_proj+default-rope", "q_lora+neox", "q_proj+yarn+neox"],
+)
+@torch.no_grad()
+def test_matches_transformers_deepseek_v3_attention(q_lora_rank, yarn, interleave):
+    reference, ours, hf_config = _layers(q_lora_rank, yarn, interleave)
+    lengths = [41, 1, 23]
+    hidden = [torch.randn(n, TINY["hidden_size"]) for n in lengths]
+    batch = plan_prefill_batch(lengths)
+    out, latent = ours(torch.cat(hidden), batch)  # one ragged batch
+    expected = torch.cat([_hf_forward(reference, hf_config, h) for h in hidden])  # one at a time
+    torch.testing.assert_close(out, expected, atol=2e-5, rtol=1e-5)
+    assert latent.shape == (sum(lengths), TINY["kv_lora_rank"] + TINY["qk_rope_head_dim"])
+
+
+@torch.no_grad()
+def test_yarn_scaling_matches_transformers():
+    hf_config, config = _configs(24, True, True)
+    inv_freq, attention_factor = hf.ROPE_INIT_FUNCTIONS["yarn"](hf_config, "cpu")
+    rope = config.rotary_embedding()
+    torch.testing.assert_close(rope.inv_freq.float(), inv_freq, atol=1e-7, rtol=1e-6)
+    assert math.isclose(rope.cos_sin_factor, attention_factor, rel_tol=1e-12)
+    hf_scale = hf.DeepseekV3Attention(hf_config, 0).scaling
+    assert math.isclose(config.softmax_scale, hf_scale, rel_tol=1e-12)
+    assert config.softmax_scale != (16 + 8) ** -0.5  # mscale_all_dim really changes it
+
+
+@torch.no_grad()
+def test_context_continuation_matches_transformers_on_the_whole_prompt():
+    """Prefill a prefix, then the rest against its cached latent rows: equals one full pass."""
+    reference, ours, hf_config = _layers()
+    hidden = torch.randn(50, TINY["hidden_size"])
+    expected = _hf_forward(reference, hf_config, hidden)
+    _, prefix_latent = ours(hidden[:32], plan_prefill_batch([32]))
+    for workspace in (1, 5, 32, None):
+        batch = plan_prefill_batch([18], [32], workspace_tokens=workspace)
+        out, _ = ours(hidden[32:], batch, context_kv=prefix_latent)
+        torch.testing.assert_close(out, expected[32:], atol=2e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@torch.no_grad()
+def test_chunked_context_equals_unchunked(dtype):
+    config = MLAConfig(**TINY, q_lora_rank=24, yarn=YarnScaling(**YARN))
+    layer = MLAAttention(config, config.create_backend(TorchSDPAPrefillBackend), dtype=dtype)
+    seq_lens, context_lens = [3, 4, 2, 5], [13, 0, 7, 1]
+    hidden = torch.randn(sum(seq_lens), config.hidden_size, dtype=dtype)
+    context = torch.randn(sum(context_lens), config.latent_dim, dtype=dtype)
+    whole, latent = layer(hidden, plan_prefill_batch(seq_lens, context_lens, workspace_tokens=None), context)
+    # chunks of 1 row, chunks that split sequences, one chunk exactly the size of the context
+    for workspace in (1, 2, 6, 13, 20, 21, 1000):
+        batch = plan_prefill_batch(seq_lens, context_lens, workspace_tokens=workspace)
+        assert all(c.row_end - c.row_start <= workspace for c in batch.context_chunks)
+        out, latent_chunked = layer(hidden, batch, context)
+        tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
+        torch.testing.assert_close(out, whole, **tol)
+        assert torch.equal(latent_chunked, latent)
+
+
+def test_plan_chunks_split_sequences_and_skip_empty_contexts():
+    batch = plan_prefill_batch([3, 2, 4], [5, 0, 7], workspace_tokens=4)
+    chunks = [
+        (c.seq_start, c.seq_end, c.token_start, c.token_end, c.row_start, c.row_end, c.cu_seqlens_k.tolist())
+        for c in batch.context_chunks
+    ]
+    assert chunks == [
+        (0, 1, 0, 3, 0, 4, [0, 4]),  # first 4 rows of sequence 0
+        (0, 3, 0, 9, 4, 8, [0, 1, 1, 4]),  # its last row; sequence 1 has no context; 3 rows of sequence 2
+        (2, 3, 5, 9, 8, 12, [0, 4]),  # the rest of sequence 2
+    ]
+    assert batch.positions.tolist() == [5, 6, 7, 0, 1, 7, 8, 9, 10]
+    assert plan_prefill_batch([3], [0]).context_chunks == ()
+
+
+def test_plan_once_for_all_layers():
+    config = MLAConfig(**TINY, q_lora_rank=None)
+    backend = config.create_backend(TorchSDPAPrefillBackend)
+    layers = [MLAAttention(config, backend) for _ in range(3)]
+    batch = plan_prefill_batch([4, 6], [3, 9], workspace_tokens=5, backend=backend)
+    planned = backend.num_plans_built
+    assert planned == 1 + len(batch.context_chunks)
+    hidden = torch.randn(10, config.hidden_size)
+    context = torch.randn(12, config.latent_dim)
+    with torch.no_grad():
+        for layer in layers:
+            hidden = hidden + layer(hidden, batch, context)[0]
+    assert backend.num_plans_built == planned
+
+
+def test_bad_inputs_are_named():
+    config = MLAConfig(**TINY, q_lora_rank=None)
+    layer = MLAAttention(config, config.create_backend(TorchSDPAPrefillBackend))
+    batch = plan_prefill_batch([4], [3])
+    with pytest.raises(ValueError, match=r"hidden must be \[tokens=4, hidden=64\], got \(5, 64\)"):
+        layer(torch.randn(5, 64), batch, torch.randn(3, 40))
+    with pytest.raises(TypeError, match="hidden has dtype torch.float64"):
+        layer(torch.randn(4, 64, dtype=torch.float64), batch, torch.randn(3, 40))
+    with pytest.raises(ValueError, match=r"context_kv must be \[context rows, latent\] = \(3, 40\), got None"):
+        layer(torch.randn(4, 64), batch)
+    with pytest.raises(ValueError, match="every sequence needs at least one new token"):
+        plan_prefill_batch([4, 0])
+    with pytest.raises(ValueError, match="got 2 seq_lens but 1 context_lens"):
+        plan_prefill_batch([4, 1], [2])
+    with pytest.raises(ValueError, match="workspace_tokens must be a positive number"):
+        plan_prefill_batch([4], workspace_tokens=0)
+    with pytest.raises(ValueError, match="qk_rope_head_dim must be even"):
+        MLAConfig(**{**TINY, "qk_rope_head_dim": 7}, q_lora_rank=None)
+    with pytest.raises(ValueError, match="backend TORCH_SDPA was built for 4 heads"):
+        MLAAttention(config, config.create_backend(TorchSDPAPrefillBackend), num_heads=2)
