@@ -4,7 +4,8 @@ For each sequence of the ragged batch it computes, in blocks of queries, the
 scores ``s [H, tq, S]`` in float32, their logsumexp (the exact natural-log
 LSE), the probabilities and ``o = p @ v`` -- the formulas of the contract in
 ``base.py``. Scores are bounded to ``score_budget`` elements per block, so
-memory stays flat in the sequence length. Q/K keep their 192-wide head dim and
+memory stays flat in the sequence length, and causal blocks skip the keys
+past their diagonal. Q/K keep their 192-wide head dim and
 V its 128: no padding is created or returned.
 """
 
@@ -22,6 +23,7 @@ class TorchSDPAPrefillBackend(MLAPrefillBackend):
         dtypes=(torch.float32, torch.float16, torch.bfloat16),
     )
     score_budget = 1 << 26  # float32 score elements per query block (256 MiB)
+    max_query_block = 512  # smaller blocks skip more of the causal upper triangle
 
     def _forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: RaggedPlan, return_lse: bool
@@ -49,16 +51,20 @@ class TorchSDPAPrefillBackend(MLAPrefillBackend):
         q_len, kv_len = q_THD.shape[0], k_SHD.shape[0]
         k_HDS = k_SHD.float().permute(1, 2, 0)
         v_HSD = v_SHD.float().transpose(0, 1)
-        block = max(1, self.score_budget // (self.num_heads * kv_len))
-        key_pos = torch.arange(kv_len, device=q_THD.device)
+        block = max(1, min(self.max_query_block, self.score_budget // (self.num_heads * kv_len)))
         for start in range(0, q_len, block):
             stop = min(start + block, q_len)
-            s_HTS = torch.matmul(q_THD[start:stop].float().transpose(0, 1), k_HDS) * self.scale
+            # causal, bottom-right aligned: query i sees keys j <= i + (kv_len - q_len), so
+            # keys past the block's last visible one are skipped
+            keys = min(kv_len, stop + kv_len - q_len) if causal else kv_len
+            if keys <= 0:
+                continue  # the whole block sees nothing: o = 0, lse = -inf already
+            s_HTS = torch.matmul(q_THD[start:stop].float().transpose(0, 1), k_HDS[..., :keys]) * self.scale
             if causal:
-                # bottom-right aligned: query i sees keys j <= i + (kv_len - q_len)
                 last_visible = torch.arange(start, stop, device=q_THD.device) + (kv_len - q_len)
+                key_pos = torch.arange(keys, device=q_THD.device)
                 s_HTS.masked_fill_(key_pos[None, :] > last_visible[:, None], float("-inf"))
             lse = torch.logsumexp(s_HTS, dim=-1)  # [H, t]; -inf where a query sees nothing
             p_HTS = torch.exp(s_HTS - torch.where(torch.isinf(lse), 0.0, lse).unsqueeze(-1))
-            out_THD[start:stop] = torch.matmul(p_HTS, v_HSD).transpose(0, 1).to(out_THD.dtype)
+            out_THD[start:stop] = torch.matmul(p_HTS, v_HSD[:, :keys]).transpose(0, 1).to(out_THD.dtype)
             lse_HT[:, start:stop] = lse

@@ -1,0 +1,98 @@
+"""The single-rank model stack: parity with transformers' DeepseekV3ForCausalLM, batching, inputs."""
+
+import pytest
+import torch
+from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+from attention.backends.torch_sdpa import TorchSDPAPrefillBackend
+from attention.mla import plan_prefill_batch
+from configs.model import load_model_config, model_config_from_dict
+from workers.model import DeepseekPrefillModel, TPShard, check_tp_degree
+
+
+def _hf_model():
+    config = DeepseekV3Config(
+        vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
+        num_key_value_heads=4, q_lora_rank=24, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8,
+        v_head_dim=16, n_routed_experts=4, first_k_dense_replace=3, max_position_embeddings=256,
+        rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                         "original_max_position_embeddings": 64, "mscale": 1.0, "mscale_all_dim": 0.8},
+        tie_word_embeddings=False, torch_dtype="float32",
+    )  # fmt: skip
+    config._attn_implementation = "eager"
+    torch.manual_seed(1)
+    model = DeepseekV3ForCausalLM(config).eval()
+    with torch.no_grad():
+        for param in model.parameters():
+            param.normal_(0, 0.1)
+    return model
+
+
+def _ours_from(hf_model):
+    config = model_config_from_dict(hf_model.config.to_dict(), name="hf-tiny")
+    ours = DeepseekPrefillModel.create(config, TorchSDPAPrefillBackend, dtype=torch.float32)
+    ours.load_state_dict(hf_model.state_dict())
+    return ours
+
+
+def test_last_token_logits_match_transformers():
+    hf_model = _hf_model()
+    ours = _ours_from(hf_model)
+    prompts = [torch.randint(0, 300, (n,)) for n in (37, 1, 64)]
+    out = ours(torch.cat(prompts), plan_prefill_batch([len(p) for p in prompts]))
+    with torch.no_grad():
+        expected = torch.stack([hf_model(p[None]).logits[0, -1] for p in prompts])
+    torch.testing.assert_close(out.logits, expected, atol=1e-4, rtol=1e-4)
+    assert out.logits.shape == (3, 300) and len(out.latents) == 3
+
+
+def test_batch_of_mixed_lengths_equals_each_alone():
+    config = load_model_config("tiny", num_hidden_layers=2)
+    model = DeepseekPrefillModel.create(config, TorchSDPAPrefillBackend, dtype=torch.float32)
+    model.init_random_weights(3)
+    prompts = [torch.randint(0, config.vocab_size, (n,)) for n in (5, 130, 17)]
+    together = model(torch.cat(prompts), plan_prefill_batch([5, 130, 17]))
+    offset = 0
+    for i, prompt in enumerate(prompts):
+        alone = model(prompt, plan_prefill_batch([len(prompt)]))
+        torch.testing.assert_close(together.logits[i], alone.logits[0], atol=1e-5, rtol=1e-5)
+        for layer in range(2):
+            torch.testing.assert_close(together.latents[layer][offset : offset + len(prompt)], alone.latents[layer])
+        offset += len(prompt)
+
+
+def test_random_init_is_the_same_weights_for_every_tp_degree():
+    config = load_model_config("tiny", num_hidden_layers=1)
+    full = DeepseekPrefillModel.create(config, TorchSDPAPrefillBackend, dtype=torch.float32)
+    full.init_random_weights(7)
+    shards = []
+    for rank in range(2):
+        shard = DeepseekPrefillModel.create(config, TorchSDPAPrefillBackend, tp=TPShard(rank, 2), dtype=torch.float32)
+        shard.init_random_weights(7)
+        shards.append(dict(shard.named_parameters()))
+    for name, param in full.named_parameters():
+        dim = TPShard(0, 2).split_dim(name)
+        if dim is None:
+            assert torch.equal(shards[0][name], param) and torch.equal(shards[1][name], param), name
+        else:
+            assert torch.equal(torch.cat([s[name] for s in shards], dim=dim), param), name
+
+
+def test_bad_prompts_are_named():
+    config = load_model_config("tiny", num_hidden_layers=1)
+    model = DeepseekPrefillModel.create(config, TorchSDPAPrefillBackend, dtype=torch.float32)
+    batch = plan_prefill_batch([3])
+    with pytest.raises(TypeError, match="int64 or int32 tensor, got torch.float32"):
+        model(torch.tensor([1.0, 2.0, 3.0]), batch)
+    with pytest.raises(ValueError, match=r"token id 512 is outside the vocabulary \[0, 512\)"):
+        model(torch.tensor([1, 512, 3]), batch)
+    with pytest.raises(ValueError, match="token id -1"):
+        model(torch.tensor([1, -1, 3]), batch)
+    with pytest.raises(ValueError, match="1-D with 3 entries"):
+        model(torch.tensor([1, 2]), batch)
+    with pytest.raises(ValueError, match="a sequence of 9000 tokens exceeds tiny's maximum of 8192 positions"):
+        model(torch.zeros(9000, dtype=torch.int64), plan_prefill_batch([9000]))
+    with pytest.raises(ValueError, match=r"TP=3 does not divide tiny's 8 attention heads; valid TP degrees: \[1, 2, 4, 8\]"):
+        check_tp_degree(config, 3)
+    with pytest.raises(ValueError, match="MoE layers are not supported yet"):
+        DeepseekPrefillModel.create(load_model_config("deepseek-v2-lite", num_hidden_layers=2), TorchSDPAPrefillBackend)
