@@ -17,18 +17,7 @@ class AiterFlashAttnPrefillBackend(MLAPrefillBackend):
     def _forward(self, q, k, v, plan, return_lse):
         import aiter
 
-        out, lse_HT = aiter.flash_attn_varlen_func(
-            q,
-            k,
-            v,
-            cu_seqlens_q=plan.cu_seqlens_q,
-            cu_seqlens_k=plan.cu_seqlens_k,
-            max_seqlen_q=plan.max_seqlen_q,
-            max_seqlen_k=plan.max_seqlen_k,
-            softmax_scale=self.scale,
-            causal=plan.causal,
-            return_lse=True,
-        )
+        out, lse_HT = aiter.flash_attn_varlen_func(q, k, v, return_lse=True, **plan.varlen_kwargs(self.scale))
         lse_HT = lse_HT.float()
         neutralize_blind_rows(out, lse_HT, plan)
         return out, (lse_HT if return_lse else None)

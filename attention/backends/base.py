@@ -179,6 +179,17 @@ class RaggedPlan:
     def max_seqlen_k(self) -> int:
         return max(self.seqlens_k, default=0)
 
+    def varlen_kwargs(self, softmax_scale: float) -> dict[str, Any]:
+        """The keyword arguments of flash-attention-style ``*_varlen_func`` calls."""
+        return dict(
+            cu_seqlens_q=self.cu_seqlens_q,
+            cu_seqlens_k=self.cu_seqlens_k,
+            max_seqlen_q=self.max_seqlen_q,
+            max_seqlen_k=self.max_seqlen_k,
+            softmax_scale=softmax_scale,
+            causal=self.causal,
+        )
+
     @property
     def blind_query_rows(self) -> tuple[slice, ...]:
         """Query rows that see no key: all of a sequence with no keys, and under

@@ -83,14 +83,7 @@ class FlashAttnPrefillBackend(MLAPrefillBackend):
         pad = self.version == 2 and v_dim != self.dims.qk_head_dim
         if pad:
             v = F.pad(v, (0, self.dims.qk_head_dim - v_dim))
-        common = dict(
-            cu_seqlens_q=plan.cu_seqlens_q,
-            cu_seqlens_k=plan.cu_seqlens_k,
-            max_seqlen_q=plan.max_seqlen_q,
-            max_seqlen_k=plan.max_seqlen_k,
-            softmax_scale=self.scale,
-            causal=plan.causal,
-        )
+        common = plan.varlen_kwargs(self.scale)
         if self.version == 4:
             out, lse = self._varlen(q, k, v, return_lse=True, **common)
         else:
