@@ -30,6 +30,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 from torch import nn
@@ -86,7 +87,9 @@ class MLAConfig:
         base = self.dims.qk_head_dim**-0.5
         return base * (self.yarn.softmax_scale_multiplier if self.yarn else 1.0)
 
+    @cached_property
     def rotary_embedding(self) -> RotaryEmbedding:
+        """One instance per config, shared by its layers (it caches a batch's cos/sin)."""
         return RotaryEmbedding(
             self.qk_rope_head_dim, self.rope_theta, yarn=self.yarn, interleaved=self.rope_interleave
         )
@@ -282,7 +285,7 @@ class MLAAttention(nn.Module):
                 f"this layer has {heads} heads, dims {config.dims}"
             )
         self.config, self.backend, self.num_heads = config, backend, heads
-        self.rope = config.rotary_embedding()
+        self.rope = config.rotary_embedding
         c, kw = config, {"dtype": dtype, "device": device}
         if c.q_lora_rank is None:
             self.q_proj = nn.Linear(c.hidden_size, heads * c.dims.qk_head_dim, bias=False, **kw)

@@ -88,7 +88,12 @@ def _inv_freq(rotary_dim: int, base: float) -> torch.Tensor:
 
 
 class RotaryEmbedding:
-    """Applies RoPE to ``x [T, ..., R]`` given ``positions [T]``; stateless apart from inv_freq."""
+    """Applies RoPE to ``x [T, ..., R]`` given ``positions [T]``.
+
+    Every layer of a batch rotates by the same positions, so the tables of the
+    last ``positions`` tensor seen are kept and reused (keyed on the tensor
+    object, which the cache holds alive).
+    """
 
     def __init__(
         self, rotary_dim: int, base: float, *, yarn: YarnScaling | None = None, interleaved: bool = True
@@ -99,14 +104,19 @@ class RotaryEmbedding:
         self.interleaved = interleaved
         self.inv_freq = yarn.inv_freq(rotary_dim, base) if yarn else _inv_freq(rotary_dim, base)
         self.cos_sin_factor = yarn.attention_factor if yarn else 1.0
+        self._last: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
     def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``cos, sin [T, R/2]`` in float32 for integer ``positions [T]``."""
-        angles = positions.to(torch.float64)[:, None] * self.inv_freq.to(positions.device)[None, :]
-        return (
-            (angles.cos() * self.cos_sin_factor).float(),
-            (angles.sin() * self.cos_sin_factor).float(),
-        )
+        if self._last is not None and self._last[0] is positions:
+            return self._last[1], self._last[2]
+        if self.inv_freq.device != positions.device:
+            self.inv_freq = self.inv_freq.to(positions.device)
+        angles = positions.to(torch.float64)[:, None] * self.inv_freq[None, :]
+        cos = (angles.cos() * self.cos_sin_factor).float()
+        sin = (angles.sin() * self.cos_sin_factor).float()
+        self._last = (positions, cos, sin)
+        return cos, sin
 
     def __call__(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """Rotate ``x [T, ..., R]`` with ``cos, sin [T, R/2]`` from :meth:`cos_sin`."""

@@ -74,7 +74,7 @@ def test_matches_transformers_deepseek_v3_attention(q_lora_rank, yarn, interleav
 def test_yarn_scaling_matches_transformers():
     hf_config, config = _configs(24, True, True)
     inv_freq, attention_factor = hf.ROPE_INIT_FUNCTIONS["yarn"](hf_config, "cpu")
-    rope = config.rotary_embedding()
+    rope = config.rotary_embedding
     torch.testing.assert_close(rope.inv_freq.float(), inv_freq, atol=1e-7, rtol=1e-6)
     assert math.isclose(rope.cos_sin_factor, attention_factor, rel_tol=1e-12)
     hf_scale = hf.DeepseekV3Attention(hf_config, 0).scaling
