@@ -1,13 +1,15 @@
 """The ``mlapool`` command line.
 
-    mlapool prefill [--model tiny] [--random-tokens N | --tokens FILE] [--output-dir DIR] ...
-    mlapool backends [--dtype bfloat16] [--model tiny]
+    mlapool prefill [--model tiny] [--tp N] [--random-tokens N | --tokens FILE] [--output-dir DIR] [--verify] ...
+    mlapool backends [--dtype bfloat16] [--model deepseek-v3]
 
-``prefill`` runs one prompt through the model in this process, writes each
-layer's latent KV rows to ``DIR/kv.safetensors`` and a JSON summary (TTFT,
-tokens/s, the backend chosen) to ``DIR/summary.json``, and prints the summary.
-``backends`` shows which MLA prefill backend this machine would use and why
-each other one was rejected.
+``prefill`` starts a prefill pool (on the Ray cluster at ``$RAY_ADDRESS``, or an
+embedded local Ray), prefills one prompt, writes each layer's latent KV rows to
+``DIR/kv.safetensors`` and a JSON summary (TTFT, tokens/s, the backend chosen)
+to ``DIR/summary.json``, and prints the summary. ``--verify`` also runs the
+single-process reference (float32, on this machine's CPU) and reports the
+largest differences. ``backends`` shows which MLA prefill backend this machine
+would use and why each other one was rejected.
 """
 
 from __future__ import annotations
@@ -24,10 +26,14 @@ import torch
 from attention.backends.base import DeviceCapability, MLAPrefillSelectorConfig
 from attention.backends.registry import MLAPrefillBackendEnum
 from attention.backends.selector import ENV_BACKEND, backend_priorities, backend_reasons, get_mla_prefill_backend
-from attention.mla import DEFAULT_WORKSPACE_TOKENS, plan_prefill_batch
+from attention.mla import DEFAULT_WORKSPACE_TOKENS
 from configs.model import DTYPES, builtin_models, load_model_config
+from configs.pool import DEVICES, PoolConfig
 
 BACKEND_CHOICES = ["AUTO"] + [m.name for m in MLAPrefillBackendEnum]
+DEFAULTS = PoolConfig()
+# --verify tolerances on logits and KV, relative to their largest magnitude
+VERIFY_RTOL = {"float32": 1e-3, "bfloat16": 5e-2, "float16": 1e-2}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -36,74 +42,93 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     try:
         return args.run(args)
-    except (ValueError, TypeError, FileNotFoundError) as exc:
+    except (ValueError, TypeError, FileNotFoundError) as exc:  # the user's input
         parser.exit(2, f"mlapool {args.command}: error: {exc}\n")
+    except RuntimeError as exc:  # the pool could not start or serve
+        parser.exit(1, f"mlapool {args.command}: failed: {exc}\n")
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="mlapool", description="Prefill for DeepSeek-style MLA models.")
-    parser.add_argument("-v", "--verbose", action="store_true", help="log backend selection and planning")
+    parser = argparse.ArgumentParser(prog="mlapool", description="Prefill for DeepSeek-style MLA models on a Ray pool.")
+    parser.add_argument("-v", "--verbose", action="store_true", help="log backend selection, planning and pool start")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    prefill = sub.add_parser("prefill", help="prefill one prompt and write its latent KV cache")
-    prefill.add_argument("--model", default="tiny", help=f"built-in model ({', '.join(builtin_models())}) or a config.json / checkpoint directory (default: tiny)")
-    prefill.add_argument("--num-layers", type=int, help="run only the first N layers")
-    source = prefill.add_mutually_exclusive_group()
-    source.add_argument("--random-tokens", type=int, metavar="N", help="prefill N random token ids (default: 1024)")
-    source.add_argument("--tokens", type=Path, metavar="FILE", help="token ids: a JSON list or whitespace-separated integers")
-    prefill.add_argument("--seed", type=int, default=0, help="seed of the random weights and random tokens (default: 0)")
-    prefill.add_argument("--backend", default="auto", type=str.upper, choices=BACKEND_CHOICES,
-                         help=f"MLA prefill backend, case-insensitive (default: auto, which honours ${ENV_BACKEND})")  # fmt: skip
-    prefill.add_argument("--dtype", default="auto", choices=["auto", *DTYPES], help="compute dtype (default: the model's; float32 on CPU)")
-    prefill.add_argument("--device", default="auto", help="cpu, cuda or cuda:N (default: cuda if available)")
-    prefill.add_argument("--workspace-tokens", type=int, default=DEFAULT_WORKSPACE_TOKENS,
-                         help=f"bound on cached-context rows up-projected at once (default: {DEFAULT_WORKSPACE_TOKENS})")  # fmt: skip
-    prefill.add_argument("--output-dir", type=Path, default=Path("mlapool-out"), help="where kv.safetensors and summary.json go (default: ./mlapool-out)")
+    prefill = sub.add_parser("prefill", help="prefill one prompt on a pool and write its latent KV cache")
+    model = prefill.add_argument_group("model")
+    model.add_argument("--model", default=DEFAULTS.model, help=f"built-in model ({', '.join(builtin_models())}) or a config.json (default: tiny)")
+    model.add_argument("--checkpoint", type=Path, help="HF checkpoint directory (config.json + safetensors); default: seeded random weights")
+    model.add_argument("--num-layers", type=int, help="run only the first N layers")
+    model.add_argument("--seed", type=int, default=DEFAULTS.seed, help="seed of the random weights and random tokens (default: 0)")
+    pool = prefill.add_argument_group("pool")
+    pool.add_argument("--tp", type=int, default=DEFAULTS.tp, help="tensor-parallel degree: workers (GPUs) per replica (default: 1)")
+    pool.add_argument("--backend", default="auto", type=str.upper, choices=BACKEND_CHOICES, metavar="NAME",
+                      help=f"MLA prefill backend: auto or one of {', '.join(BACKEND_CHOICES[1:])} (default: auto, which honours ${ENV_BACKEND})")  # fmt: skip
+    pool.add_argument("--dtype", default=DEFAULTS.dtype, choices=["auto", *DTYPES], help="compute dtype (default: the model's on GPU, float32 on CPU)")
+    pool.add_argument("--device", default=DEFAULTS.device, choices=DEVICES, help="worker device (default: cuda when the workers see a GPU)")
+    pool.add_argument("--chunk-tokens", type=int, default=DEFAULTS.chunk_tokens, help=f"prefill the prompt in chunks of this many tokens (default: {DEFAULTS.chunk_tokens})")
+    pool.add_argument("--workspace-tokens", type=int, default=DEFAULT_WORKSPACE_TOKENS,
+                      help=f"bound on cached-context rows up-projected at once (default: {DEFAULT_WORKSPACE_TOKENS})")  # fmt: skip
+    prompt = prefill.add_argument_group("prompt").add_mutually_exclusive_group()
+    prompt.add_argument("--random-tokens", type=int, metavar="N", help="prefill N random token ids (default: 1024)")
+    prompt.add_argument("--tokens", type=Path, metavar="FILE", help="token ids: a JSON list or whitespace-separated integers")
+    out = prefill.add_argument_group("output")
+    out.add_argument("--output-dir", type=Path, default=Path("mlapool-out"), help="where kv.safetensors and summary.json go (default: ./mlapool-out)")
+    out.add_argument("--verify", action="store_true", help="compare with the single-process reference (float32, CPU) and report the max error")
     prefill.set_defaults(run=_prefill)
 
     backends = sub.add_parser("backends", help="show which MLA prefill backend this machine would use, and why")
     backends.add_argument("--model", default="deepseek-v3", help="model whose head dims to check (default: deepseek-v3)")
     backends.add_argument("--dtype", default="bfloat16", choices=list(DTYPES))
-    backends.add_argument("--device", default="auto")
+    backends.add_argument("--device", default="auto", choices=DEVICES)
     backends.set_defaults(run=_backends)
     return parser
-
-
-def _device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    device = torch.device(name)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"--device {name}: no CUDA device is available here; valid: cpu")
-    return device
 
 
 def _read_tokens(path: Path) -> list[int]:
     text = path.read_text()
     try:
         values = json.loads(text) if text.lstrip().startswith("[") else text.split()
-        tokens = [int(v) for v in values]
+        return [int(v) for v in values]
     except (ValueError, TypeError) as exc:
         raise ValueError(f"{path}: token ids must be a JSON list or whitespace-separated integers ({exc})") from None
-    if not tokens:
-        raise ValueError(f"{path}: the prompt is empty")
-    return tokens
+
+
+class _ProgressBar:
+    """``prefill [#####.....] 4096/8192 tokens`` on stderr, when it is a terminal."""
+
+    def __init__(self, stream=sys.stderr, width: int = 30) -> None:
+        self.stream, self.width = stream, width
+        self.enabled = stream.isatty()
+
+    def __call__(self, done: int, total: int) -> None:
+        if not self.enabled:
+            return
+        filled = self.width * done // total
+        self.stream.write(f"\rprefill [{'#' * filled}{'.' * (self.width - filled)}] {done}/{total} tokens")
+        if done == total:
+            self.stream.write("\n")
+        self.stream.flush()
 
 
 def _prefill(args: argparse.Namespace) -> int:
     from safetensors.torch import save_file
 
-    from workers.model import DeepseekPrefillModel
+    from cluster.pool import PrefillPool
 
-    overrides = {"num_hidden_layers": args.num_layers} if args.num_layers else {}
-    config = load_model_config(args.model, **overrides)
-    device = _device(args.device)
-    dtype = torch.float32 if device.type == "cpu" and args.dtype == "auto" else DTYPES.get(args.dtype, config.dtype)
-    backend_cls = get_mla_prefill_backend(
-        MLAPrefillSelectorConfig(dtype, config.attention.dims),
-        DeviceCapability.of(device),
-        None if args.backend == "AUTO" else args.backend,
+    config = PoolConfig(
+        model=args.model,
+        checkpoint=str(args.checkpoint) if args.checkpoint else None,
+        num_layers=args.num_layers,
+        tp=args.tp,
+        backend=args.backend,
+        dtype=args.dtype,
+        device=args.device,
+        chunk_tokens=args.chunk_tokens,
+        max_batch_tokens=max(args.chunk_tokens, DEFAULTS.max_batch_tokens),
+        workspace_tokens=args.workspace_tokens,
+        seed=args.seed,
     )
+    model_config = config.model_config()
     if args.tokens:
         tokens = _read_tokens(args.tokens)
     else:
@@ -111,43 +136,82 @@ def _prefill(args: argparse.Namespace) -> int:
         if count <= 0:
             raise ValueError(f"--random-tokens must be positive, got {count}")
         gen = torch.Generator().manual_seed(args.seed)
-        tokens = torch.randint(0, config.vocab_size, (count,), generator=gen).tolist()
-
-    model = DeepseekPrefillModel.create(config, backend_cls, dtype=dtype, device=device)
-    model.init_random_weights(args.seed)
-    token_ids = torch.tensor(tokens, dtype=torch.int64, device=device)
+        tokens = torch.randint(0, model_config.vocab_size, (count,), generator=gen).tolist()
 
     started = time.perf_counter()
-    batch = plan_prefill_batch([len(tokens)], workspace_tokens=args.workspace_tokens, device=device, backend=model.backend)
-    out = model(token_ids, batch)
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    ttft = time.perf_counter() - started
+    with PrefillPool(config) as pool:
+        pool.start()
+        info = pool.worker_infos[0][0]
+        startup = time.perf_counter() - started
+        result = pool.prefill(tokens, keep_kv=True, on_progress=_ProgressBar())
+        kv = pool.fetch_kv(result)
+        pool.release(result)
 
     args.output_dir.mkdir(parents=True, exist_ok=True)
-    save_file({f"layers.{i}.latent": t.contiguous().cpu() for i, t in enumerate(out.latents)}, args.output_dir / "kv.safetensors")
+    kv_file = args.output_dir / "kv.safetensors"
+    save_file({f"layers.{i}.latent": kv[i].contiguous() for i in range(kv.shape[0])}, kv_file)
     summary = {
-        "model": config.name,
-        "model_fingerprint": config.fingerprint(),
-        "layers": config.num_hidden_layers,
-        "tokens": len(tokens),
-        "backend": backend_cls.name,
-        "device": str(device),
-        "dtype": str(dtype).removeprefix("torch."),
-        "ttft_s": round(ttft, 4),
-        "tokens_per_s": round(len(tokens) / ttft, 1),
-        "first_token": int(out.logits[0].argmax()),
-        "kv_file": str(args.output_dir / "kv.safetensors"),
-        "kv_layout": f"per layer [tokens, {config.attention.latent_dim}] = [kv_c_normed | k_pe]",
+        "model": model_config.name,
+        "model_fingerprint": model_config.fingerprint(),
+        "layers": model_config.num_hidden_layers,
+        "tokens": result.num_tokens,
+        "tp": config.tp,
+        "backend": info.backend,
+        "device": info.device,
+        "dtype": info.dtype,
+        "pool_startup_s": round(startup, 2),
+        "ttft_s": round(result.ttft_s, 4),
+        "tokens_per_s": round(result.num_tokens / result.ttft_s, 1),
+        "first_token": result.first_token,
+        "kv_file": str(kv_file),
+        "kv_layout": f"per layer [tokens, {model_config.attention.latent_dim}] = [kv_c_normed | k_pe]",
     }
+    if args.verify:
+        summary["verify"] = _verify(config, model_config, tokens, result.logits, kv, info)
     (args.output_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     print(json.dumps(summary, indent=2))
-    return 0
+    return 0 if summary.get("verify", {}).get("ok", True) else 1
+
+
+def _verify(config: PoolConfig, model_config, tokens: list[int], logits: torch.Tensor, kv: torch.Tensor, info) -> dict:
+    """Run the single-process reference (float32, CPU, TORCH_SDPA) and compare.
+
+    Random weights are drawn on the workers' device type, so the reference draws
+    its own there too (a GPU pool's random weights need CUDA in this process)."""
+    from attention.backends.torch_sdpa import TorchSDPAPrefillBackend
+    from attention.mla import plan_prefill_batch
+    from workers.model import DeepseekPrefillModel
+    from workers.weights import load_checkpoint
+
+    reference = DeepseekPrefillModel.create(model_config, TorchSDPAPrefillBackend, dtype=torch.float32)
+    if config.checkpoint:
+        load_checkpoint(reference, config.checkpoint)
+    else:
+        draw_on = torch.device(info.device).type
+        if draw_on == "cuda" and not torch.cuda.is_available():
+            raise ValueError("--verify of random weights drawn on GPU workers needs CUDA here; pass --checkpoint instead")
+        reference.init_random_weights(config.seed, draw_device=draw_on)
+    out = reference(torch.tensor(tokens), plan_prefill_batch([len(tokens)], workspace_tokens=config.workspace_tokens))
+    ref_kv = torch.stack(out.latents)
+    logits_err = (logits.float() - out.logits[0]).abs().max().item()
+    kv_err = (kv.float() - ref_kv).abs().max().item()
+    rtol = VERIFY_RTOL[info.dtype]
+    ok = logits_err <= rtol * out.logits.abs().max().item() and kv_err <= rtol * ref_kv.abs().max().item()
+    return {
+        "reference": "single process, float32, cpu, TORCH_SDPA",
+        "max_abs_err_logits": logits_err,
+        "max_abs_err_kv": kv_err,
+        "same_first_token": int(out.logits[0].argmax()) == int(logits.argmax()),
+        "relative_tolerance": rtol,
+        "ok": ok,
+    }
 
 
 def _backends(args: argparse.Namespace) -> int:
     config = load_model_config(args.model)
-    device = DeviceCapability.of(_device(args.device))
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("--device cuda: no CUDA device is available here; valid: cpu, auto")
+    device = DeviceCapability.of(None if args.device == "auto" else args.device)
     selector_config = MLAPrefillSelectorConfig(DTYPES[args.dtype], config.attention.dims)
     print(f"device {device}, dtype {args.dtype}, head dims {config.attention.dims}")
     print(f"priority order: {', '.join(m.name for m in backend_priorities(device))}")

@@ -74,6 +74,15 @@ class ModelConfig:
                 f"{self.first_k_dense_replace} (mlapool prefill --num-layers {self.first_k_dense_replace})"
             )
 
+    def check_tp(self, tp_size: int) -> None:
+        """Raise ``ValueError`` unless ``tp_size`` divides the heads and the MLP width."""
+        if not isinstance(tp_size, int) or isinstance(tp_size, bool) or tp_size < 1:
+            raise ValueError(f"TP degree must be a positive integer, got {tp_size!r}")
+        for what, n in (("attention heads", self.num_heads), ("intermediate_size", self.intermediate_size)):
+            if n % tp_size:
+                valid = [d for d in range(1, min(n, 64) + 1) if self.num_heads % d == 0 and self.intermediate_size % d == 0]
+                raise ValueError(f"TP={tp_size} does not divide {self.name}'s {n} {what}; valid TP degrees: {valid}")
+
     def fingerprint(self) -> str:
         """Stable hash of the shape-defining fields (for KV handoff compatibility checks)."""
         import hashlib

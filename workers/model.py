@@ -69,16 +69,6 @@ class TPShard:
         return full.chunk(self.size, dim=dim)[self.rank]
 
 
-def check_tp_degree(config: ModelConfig, tp_size: int) -> None:
-    """Raise ``ValueError`` unless ``tp_size`` divides the heads and the MLP width."""
-    if not isinstance(tp_size, int) or tp_size < 1:
-        raise ValueError(f"TP degree must be a positive integer, got {tp_size!r}")
-    for what, n in (("attention heads", config.num_heads), ("intermediate_size", config.intermediate_size)):
-        if n % tp_size:
-            valid = [d for d in range(1, n + 1) if n % d == 0 and d <= 64]
-            raise ValueError(f"TP={tp_size} does not divide {config.name}'s {n} {what}; valid TP degrees: {valid}")
-
-
 @dataclass
 class PrefillOutput:
     """What one forward pass returns: per-sequence last hidden state and logits, per-layer latents."""
@@ -131,7 +121,7 @@ class DeepseekPrefillModel(nn.Module):
     ) -> None:
         super().__init__()
         config.check_dense()
-        check_tp_degree(config, tp.size)
+        config.check_tp(tp.size)
         kw = {"dtype": dtype or config.dtype, "device": device}
         self.config, self.backend, self.tp = config, backend, tp
         self.model = Backbone(config, backend, tp, **kw)
@@ -148,7 +138,7 @@ class DeepseekPrefillModel(nn.Module):
         device: torch.device | str = "cpu",
     ) -> DeepseekPrefillModel:
         """A model whose layers share one backend instance for this rank's heads."""
-        check_tp_degree(config, tp.size)
+        config.check_tp(tp.size)
         backend = config.attention.create_backend(backend_cls, num_heads=config.num_heads // tp.size, device=device)
         return cls(config, backend, tp=tp, dtype=dtype, device=device)
 
@@ -207,20 +197,23 @@ class DeepseekPrefillModel(nn.Module):
             )
 
     @torch.no_grad()
-    def init_random_weights(self, seed: int = 0, std: float = 0.02) -> None:
-        """Seeded random weights, identical across TP degrees: each full tensor is drawn
-        from a generator keyed on (seed, name) and this rank keeps its shard."""
+    def init_random_weights(self, seed: int = 0, std: float = 0.02, *, draw_device: str | None = None) -> None:
+        """Seeded random weights, identical for every TP degree: each full tensor is drawn
+        from a generator keyed on (seed, name) on ``draw_device`` (default: where the
+        weights live) and this rank keeps its shard. CPU and CUDA generators differ, so
+        the same seed gives the same weights on every device of one type."""
         for name, param in self.named_parameters():
+            device = torch.device(draw_device) if draw_device else param.device
             full_shape = list(param.shape)
             dim = self.tp.split_dim(name)
             if dim is not None:
                 full_shape[dim] *= self.tp.size
-            gen = torch.Generator(device=param.device).manual_seed(_name_seed(seed, name))
+            gen = torch.Generator(device=device).manual_seed(_name_seed(seed, name))
+            full = std * torch.randn(full_shape, generator=gen, device=device)
             if name.endswith("norm.weight"):
-                full = 1 + std * torch.randn(full_shape, generator=gen, device=param.device)
-            else:
-                full = std * torch.randn(full_shape, generator=gen, device=param.device)
+                full += 1
             param.copy_(self.tp.shard(name, full))
+            del full
 
 
 def _name_seed(seed: int, name: str) -> int:

@@ -7,7 +7,7 @@ from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
 from attention.backends.torch_sdpa import TorchSDPAPrefillBackend
 from attention.mla import plan_prefill_batch
 from configs.model import load_model_config, model_config_from_dict
-from workers.model import DeepseekPrefillModel, TPShard, check_tp_degree
+from workers.model import DeepseekPrefillModel, TPShard
 
 
 def _hf_model():
@@ -93,6 +93,6 @@ def test_bad_prompts_are_named():
     with pytest.raises(ValueError, match="a sequence of 9000 tokens exceeds tiny's maximum of 8192 positions"):
         model(torch.zeros(9000, dtype=torch.int64), plan_prefill_batch([9000]))
     with pytest.raises(ValueError, match=r"TP=3 does not divide tiny's 8 attention heads; valid TP degrees: \[1, 2, 4, 8\]"):
-        check_tp_degree(config, 3)
+        config.check_tp(3)
     with pytest.raises(ValueError, match="MoE layers are not supported yet"):
         DeepseekPrefillModel.create(load_model_config("deepseek-v2-lite", num_hidden_layers=2), TorchSDPAPrefillBackend)

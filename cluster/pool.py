@@ -1,0 +1,409 @@
+"""The prefill pool: TP x PCP replicas of Ray actors, a chunking scheduler and the request API.
+
+    with PrefillPool(PoolConfig(model="tiny", tp=2)).start() as pool:
+        result = pool.prefill(token_ids)                  # blocking
+        futures = [pool.submit(p) for p in prompts]       # concurrent requests share batches
+
+Each replica is one placement group of ``tp * pcp`` bundles packed on one node
+(``STRICT_PACK``), one actor per bundle, joined in one process group. A
+scheduler thread per replica builds batches: the next chunk (at most
+``chunk_tokens``) of every request it is prefilling, plus new requests from
+the shared queue, up to ``max_batch_tokens``; it waits ``batch_wait_ms`` for
+company when a batch has room. Every worker of the replica runs the batch
+(SPMD); a request completes with its last chunk.
+
+Requests are validated here, before they join a batch, so a bad request fails
+alone. A batch that fails on the workers fails its own requests; the replica
+keeps serving. This module is the only place that calls ``ray.get``/``ray.wait``.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import queue
+import threading
+import time
+import uuid
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+
+import numpy as np
+import ray
+import torch
+from ray.util.placement_group import placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from configs.pool import PoolConfig
+from workers.worker import SAFE_NCCL_ENV, ChunkPiece, PrefillWorker, WorkerInfo
+
+logger = logging.getLogger(__name__)
+
+_STOP = object()
+
+
+@dataclass
+class PrefillResult:
+    """One prefilled request. Its KV stays on the replica's workers while ``kv_kept``."""
+
+    request_id: str
+    num_tokens: int
+    logits: torch.Tensor  # [vocab] float32
+    last_hidden: torch.Tensor  # [hidden] float32
+    replica: int
+    ttft_s: float
+    kv_kept: bool
+
+    @property
+    def first_token(self) -> int:
+        return int(self.logits.argmax())
+
+
+@dataclass
+class PoolStats:
+    """Counters since start: batches run, chunk pieces in them, requests completed or failed."""
+
+    batches: int = 0
+    pieces: int = 0
+    completed: int = 0
+    failed: int = 0
+
+
+@dataclass(eq=False)
+class _Request:
+    id: str
+    tokens: np.ndarray
+    future: Future
+    keep_kv: bool
+    on_progress: Callable[[int, int], None] | None
+    submitted: float = field(default_factory=time.perf_counter)
+    done: int = 0
+
+    @property
+    def remaining(self) -> int:
+        return len(self.tokens) - self.done
+
+
+@dataclass
+class _Replica:
+    index: int
+    workers: list
+    group: object
+    infos: list[WorkerInfo]
+    thread: threading.Thread | None = None
+
+
+class PrefillPool:
+    def __init__(self, config: PoolConfig, *, ray_address: str | None = None, start_timeout_s: float = 600.0) -> None:
+        self.config = config
+        self.model_config = config.model_config()  # validates the model against TP before any actor starts
+        if config.checkpoint:
+            _check_checkpoint_on_driver(config, self.model_config)
+        self._ray_address = ray_address
+        self._start_timeout_s = start_timeout_s
+        self._queue: queue.Queue = queue.Queue()
+        self._replicas: list[_Replica] = []
+        self._ids = itertools.count()
+        self._live: set[str] = set()
+        self._lock = threading.Lock()
+        self._owns_ray = False
+        self._stopping = False
+        self.stats = PoolStats()
+
+    # ---- lifecycle -------------------------------------------------------
+    def start(self) -> PrefillPool:
+        cfg = self.config
+        self._owns_ray = _connect_ray(self._ray_address, cfg.replicas * cfg.workers_per_replica * cfg.worker_cpus)
+        use_gpus = cfg.use_gpus
+        if use_gpus is None:
+            use_gpus = ray.cluster_resources().get("GPU", 0) >= cfg.workers_per_replica
+        try:
+            for index in range(cfg.replicas):
+                self._replicas.append(self._start_replica(index, use_gpus))
+        except BaseException:
+            self.shutdown()
+            raise
+        for replica in self._replicas:
+            replica.thread = threading.Thread(target=self._serve, args=(replica,), name=f"mlapool-replica-{replica.index}", daemon=True)
+            replica.thread.start()
+        info = self._replicas[0].infos[0]
+        logger.info(
+            "prefill pool ready: %d replica(s) x TP=%d PCP=%d, %s on %s (%s)",
+            cfg.replicas, cfg.tp, cfg.pcp, info.backend, info.device, info.dtype,
+        )  # fmt: skip
+        return self
+
+    def _start_replica(self, index: int, use_gpus: bool) -> _Replica:
+        cfg = self.config
+        bundle = {"CPU": cfg.worker_cpus, **({"GPU": 1} if use_gpus else {})}
+        group = placement_group([bundle] * cfg.workers_per_replica, strategy="STRICT_PACK", name=f"mlapool-{uuid.uuid4().hex[:8]}-{index}")
+        ready, _ = ray.wait([group.ready()], timeout=self._start_timeout_s)
+        if not ready:
+            remove_placement_group(group)
+            raise RuntimeError(
+                f"replica {index} needs {cfg.workers_per_replica} x {bundle} on one node; the cluster has "
+                f"{ray.available_resources()} available. Lower tp/replicas or add nodes."
+            )
+        env = {**SAFE_NCCL_ENV, **{k: v for k, v in os.environ.items() if k.startswith("NCCL_")}}
+        if not use_gpus:
+            env["OMP_NUM_THREADS"] = str(max(1, int(cfg.worker_cpus)))
+        actor = ray.remote(PrefillWorker)
+        workers = [
+            actor.options(
+                num_cpus=cfg.worker_cpus,
+                num_gpus=1 if use_gpus else 0,
+                scheduling_strategy=PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=rank),
+                runtime_env={"env_vars": env},
+            ).remote(cfg, rank)
+            for rank in range(cfg.workers_per_replica)
+        ]
+        try:
+            addr, port = ray.get(workers[0].rendezvous_address.remote(), timeout=self._start_timeout_s)
+            infos = ray.get([w.setup.remote(addr, port) for w in workers], timeout=self._start_timeout_s)
+        except BaseException as exc:
+            for worker in workers:
+                ray.kill(worker)
+            remove_placement_group(group)
+            raise RuntimeError(f"replica {index} failed to start: {_cause(exc)}") from exc
+        return _Replica(index, workers, group, infos)
+
+    def shutdown(self) -> None:
+        """Stop the schedulers, fail queued requests, and release actors and placement groups."""
+        self._stopping = True
+        for _ in self._replicas:
+            self._queue.put(_STOP)
+        for replica in self._replicas:
+            if replica.thread is not None:
+                replica.thread.join(timeout=60)
+        while True:
+            try:
+                item = self._queue.get_nowait()
+            except queue.Empty:
+                break
+            if item is not _STOP:
+                item.future.set_exception(RuntimeError("the prefill pool was shut down"))
+        for replica in self._replicas:
+            for worker in replica.workers:
+                ray.kill(worker)
+            remove_placement_group(replica.group)
+        self._replicas.clear()
+        if self._owns_ray and ray.is_initialized():
+            ray.shutdown()
+            self._owns_ray = False
+
+    def __enter__(self) -> PrefillPool:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()
+
+    # ---- requests ----------------------------------------------------------
+    def submit(
+        self,
+        token_ids: Sequence[int] | np.ndarray | torch.Tensor,
+        *,
+        request_id: str | None = None,
+        keep_kv: bool = False,
+        on_progress: Callable[[int, int], None] | None = None,
+    ) -> Future:
+        """Queue a prompt; the future resolves to a :class:`PrefillResult`.
+
+        Raises ``TypeError``/``ValueError`` at once for a prompt the model cannot
+        take. ``keep_kv`` keeps the latent KV on the workers for :meth:`fetch_kv`
+        until :meth:`release`. ``on_progress(done, total)`` is called after each chunk.
+        """
+        if self._stopping or not self._replicas:
+            raise RuntimeError("the prefill pool is not running: call start() first")
+        tokens = self._validate_tokens(token_ids)
+        with self._lock:
+            request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
+            if not isinstance(request_id, str) or not request_id:
+                raise TypeError(f"request_id must be a non-empty string, got {request_id!r}")
+            if request_id in self._live:
+                raise ValueError(f"request id {request_id!r} is already in flight or holds KV; ids must be unique")
+            self._live.add(request_id)
+        request = _Request(request_id, tokens, Future(), keep_kv, on_progress)
+        self._queue.put(request)
+        return request.future
+
+    def prefill(self, token_ids, **kwargs) -> PrefillResult:
+        """Prefill one prompt and wait for it."""
+        return self.submit(token_ids, **kwargs).result()
+
+    def prefill_many(self, prompts: Sequence, **kwargs) -> list[PrefillResult]:
+        """Submit every prompt, then wait for all (they are batched together)."""
+        futures = [self.submit(p, **kwargs) for p in prompts]
+        return [f.result() for f in futures]
+
+    def fetch_kv(self, result: PrefillResult) -> torch.Tensor:
+        """The kept latent KV of a request, ``[layers, tokens, latent]`` on the CPU."""
+        if not result.kv_kept:
+            raise ValueError(f"request {result.request_id!r} was not run with keep_kv=True, or was released")
+        replica = self._replica(result.replica)
+        return ray.get(replica.workers[0].fetch_kv.remote(result.request_id))
+
+    def release(self, result: PrefillResult) -> None:
+        """Free a kept request's KV on its workers."""
+        replica = self._replica(result.replica)
+        ray.get([w.release.remote([result.request_id]) for w in replica.workers])
+        result.kv_kept = False
+        with self._lock:
+            self._live.discard(result.request_id)
+
+    def health(self) -> list[list[dict]]:
+        """Per replica, per worker: readiness and KV held."""
+        return [ray.get([w.health.remote() for w in r.workers], timeout=60) for r in self._replicas]
+
+    @property
+    def worker_infos(self) -> list[list[WorkerInfo]]:
+        return [r.infos for r in self._replicas]
+
+    # ---- scheduling --------------------------------------------------------
+    def _serve(self, replica: _Replica) -> None:
+        active: list[_Request] = []
+        while True:
+            batch = self._next_batch(active)
+            if batch is None:
+                for request in active:
+                    request.future.set_exception(RuntimeError("the prefill pool was shut down"))
+                return
+            if batch:
+                self._run_batch(replica, batch, active)
+
+    def _next_batch(self, active: list[_Request]) -> list[tuple[_Request, int]] | None:
+        """(request, tokens) pieces for the next batch; None when the pool stops."""
+        cfg = self.config
+        budget = cfg.max_batch_tokens
+        batch = []
+        for request in active:
+            count = min(cfg.chunk_tokens, request.remaining, budget)
+            if count == 0:
+                break
+            batch.append((request, count))
+            budget -= count
+        deadline = time.monotonic() + cfg.batch_wait_ms / 1000
+        while budget > 0 and not (self._stopping and batch):
+            wait = max(0.0, deadline - time.monotonic()) if batch else 0.5
+            try:
+                item = self._queue.get(timeout=wait) if wait > 0 else self._queue.get_nowait()
+            except queue.Empty:
+                if batch or not self._stopping:
+                    return batch
+                return None
+            if item is _STOP:
+                return None if not active else batch
+            active.append(item)
+            count = min(cfg.chunk_tokens, item.remaining, budget)
+            batch.append((item, count))
+            budget -= count
+        return batch
+
+    def _run_batch(self, replica: _Replica, batch: list[tuple[_Request, int]], active: list[_Request]) -> None:
+        pieces = [
+            ChunkPiece(r.id, r.tokens[r.done : r.done + count], r.done, len(r.tokens)) for r, count in batch
+        ]
+        with self._lock:
+            self.stats.batches += 1
+            self.stats.pieces += len(pieces)
+        try:
+            outputs = ray.get([w.prefill.remote(pieces) for w in replica.workers])
+        except Exception as exc:  # noqa: BLE001 -- the batch's requests get the error, the pool goes on
+            logger.error("replica %d: batch of %d request(s) failed: %s", replica.index, len(batch), _cause(exc))
+            failed = [r for r, _ in batch]
+            with self._lock:
+                self.stats.failed += len(failed)
+            for request in failed:
+                active.remove(request)
+                self._forget(request)
+                request.future.set_exception(RuntimeError(f"prefill of {request.id!r} failed: {_cause(exc)}"))
+            for worker in replica.workers:
+                worker.release.remote([r.id for r in failed])
+            return
+        finished = {result.request_id: result for result in outputs[0]}
+        for request, count in batch:
+            request.done += count
+            if request.on_progress is not None:
+                request.on_progress(request.done, len(request.tokens))
+            if request.remaining == 0:
+                active.remove(request)
+                self._complete(replica, request, finished[request.id])
+
+    def _complete(self, replica: _Replica, request: _Request, piece) -> None:
+        with self._lock:
+            self.stats.completed += 1
+        if not request.keep_kv:
+            for worker in replica.workers:
+                worker.release.remote([request.id])  # actor calls run in order: before any later batch
+            self._forget(request)
+        request.future.set_result(
+            PrefillResult(
+                request_id=request.id,
+                num_tokens=len(request.tokens),
+                logits=piece.logits,
+                last_hidden=piece.last_hidden,
+                replica=replica.index,
+                ttft_s=time.perf_counter() - request.submitted,
+                kv_kept=request.keep_kv,
+            )
+        )
+
+    def _forget(self, request: _Request) -> None:
+        with self._lock:
+            self._live.discard(request.id)
+
+    def _replica(self, index: int) -> _Replica:
+        for replica in self._replicas:
+            if replica.index == index:
+                return replica
+        raise ValueError(f"replica {index} is not running")
+
+    def _validate_tokens(self, token_ids) -> np.ndarray:
+        config = self.model_config
+        if isinstance(token_ids, torch.Tensor):
+            token_ids = token_ids.cpu().numpy()
+        array = np.asarray(token_ids)
+        if array.size == 0:
+            raise ValueError("empty prompt: a request needs at least one token id")
+        if array.dtype == np.bool_ or not np.issubdtype(array.dtype, np.integer):
+            raise TypeError(f"token ids must be integers, got dtype {array.dtype}")
+        if array.ndim != 1:
+            raise ValueError(f"token ids must be a flat sequence, got shape {array.shape}")
+        if array.size > config.max_position_embeddings:
+            raise ValueError(
+                f"prompt of {array.size} tokens exceeds {config.name}'s maximum of {config.max_position_embeddings} positions"
+            )
+        low, high = int(array.min()), int(array.max())
+        if low < 0 or high >= config.vocab_size:
+            raise ValueError(f"token id {low if low < 0 else high} is outside the vocabulary [0, {config.vocab_size})")
+        return array.astype(np.int32)
+
+
+def _connect_ray(address: str | None, cpus_needed: float) -> bool:
+    """Use a running Ray, connect to ``address``/``$RAY_ADDRESS``, or start an embedded one. True if started here."""
+    if ray.is_initialized():
+        return False
+    address = address or os.environ.get("RAY_ADDRESS")
+    kwargs = dict(include_dashboard=False, log_to_driver=True, logging_level=logging.WARNING)
+    if address:
+        ray.init(address=address, **kwargs)
+        return False
+    ray.init(num_cpus=max(os.cpu_count() or 1, int(np.ceil(cpus_needed))), **kwargs)
+    return True
+
+
+def _check_checkpoint_on_driver(config: PoolConfig, model_config) -> None:
+    """Check a checkpoint against the model's shapes from metadata, before any actor starts."""
+    from attention.backends.torch_sdpa import TorchSDPAPrefillBackend
+    from workers.model import DeepseekPrefillModel, TPShard
+    from workers.weights import check_checkpoint
+
+    meta = DeepseekPrefillModel.create(model_config, TorchSDPAPrefillBackend, tp=TPShard(0, config.tp), device="meta")
+    check_checkpoint(meta, config.checkpoint)
+
+
+def _cause(exc: BaseException) -> str:
+    """The innermost message of a Ray error (the worker's own exception)."""
+    cause = getattr(exc, "cause", None) or exc
+    return f"{type(cause).__name__}: {cause}"

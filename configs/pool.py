@@ -1,0 +1,103 @@
+"""Pool configuration: parallelism, backend, batching and chunking, validated on load.
+
+A pool config is a flat set of keys (also readable from JSON/YAML-like dicts
+with :meth:`PoolConfig.from_dict`); :meth:`PoolConfig.resolve` checks it
+against the model (TP must divide the heads, ...) and fills in ``auto`` values.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+from attention.backends.registry import MLAPrefillBackendEnum
+from configs.model import DTYPES, ModelConfig, load_model_config
+
+DEVICES = ("auto", "cpu", "cuda")
+
+
+@dataclass(frozen=True, kw_only=True)
+class PoolConfig:
+    """How a prefill pool is laid out and run.
+
+    model            built-in model name or config.json (ignored when a checkpoint is given)
+    checkpoint       HF checkpoint directory (config.json + safetensors); None = seeded random weights
+    num_layers       run only the first N layers (None: all)
+    tp, pcp          tensor- and prefill-context-parallel degrees; a replica has tp * pcp workers
+    replicas         independent TP x PCP groups serving requests in parallel
+    backend          MLA prefill backend name, or "auto"
+    dtype            compute dtype, or "auto" (the model's on GPU, float32 on CPU)
+    device           "cuda", "cpu" or "auto" (cuda when the workers see a GPU)
+    chunk_tokens     prompts are prefilled in chunks of at most this many tokens per request
+    max_batch_tokens tokens of all requests' chunks in one batch
+    batch_wait_ms    how long the scheduler waits for more requests before running a batch
+    workspace_tokens bound on cached-context rows up-projected at once (see attention.mla)
+    worker_cpus      CPUs reserved per worker (fractional on small hosts)
+    use_gpus         reserve one GPU per worker: True, False, or None (= when the cluster has enough)
+    seed             seed of random weights
+    """
+
+    model: str = "tiny"
+    checkpoint: str | None = None
+    num_layers: int | None = None
+    tp: int = 1
+    pcp: int = 1
+    replicas: int = 1
+    backend: str = "auto"
+    dtype: str = "auto"
+    device: str = "auto"
+    chunk_tokens: int = 8192
+    max_batch_tokens: int = 16384
+    batch_wait_ms: float = 2.0
+    workspace_tokens: int = 16384
+    worker_cpus: float = 1.0
+    use_gpus: bool | None = None
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        for key in ("tp", "pcp", "replicas", "chunk_tokens", "max_batch_tokens", "workspace_tokens"):
+            value = getattr(self, key)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"pool config: {key} must be a positive integer, got {value!r}")
+        if self.pcp != 1:
+            raise ValueError(f"pool config: pcp={self.pcp} is not supported yet; valid: 1")
+        if self.num_layers is not None and (not isinstance(self.num_layers, int) or self.num_layers < 1):
+            raise ValueError(f"pool config: num_layers must be a positive integer or None, got {self.num_layers!r}")
+        if self.max_batch_tokens < self.chunk_tokens:
+            raise ValueError(
+                f"pool config: max_batch_tokens ({self.max_batch_tokens}) must be >= chunk_tokens ({self.chunk_tokens})"
+            )
+        if self.dtype != "auto" and self.dtype not in DTYPES:
+            raise ValueError(f"pool config: dtype {self.dtype!r} is not one of auto, {', '.join(DTYPES)}")
+        if self.device not in DEVICES:
+            raise ValueError(f"pool config: device {self.device!r} is not one of {', '.join(DEVICES)}")
+        if self.backend.upper() != "AUTO":
+            MLAPrefillBackendEnum.parse(self.backend)  # raises ValueError listing the valid names
+        if not self.worker_cpus > 0:
+            raise ValueError(f"pool config: worker_cpus must be positive, got {self.worker_cpus}")
+        if self.batch_wait_ms < 0:
+            raise ValueError(f"pool config: batch_wait_ms must be >= 0, got {self.batch_wait_ms}")
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any]) -> PoolConfig:
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(raw) - names)
+        if unknown:
+            raise ValueError(f"pool config: unknown key(s) {unknown}; valid: {sorted(names)}")
+        return cls(**raw)
+
+    def replace(self, **changes: Any) -> PoolConfig:
+        return dataclasses.replace(self, **changes)
+
+    @property
+    def workers_per_replica(self) -> int:
+        return self.tp * self.pcp
+
+    def model_config(self) -> ModelConfig:
+        """The model this pool serves, validated against the pool's degrees."""
+        overrides = {"num_hidden_layers": self.num_layers} if self.num_layers else {}
+        config = load_model_config(self.checkpoint or self.model, **overrides)
+        config.check_dense()
+        config.check_tp(self.tp)
+        return config

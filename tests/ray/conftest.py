@@ -1,0 +1,16 @@
+"""Ray on the CPU: one local Ray per test module, with logical GPUs so placement is tested as on a GPU node."""
+
+import logging
+import os
+
+import pytest
+import ray
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+
+@pytest.fixture(scope="module")
+def ray_cluster():
+    ray.init(num_cpus=2, num_gpus=4, include_dashboard=False, logging_level=logging.WARNING, log_to_driver=False)
+    yield ray
+    ray.shutdown()

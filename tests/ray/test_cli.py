@@ -1,0 +1,56 @@
+"""The mlapool command line, in-process, on the module's Ray (logical GPUs, CPU workers)."""
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from cluster.cli import main
+
+
+def test_prefill_writes_kv_and_summary_and_verifies(ray_cluster, tmp_path, capsys):
+    argv = ["prefill", "--random-tokens", "200", "--num-layers", "2", "--tp", "2", "--chunk-tokens", "64"]
+    assert main([*argv, "--output-dir", str(tmp_path), "--verify"]) == 0
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert json.loads(capsys.readouterr().out) == summary
+    assert summary["tokens"] == 200 and summary["tp"] == 2 and summary["layers"] == 2
+    assert summary["backend"] == "TORCH_SDPA" and summary["device"] == "cpu"
+    assert summary["ttft_s"] > 0 and summary["tokens_per_s"] > 0
+    assert summary["verify"]["ok"] and summary["verify"]["same_first_token"]
+    assert summary["verify"]["max_abs_err_logits"] < 1e-4 and summary["verify"]["max_abs_err_kv"] < 1e-4
+    kv = load_file(tmp_path / "kv.safetensors")
+    assert sorted(kv) == ["layers.0.latent", "layers.1.latent"]
+    assert kv["layers.0.latent"].shape == (200, 64 + 16) and kv["layers.0.latent"].dtype == torch.float32
+
+
+def test_prefill_from_a_token_file(ray_cluster, tmp_path, capsys):
+    tokens = tmp_path / "prompt.txt"
+    tokens.write_text("1 2 3\n4 5\n")
+    assert main(["prefill", "--tokens", str(tokens), "--num-layers", "1", "--output-dir", str(tmp_path / "out")]) == 0
+    assert json.loads(capsys.readouterr().out)["tokens"] == 5
+
+
+@pytest.mark.parametrize(
+    "argv,code,message",
+    [
+        (["--model", "nope"], 2, "neither a built-in model (deepseek-r1, deepseek-v2-lite, deepseek-v3, kimi-k2, tiny)"),
+        (["--random-tokens", "0"], 2, "--random-tokens must be positive, got 0"),
+        (["--model", "deepseek-v3"], 2, "mlapool prefill --num-layers 3"),
+        (["--tp", "3"], 2, "TP=3 does not divide tiny's 8 attention heads"),
+        (["--tokens", "/no/such/file"], 2, "No such file"),
+        (["--num-layers", "1", "--backend", "aiter_flash_attn"], 1, "replica 0 failed to start: ValueError: MLA prefill backend AITER_FLASH_ATTN cannot run"),
+    ],
+)
+def test_prefill_errors_exit_with_the_reason(ray_cluster, argv, code, message, tmp_path, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["prefill", "--output-dir", str(tmp_path), *argv])
+    assert exit_info.value.code == code
+    assert message in capsys.readouterr().err
+
+
+def test_backends_lists_reasons(capsys):
+    assert main(["backends", "--device", "cpu"]) == 0
+    out = capsys.readouterr().out
+    assert "TORCH_SDPA        ok" in out and "selected: TORCH_SDPA" in out
+    assert "FLASHINFER        no: runs on cuda devices, not on cpu" in out

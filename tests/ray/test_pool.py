@@ -1,0 +1,110 @@
+"""The Ray prefill pool on CPU (gloo, logical GPUs): TP equivalence, batching, checkpoints, bad input."""
+
+import threading
+
+import numpy as np
+import pytest
+import torch
+
+from attention.backends.torch_sdpa import TorchSDPAPrefillBackend
+from attention.mla import plan_prefill_batch
+from cluster.pool import PrefillPool
+from configs.pool import PoolConfig
+from workers.model import DeepseekPrefillModel
+
+# small chunks so that every prompt below spans several chunks and batches
+BASE = PoolConfig(model="tiny", num_layers=3, chunk_tokens=48, max_batch_tokens=96, worker_cpus=0.5, seed=5)
+PROMPT_LENS = (1, 47, 130, 200)
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    gen = np.random.default_rng(0)
+    return [gen.integers(0, 512, size=n) for n in PROMPT_LENS]
+
+
+@pytest.fixture(scope="module")
+def reference(prompts):
+    """Single-process, TP=1 results of each prompt alone: (logits, last_hidden, latents [layers, T, 576])."""
+    model_config = BASE.model_config()
+    model = DeepseekPrefillModel.create(model_config, TorchSDPAPrefillBackend, dtype=torch.float32)
+    model.init_random_weights(BASE.seed)
+    results = []
+    for prompt in prompts:
+        out = model(torch.from_numpy(prompt), plan_prefill_batch([len(prompt)]))
+        results.append((out.logits[0], out.last_hidden[0], torch.stack(out.latents)))
+    return results
+
+
+@pytest.fixture(scope="module", params=[1, 2, 4], ids=lambda tp: f"tp{tp}")
+def pool(request, ray_cluster):
+    with PrefillPool(BASE.replace(tp=request.param)).start() as pool:
+        yield pool
+
+
+def test_workers_are_placed_one_per_logical_gpu(pool):
+    infos = pool.worker_infos[0]
+    assert [i.rank for i in infos] == list(range(pool.config.tp))
+    assert {i.world_size for i in infos} == {pool.config.tp}
+    assert {i.backend for i in infos} == {"TORCH_SDPA"} and {i.device for i in infos} == {"cpu"}
+    assert len({i.pid for i in infos}) == pool.config.tp
+
+
+def test_batched_chunked_prefill_equals_single_process_reference(pool, prompts, reference):
+    results = pool.prefill_many(prompts, keep_kv=True)  # one submission: the prompts share batches
+    for result, prompt, (logits, last_hidden, latents) in zip(results, prompts, reference):
+        assert result.num_tokens == len(prompt)
+        torch.testing.assert_close(result.logits, logits, atol=2e-5, rtol=1e-5)
+        torch.testing.assert_close(result.last_hidden, last_hidden, atol=2e-5, rtol=1e-5)
+        torch.testing.assert_close(pool.fetch_kv(result), latents, atol=2e-5, rtol=1e-5)
+        pool.release(result)
+    assert all(w["kv_requests"] == 0 for w in pool.health()[0])
+
+
+def test_each_prompt_alone_equals_the_batch(pool, prompts, reference):
+    for prompt, (logits, _, _) in zip(prompts, reference):
+        torch.testing.assert_close(pool.prefill(prompt).logits, logits, atol=2e-5, rtol=1e-5)
+    assert all(w["kv_requests"] == 0 for w in pool.health()[0]), "KV not kept unless asked"
+
+
+def test_concurrent_requests_share_batches(pool, prompts, reference):
+    before = pool.stats.batches
+    results = [None] * 8
+    def run(i):
+        results[i] = pool.prefill(prompts[i % len(prompts)])
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for i, result in enumerate(results):
+        torch.testing.assert_close(result.logits, reference[i % len(prompts)][0], atol=2e-5, rtol=1e-5)
+    chunks_alone = 2 * sum(-(-n // BASE.chunk_tokens) for n in PROMPT_LENS)
+    assert pool.stats.batches - before < chunks_alone
+
+
+@pytest.mark.parametrize(
+    "tokens,error,message",
+    [
+        ([], ValueError, "empty prompt"),
+        ([1, 2, 512], ValueError, r"token id 512 is outside the vocabulary \[0, 512\)"),
+        ([-3, 2], ValueError, "token id -3"),
+        ([1.5, 2.0], TypeError, "token ids must be integers, got dtype float64"),
+        ([[1, 2]], ValueError, "flat sequence"),
+        (np.zeros(8193, dtype=np.int64), ValueError, "exceeds tiny's maximum of 8192 positions"),
+    ],
+    ids=["empty", "vocab", "negative", "float", "nested", "too-long"],
+)
+def test_bad_prompt_fails_alone_and_the_pool_keeps_serving(pool, prompts, reference, tokens, error, message):
+    good = pool.submit(prompts[1])
+    with pytest.raises(error, match=message):
+        pool.submit(tokens)
+    torch.testing.assert_close(good.result().logits, reference[1][0], atol=2e-5, rtol=1e-5)
+
+
+def test_request_ids_must_be_unique(pool, prompts):
+    result = pool.prefill(prompts[0], request_id="same", keep_kv=True)
+    with pytest.raises(ValueError, match="request id 'same' is already in flight or holds KV"):
+        pool.submit(prompts[0], request_id="same")
+    pool.release(result)
+    pool.prefill(prompts[0], request_id="same")  # free again once released

@@ -1,0 +1,92 @@
+"""The pool with checkpoints and invalid configurations (own Ray: the TP pools of test_pool hold the GPUs)."""
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+from cluster.pool import PrefillPool
+from configs.pool import PoolConfig
+
+BASE = PoolConfig(model="tiny", num_layers=3, chunk_tokens=48, max_batch_tokens=96, worker_cpus=0.5, seed=5)
+
+
+def test_tp_that_does_not_divide_the_heads_is_refused_before_starting(ray_cluster):
+    with pytest.raises(ValueError, match=r"TP=3 does not divide tiny's 8 attention heads; valid TP degrees: \[1, 2, 4, 8\]"):
+        PrefillPool(BASE.replace(tp=3))
+    with pytest.raises(ValueError, match="pcp=2 is not supported yet"):
+        BASE.replace(pcp=2)
+    with pytest.raises(ValueError, match="unknown MLA prefill backend 'fast'"):
+        BASE.replace(backend="fast")
+
+
+def _hf_checkpoint(path):
+    config = DeepseekV3Config(
+        vocab_size=320, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=4, q_lora_rank=24, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8,
+        v_head_dim=16, n_routed_experts=4, first_k_dense_replace=2, max_position_embeddings=512,
+        rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                         "original_max_position_embeddings": 128, "mscale": 1.0, "mscale_all_dim": 1.0},
+        tie_word_embeddings=False,
+    )  # fmt: skip
+    config._attn_implementation = "eager"
+    torch.manual_seed(3)
+    model = DeepseekV3ForCausalLM(config).eval()
+    with torch.no_grad():
+        for param in model.parameters():
+            param.normal_(0, 0.1)
+    model.save_pretrained(path, max_shard_size="60KB")  # several shards + an index
+    return model
+
+
+def test_checkpoint_pool_matches_transformers(tmp_path_factory, ray_cluster):
+    path = tmp_path_factory.mktemp("ckpt")
+    hf_model = _hf_checkpoint(path)
+    assert (path / "model.safetensors.index.json").is_file()
+    prompts = [np.arange(5, 90) % 320, np.arange(1, 8)]
+    with PrefillPool(BASE.replace(checkpoint=str(path), num_layers=None, tp=2)).start() as pool:
+        results = pool.prefill_many(prompts)
+    with torch.no_grad():
+        for result, prompt in zip(results, prompts):
+            expected = hf_model(torch.from_numpy(prompt)[None]).logits[0, -1]
+            torch.testing.assert_close(result.logits, expected, atol=1e-4, rtol=1e-4)
+
+
+def test_broken_checkpoints_are_refused_with_the_tensor_named(tmp_path_factory, ray_cluster):
+    path = tmp_path_factory.mktemp("broken")
+    _hf_checkpoint(path)
+    index_file = path / "model.safetensors.index.json"
+    index = json.loads(index_file.read_text())
+    name = "model.layers.1.self_attn.kv_b_proj.weight"
+    shard = path / index["weight_map"][name]
+    tensors = load_file(shard)
+    config = BASE.replace(checkpoint=str(path), num_layers=None, tp=2)
+
+    save_file({k: v for k, v in tensors.items() if k != name}, shard)
+    with pytest.raises(ValueError, match=f"{shard.name} does not contain {name}, which its index maps there"):
+        PrefillPool(config)
+
+    del index["weight_map"][name]
+    index_file.write_text(json.dumps(index))
+    with pytest.raises(ValueError, match=f"is missing 1 tensor\\(s\\) the model needs: {name}"):
+        PrefillPool(config)
+
+    index["weight_map"][name] = shard.name
+    index_file.write_text(json.dumps(index))
+    save_file({**tensors, name: torch.zeros(3, 3)}, shard)
+    with pytest.raises(ValueError, match=f"checkpoint tensor {name} has shape \\[3, 3\\], the model expects \\[128, 32\\]"):
+        PrefillPool(config)
+
+    save_file(tensors, shard)  # repaired: the same config now starts and serves
+    with PrefillPool(config).start() as pool:
+        assert pool.prefill([1, 2, 3]).num_tokens == 3
+
+
+def test_shutdown_refuses_new_requests(ray_cluster):
+    pool = PrefillPool(BASE.replace(num_layers=1)).start()
+    pool.shutdown()
+    with pytest.raises(RuntimeError, match="not running"):
+        pool.submit([1, 2, 3])

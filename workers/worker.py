@@ -1,0 +1,227 @@
+"""One prefill worker: a model shard on one device, run SPMD with the rest of its replica.
+
+The driver (``cluster.pool``) wraps :class:`PrefillWorker` in a Ray actor, one
+per GPU (or per CPU slot), and calls every worker of a replica with the same
+batch. Each worker:
+
+* joins its replica's process group (NCCL on CUDA, gloo on CPU) -- the TP group;
+* holds its TP shard of the model and the latent KV of the requests it prefilled;
+* runs a batch of chunk pieces: request ``r``'s next ``len(tokens)`` tokens after
+  ``context_len`` cached ones. Later chunks attend to the cached rows through the
+  MLA layer's chunked-context path, so long prompts never need all their
+  activations at once;
+* returns, from TP rank 0 only, the logits and last hidden state of every request
+  whose final chunk was in the batch.
+
+Nothing here imports Ray: the worker is plain Python and testable in-process.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from collections.abc import Sequence
+from dataclasses import dataclass
+from datetime import timedelta
+
+import numpy as np
+import torch
+
+from attention.backends.base import DeviceCapability, MLAPrefillSelectorConfig
+from attention.backends.selector import get_mla_prefill_backend
+from attention.mla import plan_prefill_batch
+from configs.model import DTYPES
+from configs.pool import PoolConfig
+from workers.kv_cache import KVStore
+from workers.model import DeepseekPrefillModel, TPShard
+from workers.weights import load_checkpoint
+
+# NVLink multicast off everywhere (shared hosts: see the project's GPU notes).
+SAFE_NCCL_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
+
+
+@dataclass(frozen=True)
+class ChunkPiece:
+    """The next chunk of one request in a batch. ``total_len`` sizes the request's KV buffer."""
+
+    request_id: str
+    token_ids: np.ndarray  # int32 [n]
+    context_len: int
+    total_len: int
+
+    @property
+    def is_last(self) -> bool:
+        return self.context_len + len(self.token_ids) == self.total_len
+
+
+@dataclass
+class PieceResult:
+    request_id: str
+    logits: torch.Tensor  # [vocab] float32, CPU
+    last_hidden: torch.Tensor  # [hidden], CPU
+
+
+@dataclass
+class WorkerInfo:
+    rank: int
+    world_size: int
+    backend: str
+    device: str
+    dtype: str
+    host: str
+    pid: int
+
+
+def rendezvous_address() -> tuple[str, int]:
+    """An address and free port on this host for the replica's process group."""
+    host = socket.gethostbyname(socket.gethostname())
+    with socket.socket() as sock:
+        sock.bind(("", 0))
+        return host, sock.getsockname()[1]
+
+
+class PrefillWorker:
+    def __init__(self, config: PoolConfig, rank: int) -> None:
+        self.config, self.rank = config, rank
+        self.world_size = config.workers_per_replica
+        self.model: DeepseekPrefillModel | None = None
+
+    def rendezvous_address(self) -> tuple[str, int]:
+        return rendezvous_address()
+
+    def setup(self, master_addr: str, master_port: int, timeout_s: float = 600.0) -> WorkerInfo:
+        """Join the process group, build this rank's shard and load (or draw) its weights."""
+        config = self.config
+        model_config = config.model_config()
+        device = _device(config.device)
+        dtype = _dtype(config.dtype, device, model_config.dtype)
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        group = None
+        if self.world_size > 1:
+            torch.distributed.init_process_group(
+                "nccl" if device.type == "cuda" else "gloo",
+                init_method=f"tcp://{master_addr}:{master_port}",
+                rank=self.rank,
+                world_size=self.world_size,
+                timeout=timedelta(seconds=timeout_s),
+            )
+            group = torch.distributed.group.WORLD
+        backend_cls = get_mla_prefill_backend(
+            MLAPrefillSelectorConfig(dtype, model_config.attention.dims),
+            DeviceCapability.of(device),
+            None if config.backend.upper() == "AUTO" else config.backend,
+        )
+        tp = TPShard(self.rank, config.tp, group)
+        self.model = DeepseekPrefillModel.create(model_config, backend_cls, tp=tp, dtype=dtype, device=device)
+        if config.checkpoint:
+            load_checkpoint(self.model, config.checkpoint)
+        else:
+            self.model.init_random_weights(config.seed)
+        self.kv = KVStore(model_config.num_hidden_layers, model_config.attention.latent_dim, dtype, device)
+        return WorkerInfo(
+            rank=self.rank,
+            world_size=self.world_size,
+            backend=backend_cls.name,
+            device=str(device),
+            dtype=str(dtype).removeprefix("torch."),
+            host=socket.gethostname(),
+            pid=os.getpid(),
+        )
+
+    @torch.no_grad()
+    def prefill(self, pieces: Sequence[ChunkPiece]) -> list[PieceResult] | None:
+        """Run one batch of chunk pieces. Every rank of the replica gets the same call."""
+        model = self._model()
+        device = model.lm_head.weight.device
+        for piece in pieces:  # identical on every rank, so all ranks fail together
+            self._check_piece(piece)
+        for piece in pieces:
+            if piece.context_len == 0:
+                self.kv.reserve(piece.request_id, piece.total_len)
+        request_kv = [self.kv.get(p.request_id) for p in pieces]
+        batch = plan_prefill_batch(
+            [len(p.token_ids) for p in pieces],
+            [p.context_len for p in pieces],
+            workspace_tokens=self.config.workspace_tokens,
+            device=device,
+            backend=model.backend,
+        )
+        token_ids = torch.from_numpy(np.concatenate([p.token_ids for p in pieces]).astype(np.int64)).to(device)
+        context = _PackedContext(request_kv, [p.context_len for p in pieces]) if batch.num_context_rows else None
+        out = model(token_ids, batch, context)
+        start = 0
+        for piece, kv in zip(pieces, request_kv):
+            kv.append(out.latents, start, start + len(piece.token_ids))
+            start += len(piece.token_ids)
+        if self.rank != 0:
+            return None
+        return [
+            PieceResult(piece.request_id, out.logits[i].cpu(), out.last_hidden[i].float().cpu())
+            for i, piece in enumerate(pieces)
+            if piece.is_last
+        ]
+
+    def fetch_kv(self, request_id: str) -> torch.Tensor:
+        """The request's latent rows ``[layers, tokens, latent]`` on the CPU."""
+        kv = self.kv.get(request_id)
+        return kv.rows[:, : kv.length].cpu()
+
+    def release(self, request_ids: Sequence[str]) -> int:
+        """Free the requests' KV; returns the bytes freed."""
+        return sum(self.kv.release(request_id) for request_id in request_ids)
+
+    def health(self) -> dict:
+        info = {"rank": self.rank, "ready": self.model is not None, "kv_requests": 0, "kv_bytes": 0}
+        if self.model is not None:
+            info.update(kv_requests=self.kv.num_requests, kv_bytes=self.kv.nbytes)
+        return info
+
+    def shutdown(self) -> None:
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+
+    def _model(self) -> DeepseekPrefillModel:
+        if self.model is None:
+            raise RuntimeError("worker is not set up: call setup() first")
+        return self.model
+
+    def _check_piece(self, piece: ChunkPiece) -> None:
+        if piece.context_len == 0:
+            return
+        held = self.kv.get(piece.request_id).length
+        if held != piece.context_len:
+            raise ValueError(
+                f"request {piece.request_id!r}: chunk expects {piece.context_len} cached tokens, the worker holds {held}"
+            )
+
+
+class _PackedContext(Sequence):
+    """Per layer, the batch's cached rows packed in batch order (built one layer at a time)."""
+
+    def __init__(self, request_kv, context_lens: list[int]) -> None:
+        self.parts = [(kv, n) for kv, n in zip(request_kv, context_lens) if n]
+        self.num_layers = request_kv[0].rows.shape[0]
+
+    def __len__(self) -> int:
+        return self.num_layers
+
+    def __getitem__(self, layer: int) -> torch.Tensor:
+        views = [kv.rows[layer, :n] for kv, n in self.parts]
+        return views[0] if len(views) == 1 else torch.cat(views)
+
+
+def _device(name: str) -> torch.device:
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    if name == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError("pool config device='cuda' but this worker sees no GPU; valid here: cpu, auto")
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device(name)
+
+
+def _dtype(name: str, device: torch.device, model_dtype: torch.dtype) -> torch.dtype:
+    if name != "auto":
+        return DTYPES[name]
+    return torch.float32 if device.type == "cpu" else model_dtype
