@@ -1,0 +1,196 @@
+#!/usr/bin/env python3
+"""Offline bundles of the Python packages a GPU node lacks, for nodes without internet.
+
+``build`` runs where PyPI is reachable: it downloads the wheels of the chosen
+package sets for the node's Python and platform, unpacks them into one
+site-packages tree, drops the parts prefill never uses (Ray's Java jars and
+RLlib/Tune/Train/Data/LLM libraries, FlashInfer's kernel sources other than the
+ones its JIT needs), packs the tree as ``.tar.xz`` and splits it into parts of
+at most ``--max-part-mb`` (a transfer limit, an artifact size limit, ...).
+
+``install`` runs on the node with nothing but Python: it checks every part's
+SHA-256 against the manifest, joins and unpacks them into ``--target``, and
+writes a ``sitecustomize.py`` there so that packages shipping ``.pth`` files
+(flash-attn 4's CuTe DSL) work when ``--target`` is on ``PYTHONPATH``; Ray
+workers inherit ``PYTHONPATH`` from the driver that starts a local cluster.
+
+    python deploy/offline_bundle.py build --sets ray,flashinfer --out .bundle/gpu
+    python deploy/offline_bundle.py install --bundle .bundle/gpu --target /tmp/mlapool-site
+    export PYTHONPATH=/tmp/mlapool-site${PYTHONPATH:+:$PYTHONPATH}
+
+The default sets are what the project's GPU image lacks (it has torch,
+triton, numpy, msgpack, safetensors, aiohttp, grpcio, protobuf, pyyaml, ...).
+Only the standard library is used.
+"""
+
+from __future__ import annotations
+
+import argparse
+import fnmatch
+import hashlib
+import io
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tarfile
+import tempfile
+import zipfile
+from pathlib import Path
+
+SETS: dict[str, dict] = {
+    "ray": {
+        "packages": [
+            "ray==2.60.0",
+            "jsonschema==4.26.0",
+            "jsonschema-specifications==2025.9.1",
+            "referencing==0.37.0",
+            "rpds-py==0.30.0",
+        ],
+        "prune": ["ray/jars", "ray/rllib", "ray/tune", "ray/train", "ray/data", "ray/llm"],
+    },
+    "flashinfer": {
+        "packages": ["flashinfer-python==0.7.2.post1", "apache-tvm-ffi==0.1.15.post2"],
+        # its JIT needs data/include, data/cutlass, data/cccl, data/spdlog and the top-level data/csrc files
+        "prune": ["flashinfer/data/csrc/*/"],
+    },
+    "flash-attn-4": {
+        "packages": [
+            "flash-attn-4==4.0.0b36",
+            "nvidia-cutlass-dsl==4.8.1",
+            "nvidia-cutlass-dsl-libs-base==4.8.1",
+            "nvidia-cutlass-dsl-libs-core==4.8.1",
+            "nvidia-cutlass-dsl-libs-cu13==4.8.1",
+            "quack-kernels==0.6.5",
+            "torch-c-dlpack-ext==0.1.5",
+            "apache-tvm-ffi==0.1.15.post2",
+        ],
+        "prune": [],
+    },
+}
+MANIFEST = "manifest.json"
+SITECUSTOMIZE = """\
+# Written by mlapool's offline bundle: process this folder's .pth files when it is on PYTHONPATH.
+import os, site
+site.addsitedir(os.path.dirname(os.path.abspath(__file__)))
+"""
+
+
+def build(sets: list[str], out: Path, python: str, platforms: list[str], max_part_mb: float) -> Path:
+    unknown = [s for s in sets if s not in SETS]
+    if unknown:
+        raise SystemExit(f"unknown package set(s) {unknown}; valid: {', '.join(SETS)}")
+    packages = sorted({p for s in sets for p in SETS[s]["packages"]})
+    prune = [rule for s in sets for rule in SETS[s]["prune"]]
+    out.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        wheels, tree = Path(tmp, "wheels"), Path(tmp, "site")
+        _download(packages, wheels, python, platforms)
+        for wheel in sorted(wheels.glob("*.whl")):
+            with zipfile.ZipFile(wheel) as archive:
+                archive.extractall(tree)
+        removed = _prune(tree, prune)
+        name = f"mlapool-bundle-{'-'.join(sets)}-cp{python.replace('.', '')}"
+        parts = _pack(tree, out, name, int(max_part_mb * 2**20))
+    manifest = {
+        "name": name,
+        "python": python,
+        "platforms": platforms,
+        "packages": packages,
+        "pruned": removed,
+        "parts": [{"file": p.name, "bytes": p.stat().st_size, "sha256": _sha256(p)} for p in parts],
+    }
+    (out / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
+    total = sum(p["bytes"] for p in manifest["parts"]) / 2**20
+    print(f"{out}: {len(parts)} part(s), {total:.1f} MiB, {len(packages)} packages")
+    return out
+
+
+def install(bundle: Path, target: Path) -> None:
+    manifest = json.loads((bundle / MANIFEST).read_text())
+    data = io.BytesIO()
+    for part in manifest["parts"]:
+        path = bundle / part["file"]
+        if not path.is_file():
+            raise SystemExit(f"bundle part {path} is missing; the manifest lists {len(manifest['parts'])} parts")
+        if _sha256(path) != part["sha256"]:
+            raise SystemExit(f"bundle part {path} is corrupt: its SHA-256 does not match the manifest")
+        data.write(path.read_bytes())
+    data.seek(0)
+    target.mkdir(parents=True, exist_ok=True)
+    with tarfile.open(fileobj=data, mode="r:xz") as archive:
+        archive.extractall(target, filter="data")
+    (target / "sitecustomize.py").write_text(SITECUSTOMIZE)
+    print(f"installed {len(manifest['packages'])} packages into {target}: export PYTHONPATH={target}${{PYTHONPATH:+:$PYTHONPATH}}")
+
+
+def _download(packages: list[str], dest: Path, python: str, platforms: list[str]) -> None:
+    cmd = [sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", "--only-binary=:all:",
+           "--python-version", python, "--implementation", "cp", "-d", str(dest)]  # fmt: skip
+    for platform in platforms:
+        cmd += ["--platform", platform]
+    subprocess.run(cmd + packages, check=True)
+
+
+def _prune(tree: Path, rules: list[str]) -> list[str]:
+    """Delete what the rules name (``dir`` or ``glob/*/`` for sub-directories); return the paths removed."""
+    removed = []
+    for rule in rules:
+        directories_only = rule.endswith("/")
+        parent, _, pattern = rule.rstrip("/").rpartition("/")
+        base = tree / parent
+        if not base.is_dir():
+            raise SystemExit(f"prune rule {rule!r} matches nothing: {parent} is not in the bundle")
+        for entry in sorted(base.iterdir()):
+            if fnmatch.fnmatch(entry.name, pattern) and (entry.is_dir() or not directories_only):
+                shutil.rmtree(entry) if entry.is_dir() else entry.unlink()
+                removed.append(str(entry.relative_to(tree)))
+    return removed
+
+
+def _pack(tree: Path, out: Path, name: str, max_part_bytes: int) -> list[Path]:
+    archive = out / f"{name}.tar.xz"
+    with tarfile.open(archive, "w:xz", preset=9) as tar:
+        for entry in sorted(tree.iterdir()):
+            tar.add(entry, arcname=entry.name)
+    for old in out.glob(f"{name}.tar.xz.part*"):
+        old.unlink()
+    blob = archive.read_bytes()
+    archive.unlink()
+    parts = []
+    for index, start in enumerate(range(0, len(blob), max_part_bytes)):
+        part = out / f"{name}.tar.xz.part{index:02d}"
+        part.write_bytes(blob[start : start + max_part_bytes])
+        parts.append(part)
+    return parts
+
+
+def _sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True)
+    b = sub.add_parser("build", help="download, prune, pack and split a bundle (needs PyPI)")
+    b.add_argument("--sets", default="ray,flashinfer", help=f"comma-separated package sets: {', '.join(SETS)} (default: ray,flashinfer)")
+    b.add_argument("--out", type=Path, required=True, help="folder for the parts and manifest.json")
+    b.add_argument("--python", default="3.12", help="the node's Python version (default: 3.12)")
+    b.add_argument("--platform", action="append", dest="platforms",
+                   help="pip platform tag, repeatable (default: manylinux_2_28/2_17/2014 x86_64 and any)")  # fmt: skip
+    b.add_argument("--max-part-mb", type=float, default=60.0, help="largest part in MiB (default: 60)")
+    i = sub.add_parser("install", help="check, join and unpack a bundle (stdlib only, no network)")
+    i.add_argument("--bundle", type=Path, required=True, help="folder with manifest.json and the parts")
+    i.add_argument("--target", type=Path, required=True, help="folder to unpack into; put it on PYTHONPATH")
+    args = parser.parse_args(argv)
+    if args.command == "build":
+        platforms = args.platforms or ["manylinux_2_28_x86_64", "manylinux_2_17_x86_64", "manylinux2014_x86_64", "any"]
+        build([s.strip() for s in args.sets.split(",") if s.strip()], args.out, args.python, platforms, args.max_part_mb)
+    else:
+        install(args.bundle, args.target)
+
+
+if __name__ == "__main__":
+    os.umask(0o022)
+    main()
