@@ -88,8 +88,7 @@ def build(sets: list[str], out: Path, python: str, platforms: list[str], max_par
         wheels, tree = Path(tmp, "wheels"), Path(tmp, "site")
         _download(packages, wheels, python, platforms)
         for wheel in sorted(wheels.glob("*.whl")):
-            with zipfile.ZipFile(wheel) as archive:
-                archive.extractall(tree)
+            _unpack_wheel(wheel, tree)
         removed = _prune(tree, prune)
         name = f"mlapool-bundle-{'-'.join(sets)}-cp{python.replace('.', '')}"
         parts = _pack(tree, out, name, int(max_part_mb * 2**20))
@@ -131,6 +130,16 @@ def _download(packages: list[str], dest: Path, python: str, platforms: list[str]
     for platform in platforms:
         cmd += ["--platform", platform]
     subprocess.run(cmd + packages, check=True)
+
+
+def _unpack_wheel(wheel: Path, tree: Path) -> None:
+    """Unzip a wheel keeping its files' modes (``extractall`` drops them: Ray ships executables)."""
+    with zipfile.ZipFile(wheel) as archive:
+        for info in archive.infolist():
+            path = Path(archive.extract(info, tree))
+            mode = (info.external_attr >> 16) & 0o777
+            if mode and not info.is_dir():
+                path.chmod(mode)
 
 
 def _prune(tree: Path, rules: list[str]) -> list[str]:
