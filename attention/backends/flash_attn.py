@@ -38,11 +38,13 @@ def default_versions(major: int) -> tuple[int, ...]:
 
 
 def _importable(version: int) -> bool:
+    """Whether this flash-attention version's varlen function can be imported (flash-attn-4
+    also installs a ``flash_attn`` package, without FA2's function)."""
     try:
-        importlib.import_module(MODULES[version])
+        module = importlib.import_module(MODULES[version])
     except Exception:  # noqa: BLE001 -- any import failure means "not this version"
         return False
-    return True
+    return hasattr(module, "flash_attn_varlen_func")
 
 
 class FlashAttnPrefillBackend(MLAPrefillBackend):

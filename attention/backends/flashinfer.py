@@ -61,7 +61,11 @@ class FlashInferPrefillBackend(MLAPrefillBackend):
 
     def _forward(self, q, k, v, plan, return_lse):
         wrapper = self._wrapper(plan, q.dtype)
+        if not return_lse:
+            out = wrapper.run(q, k.contiguous(), v.contiguous())
+            neutralize_blind_rows(out, None, plan)
+            return out, None
         out, lse_TH = wrapper.run(q, k.contiguous(), v.contiguous(), return_lse=True)
         lse_HT = lse_TH.t() * math.log(2.0)
         neutralize_blind_rows(out, lse_HT, plan)
-        return out, (lse_HT if return_lse else None)
+        return out, lse_HT

@@ -1,6 +1,12 @@
 """TORCH_SDPA: MLA prefill in plain torch, on CPU and CUDA.
 
-For each sequence of the ragged batch it computes, in blocks of queries, the
+On CUDA each sequence goes through cuDNN's fused attention, which returns the
+LSE with the output (``torch.ops.aten._scaled_dot_product_cudnn_attention``,
+adapted in :func:`_cudnn_attention` only; torch >= 2.5). Its causal mask is
+top-left aligned, so a causal sequence with ``q_len != kv_len`` (a query slice
+of a longer block) takes the exact path below instead.
+
+Elsewhere (and for those sequences), it computes, in blocks of queries, the
 scores ``s [H, tq, S]`` in float32, their logsumexp (the exact natural-log
 LSE), the probabilities and ``o = p @ v`` -- the formulas of the contract in
 ``base.py``. Scores are bounded to ``score_budget`` elements per block, so
@@ -30,11 +36,15 @@ class TorchSDPAPrefillBackend(MLAPrefillBackend):
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         out_THD = q.new_zeros(q.shape[0], self.num_heads, self.dims.v_head_dim)
         lse_HT = torch.full((self.num_heads, q.shape[0]), float("-inf"), dtype=torch.float32, device=q.device)
+        use_cudnn = q.is_cuda and _has_cudnn_attention()
         q_start = k_start = 0
         for q_len, kv_len in zip(plan.seqlens_q, plan.seqlens_k):
             if q_len and kv_len:
                 qs, ks = slice(q_start, q_start + q_len), slice(k_start, k_start + kv_len)
-                self._attend_sequence(q[qs], k[ks], v[ks], plan.causal, out_THD[qs], lse_HT[:, qs])
+                if use_cudnn and (q_len == kv_len or not plan.causal):
+                    out_THD[qs], lse_HT[:, qs] = _cudnn_attention(q[qs], k[ks], v[ks], plan.causal, self.scale)
+                else:
+                    self._attend_sequence(q[qs], k[ks], v[ks], plan.causal, out_THD[qs], lse_HT[:, qs])
             q_start += q_len
             k_start += kv_len
         return out_THD, (lse_HT if return_lse else None)
@@ -68,3 +78,22 @@ class TorchSDPAPrefillBackend(MLAPrefillBackend):
             p_HTS = torch.exp(s_HTS - torch.where(torch.isinf(lse), 0.0, lse).unsqueeze(-1))
             out_THD[start:stop] = torch.matmul(p_HTS, v_HSD[:, :keys]).transpose(0, 1).to(out_THD.dtype)
             lse_HT[:, start:stop] = lse
+
+
+def _has_cudnn_attention() -> bool:
+    return hasattr(torch.ops.aten, "_scaled_dot_product_cudnn_attention") and torch.backends.cudnn.is_available()
+
+
+def _cudnn_attention(
+    q_THD: torch.Tensor, k_SHD: torch.Tensor, v_SHD: torch.Tensor, causal: bool, scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """cuDNN fused attention of one sequence: ``o [T, H, Dv]`` and natural-log ``lse [H, T]``.
+
+    The one place that touches the private op: it takes ``[B, H, L, D]`` views
+    and returns a tuple whose first two entries are the output and the LSE."""
+    as_bhld = lambda x: x.transpose(0, 1).unsqueeze(0)  # noqa: E731 -- [L, H, D] -> [1, H, L, D], no copy
+    outputs = torch.ops.aten._scaled_dot_product_cudnn_attention(
+        as_bhld(q_THD), as_bhld(k_SHD), as_bhld(v_SHD.contiguous()), None, True, 0.0, causal, False, scale=scale
+    )
+    out_BHLD, lse = outputs[0], outputs[1]
+    return out_BHLD[0].transpose(0, 1), lse.reshape(lse.shape[1], lse.shape[2]).float()
