@@ -2,7 +2,8 @@
 
 For every backend that can run here, TF/s of causal new-token prefill and of a
 non-causal context chunk (q and k both S long), through our backend layer and
-through the same kernel called directly, in the same run; torch's public SDPA
+through the same kernel called directly, in alternating rounds of the same run
+(medians); torch's public SDPA
 (no LSE) beside them. FLOPs: causal ``H * S^2 * (d_qk + d_v)``, non-causal twice
 that. Then merge_attn_states GB/s (Triton vs torch) at 128 heads x T tokens x 128
 (bytes: three [T, H, D] bf16 tensors and three [H, T] float32 LSEs).
@@ -15,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import platform
+import statistics
 import sys
 from datetime import datetime, timezone
 from pathlib import Path
@@ -88,7 +90,17 @@ def time_ms(fn, budget_ms: float) -> float:
     return do_bench(fn, warmup=max(25, budget_ms / 4), rep=budget_ms, return_mode="median")
 
 
-def bench_attention(backends, heads_list, seqlens, budget_ms) -> list[dict]:
+def interleaved(a, b, budget_ms: float, rounds: int) -> tuple[float, float]:
+    """Median times of ``a`` and ``b`` over alternating rounds (a, b, b, a, ...), so clock drift hits both."""
+    times_a, times_b = [], []
+    for i in range(rounds):
+        order = [(a, times_a), (b, times_b)] if i % 2 == 0 else [(b, times_b), (a, times_a)]
+        for fn, times in order:
+            times.append(time_ms(fn, budget_ms))
+    return statistics.median(times_a), statistics.median(times_b)
+
+
+def bench_attention(backends, heads_list, seqlens, budget_ms, rounds) -> list[dict]:
     rows = []
     for heads in heads_list:
         for seqlen in seqlens:
@@ -108,8 +120,7 @@ def bench_attention(backends, heads_list, seqlens, budget_ms) -> list[dict]:
                         ours = lambda: backend.run_prefill_context_chunk(q, k, v, cu, cu, seqlen, seqlen)  # noqa: E731
                     ours()  # plans (and JIT-compiles) outside the timing
                     direct = direct_kernel(name, q, k, v, cu, seqlen, causal)
-                    direct_ms, ours_ms, direct_ms2 = time_ms(direct, budget_ms), time_ms(ours, budget_ms), time_ms(direct, budget_ms)
-                    direct_ms = min(direct_ms, direct_ms2)
+                    direct_ms, ours_ms = interleaved(direct, ours, budget_ms, rounds)
                     row = {
                         "backend": name, "mode": "causal new tokens" if causal else "non-causal context chunk",
                         "heads": heads, "tokens": seqlen, "ours_ms": round(ours_ms, 3), "direct_ms": round(direct_ms, 3),
@@ -144,7 +155,8 @@ def main() -> None:
     parser.add_argument("--heads", type=int, nargs="+", default=[16, 128])
     parser.add_argument("--tokens", type=int, nargs="+", default=[4096, 16384, 65536])
     parser.add_argument("--merge-tokens", type=int, nargs="+", default=[8192, 32768])
-    parser.add_argument("--budget-ms", type=float, default=300.0, help="timing budget per measurement")
+    parser.add_argument("--budget-ms", type=float, default=200.0, help="timing budget per measurement")
+    parser.add_argument("--rounds", type=int, default=4, help="alternating rounds of ours vs the direct call")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
 
@@ -163,7 +175,7 @@ def main() -> None:
         "machine": versions(),
         "command": " ".join([Path(sys.executable).name, *sys.argv]),
         "backends_not_run": skipped,
-        "attention": bench_attention(backends, args.heads, args.tokens, args.budget_ms),
+        "attention": bench_attention(backends, args.heads, args.tokens, args.budget_ms, args.rounds),
         "merge": bench_merge(args.merge_tokens),
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)

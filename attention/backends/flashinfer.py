@@ -1,6 +1,8 @@
 """FLASHINFER: FlashInfer's ragged prefill (``BatchPrefillWithRaggedKVCacheWrapper``).
 
 Q/K keep head dim 192 and V 128 (``head_dim_qk``/``head_dim_vo``), no padding.
+Only DeepSeek's head dims are declared: FlashInfer 0.7.2 rejects e.g. 48/24 at
+run time ("Invalid configuration"), so other models are refused at selection.
 The wrapper is planned once per batch shape and dtype and run per layer;
 FlashInfer picks its ``fa3`` template on SM90 and ``fa2`` elsewhere
 (``backend="auto"``). Its LSE is base-2 ``[T, H]``; it is returned as the
@@ -16,14 +18,22 @@ import time
 
 import torch
 
-from attention.backends.base import BackendCapabilities, MLAPrefillBackend, RaggedPlan, neutralize_blind_rows
+from attention.backends.base import (
+    DEEPSEEK_MLA_DIMS,
+    BackendCapabilities,
+    MLAPrefillBackend,
+    RaggedPlan,
+    neutralize_blind_rows,
+)
 
 logger = logging.getLogger(__name__)
 
 
 class FlashInferPrefillBackend(MLAPrefillBackend):
     name = "FLASHINFER"
-    capabilities = BackendCapabilities(device_kinds=("cuda",), min_capability=(8, 0), requires=("flashinfer",))
+    capabilities = BackendCapabilities(
+        device_kinds=("cuda",), min_capability=(8, 0), mla_dims=(DEEPSEEK_MLA_DIMS,), requires=("flashinfer",)
+    )
     workspace_bytes = 256 << 20
     template = "auto"
 

@@ -6,18 +6,21 @@ raises ``ValueError`` listing every reason it cannot run. Otherwise the
 priority list of the device is walked and the first backend with no reasons
 wins; the choice and every rejection are logged.
 
-Priorities (fastest first; DESIGN.md section 6 holds the measurements):
+Priorities (fastest first):
 
 =================  ==========================================================
 device             order
 =================  ==========================================================
 cpu                TORCH_SDPA
-cuda 9.x (Hopper)  FLASHINFER (fa3, 745 TF/s), FLASH_ATTN (FA3/FA4, ~720),
-                   TORCH_SDPA (cuDNN, 546-638)
+cuda 9.x (Hopper)  FLASH_ATTN, FLASHINFER, TORCH_SDPA -- measured on H200
+                   (benchmarks/results/2026-11-21-h200-attention.json): FA4
+                   699-716 TF/s causal at S >= 16K, FlashInfer fa3 681-698,
+                   cuDNN through torch 555-589; FA4 also leads non-causal
 cuda 10.x          FLASH_ATTN (FA4), TRTLLM_RAGGED, FLASHINFER, TOKENSPEED_MLA,
-(Blackwell DC)     TORCH_SDPA
-other cuda         FLASH_ATTN (FA2), FLASHINFER (fa2), TORCH_SDPA
-rocm               AITER_FLASH_ATTN, FLASH_ATTN, TORCH_SDPA
+(Blackwell DC)     TORCH_SDPA -- vLLM's order (FA4 first since its PR 34732);
+                   not measured here (no SM100 machine)
+other cuda         FLASH_ATTN (FA2), FLASHINFER (fa2), TORCH_SDPA -- not measured
+rocm               AITER_FLASH_ATTN, FLASH_ATTN, TORCH_SDPA -- not measured
 =================  ==========================================================
 """
 
@@ -44,7 +47,7 @@ def backend_priorities(device: DeviceCapability) -> tuple[MLAPrefillBackendEnum,
     if device.kind == "rocm":
         return (B.AITER_FLASH_ATTN, B.FLASH_ATTN, B.TORCH_SDPA)
     if device.major == 9:
-        return (B.FLASHINFER, B.FLASH_ATTN, B.TORCH_SDPA)
+        return (B.FLASH_ATTN, B.FLASHINFER, B.TORCH_SDPA)
     if device.major == 10:
         return (B.FLASH_ATTN, B.TRTLLM_RAGGED, B.FLASHINFER, B.TOKENSPEED_MLA, B.TORCH_SDPA)
     return (B.FLASH_ATTN, B.FLASHINFER, B.TORCH_SDPA)

@@ -1,10 +1,11 @@
 """TORCH_SDPA: MLA prefill in plain torch, on CPU and CUDA.
 
-On CUDA each sequence goes through cuDNN's fused attention, which returns the
-LSE with the output (``torch.ops.aten._scaled_dot_product_cudnn_attention``,
-adapted in :func:`_cudnn_attention` only; torch >= 2.5). Its causal mask is
-top-left aligned, so a causal sequence with ``q_len != kv_len`` (a query slice
-of a longer block) takes the exact path below instead.
+On CUDA, fp16/bf16 sequences go through cuDNN's fused attention, which returns
+the LSE with the output (``torch.ops.aten._scaled_dot_product_cudnn_attention``,
+adapted in :func:`_cudnn_attention` only; torch >= 2.5). It is not used for
+float32 (it returns NaN there on H200 with torch 2.11, without an error), nor
+for a causal sequence with ``q_len != kv_len`` (its causal mask is top-left
+aligned); those take the exact path below.
 
 Elsewhere (and for those sequences), it computes, in blocks of queries, the
 scores ``s [H, tq, S]`` in float32, their logsumexp (the exact natural-log
@@ -22,6 +23,9 @@ import torch
 from attention.backends.base import BackendCapabilities, MLAPrefillBackend, RaggedPlan
 
 
+CUDNN_DTYPES = (torch.float16, torch.bfloat16)
+
+
 class TorchSDPAPrefillBackend(MLAPrefillBackend):
     name = "TORCH_SDPA"
     capabilities = BackendCapabilities(
@@ -36,7 +40,7 @@ class TorchSDPAPrefillBackend(MLAPrefillBackend):
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         out_THD = q.new_zeros(q.shape[0], self.num_heads, self.dims.v_head_dim)
         lse_HT = torch.full((self.num_heads, q.shape[0]), float("-inf"), dtype=torch.float32, device=q.device)
-        use_cudnn = q.is_cuda and _has_cudnn_attention()
+        use_cudnn = q.is_cuda and q.dtype in CUDNN_DTYPES and _has_cudnn_attention()
         q_start = k_start = 0
         for q_len, kv_len in zip(plan.seqlens_q, plan.seqlens_k):
             if q_len and kv_len:

@@ -122,7 +122,7 @@ def test_explicit_choice_from_environment(monkeypatch):
 
 def test_priorities_per_device():
     assert backend_priorities(CPU) == (B.TORCH_SDPA,)
-    assert backend_priorities(HOPPER) == (B.FLASHINFER, B.FLASH_ATTN, B.TORCH_SDPA)
+    assert backend_priorities(HOPPER) == (B.FLASH_ATTN, B.FLASHINFER, B.TORCH_SDPA)
     assert backend_priorities(DeviceCapability("cuda", 10, 0))[:2] == (B.FLASH_ATTN, B.TRTLLM_RAGGED)
     assert backend_priorities(DeviceCapability("cuda", 8, 0)) == (B.FLASH_ATTN, B.FLASHINFER, B.TORCH_SDPA)
     assert backend_priorities(DeviceCapability("rocm", 9, 4))[0] is B.AITER_FLASH_ATTN
@@ -141,8 +141,8 @@ def test_auto_selection_logs_choice_and_rejections(caplog):
     with caplog.at_level(logging.INFO, logger="attention.backends.selector"):
         assert get_mla_prefill_backend(BF16, HOPPER) is TorchSDPAPrefillBackend
     text = caplog.text
-    assert "FLASHINFER skipped: module 'no_such_kernel_lib' cannot be imported (ModuleNotFoundError" in text
-    assert "FLASH_ATTN skipped: module 'no_such_kernel_lib' cannot be imported" in text
+    assert "FLASH_ATTN skipped: module 'no_such_kernel_lib' cannot be imported (ModuleNotFoundError" in text
+    assert "FLASHINFER skipped: module 'no_such_kernel_lib' cannot be imported" in text
     assert "Using TORCH_SDPA MLA prefill backend on cuda 9.0" in text
 
 
