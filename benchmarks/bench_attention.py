@@ -19,6 +19,7 @@ import platform
 import statistics
 import sys
 from datetime import datetime, timezone
+from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
 import torch
@@ -37,22 +38,12 @@ SCALE = DIMS.qk_head_dim**-0.5
 def versions() -> dict:
     found = {"python": platform.python_version(), "torch": torch.__version__, "cuda": torch.version.cuda,
              "cudnn": torch.backends.cudnn.version(), "gpu": torch.cuda.get_device_name(0)}  # fmt: skip
-    for name, module in (("flashinfer", "flashinfer"), ("triton", "triton"), ("flash_attn_4", "flash_attn.cute")):
+    for name in ("flashinfer-python", "triton", "flash-attn-4", "nvidia-cutlass-dsl"):
         try:
-            mod = __import__(module, fromlist=["_"])
-            found[name] = getattr(mod, "__version__", None) or _dist_version(name)
-        except ImportError:
+            found[name] = version(name)
+        except PackageNotFoundError:
             found[name] = None
     return found
-
-
-def _dist_version(name: str) -> str | None:
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        return version(name.replace("_", "-"))
-    except PackageNotFoundError:
-        return None
 
 
 def direct_kernel(name: str, q, k, v, cu, seqlen: int, causal: bool):
@@ -157,13 +148,14 @@ def main() -> None:
     parser.add_argument("--merge-tokens", type=int, nargs="+", default=[8192, 32768])
     parser.add_argument("--budget-ms", type=float, default=200.0, help="timing budget per measurement")
     parser.add_argument("--rounds", type=int, default=4, help="alternating rounds of ours vs the direct call")
+    parser.add_argument("--backends", nargs="+", default=["FLASHINFER", "FLASH_ATTN", "TORCH_SDPA"])
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
 
     device = DeviceCapability.of("cuda")
     config = MLAPrefillSelectorConfig(torch.bfloat16, DIMS)
     backends, skipped = [], {}
-    for member in (MLAPrefillBackendEnum.FLASHINFER, MLAPrefillBackendEnum.FLASH_ATTN, MLAPrefillBackendEnum.TORCH_SDPA):
+    for member in map(MLAPrefillBackendEnum.parse, args.backends):
         cls, reasons = backend_reasons(member, device, config)
         if reasons:
             skipped[member.name] = reasons

@@ -7,7 +7,8 @@ The wrapper is planned once per batch shape and dtype and run per layer;
 FlashInfer picks its ``fa3`` template on SM90 and ``fa2`` elsewhere
 (``backend="auto"``). Its LSE is base-2 ``[T, H]``; it is returned as the
 natural-log ``[H, T]`` view ``lse.T * ln 2``. The first plan of a new shape
-JIT-compiles the kernel (about a minute on H200), which is logged.
+JIT-compiles the kernel (about a minute on H200); the first plan of each
+dtype and head dims in a process is logged with its duration.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from attention.backends.base import (
 )
 
 logger = logging.getLogger(__name__)
+_PLANNED: set = set()  # (dtype, dims) planned in this process, to log the first (JIT) plan
 
 
 class FlashInferPrefillBackend(MLAPrefillBackend):
@@ -50,6 +52,13 @@ class FlashInferPrefillBackend(MLAPrefillBackend):
             import flashinfer
 
             wrapper = flashinfer.BatchPrefillWithRaggedKVCacheWrapper(self._workspace, "NHD", backend=self.template)
+            first = (dtype, self.dims) not in _PLANNED
+            if first:
+                logger.info(
+                    "FlashInfer: first plan of ragged prefill for %s, head dims %s in this process; a kernel not yet "
+                    "in FlashInfer's JIT cache is compiled now (about a minute on H200)",
+                    dtype, self.dims,
+                )
             started = time.perf_counter()
             wrapper.plan(
                 qo_indptr=plan.cu_seqlens_q.cpu(),
@@ -63,9 +72,9 @@ class FlashInferPrefillBackend(MLAPrefillBackend):
                 q_data_type=dtype,
                 kv_data_type=dtype,
             )
-            elapsed = time.perf_counter() - started
-            if elapsed > 1.0:
-                logger.info("FlashInfer planned ragged prefill in %.1f s (first use JIT-compiles its kernel)", elapsed)
+            if first:
+                logger.info("FlashInfer: planned in %.1f s", time.perf_counter() - started)
+                _PLANNED.add((dtype, self.dims))
             plan.state[dtype] = wrapper
         return wrapper
 

@@ -38,9 +38,12 @@ class TorchSDPAPrefillBackend(MLAPrefillBackend):
     def _forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: RaggedPlan, return_lse: bool
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        use_cudnn = q.is_cuda and q.dtype in CUDNN_DTYPES and _has_cudnn_attention()
+        if use_cudnn and len(plan.seqlens_q) == 1 and plan.num_k_tokens and (not plan.causal or q.shape[0] == k.shape[0]):
+            out_THD, lse_HT = _cudnn_attention(q, k, v, plan.causal, self.scale)  # one sequence: no copies
+            return out_THD, (lse_HT if return_lse else None)
         out_THD = q.new_zeros(q.shape[0], self.num_heads, self.dims.v_head_dim)
         lse_HT = torch.full((self.num_heads, q.shape[0]), float("-inf"), dtype=torch.float32, device=q.device)
-        use_cudnn = q.is_cuda and q.dtype in CUDNN_DTYPES and _has_cudnn_attention()
         q_start = k_start = 0
         for q_len, kv_len in zip(plan.seqlens_q, plan.seqlens_k):
             if q_len and kv_len:
