@@ -172,3 +172,17 @@ def test_bad_inputs_name_the_problem():
         backend.run_prefill_new_tokens(q, k.to(torch.bfloat16), v, cu, 6)
     with pytest.raises(ValueError, match="num_heads must be positive"):
         type(backend)(num_heads=0, scale=1.0, dims=DEEPSEEK_MLA_DIMS)
+
+
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "non-causal"])
+@pytest.mark.parametrize("member,device,dtype", CASES)
+def test_single_sequence(member, device, dtype, causal):
+    # backends may take a shortcut for a batch of one sequence (TORCH_SDPA on CUDA does)
+    heads = 2
+    backend = _make(member, device, heads)
+    q, k, v, cu, _ = _inputs([777], [777], heads, dtype, device)
+    if causal:
+        out, lse = backend.run_prefill_new_tokens(q, k, v, cu, 777, return_softmax_lse=True)
+    else:
+        out, lse = backend.run_prefill_context_chunk(q, k, v, cu, cu, 777, 777)
+    _check_against_reference(out, lse, q, k, v, [777], [777], backend.scale, causal, dtype)
