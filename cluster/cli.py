@@ -160,6 +160,7 @@ def _prefill(args: argparse.Namespace) -> int:
         "device": info.device,
         "dtype": info.dtype,
         "pool_startup_s": round(startup, 2),
+        "warmup_s": info.warmup_s,
         "ttft_s": round(result.ttft_s, 4),
         "tokens_per_s": round(result.num_tokens / result.ttft_s, 1),
         "first_token": result.first_token,

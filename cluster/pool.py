@@ -130,8 +130,8 @@ class PrefillPool:
             replica.thread.start()
         info = self._replicas[0].infos[0]
         logger.info(
-            "prefill pool ready: %d replica(s) x TP=%d PCP=%d, %s on %s (%s)",
-            cfg.replicas, cfg.tp, cfg.pcp, info.backend, info.device, info.dtype,
+            "prefill pool ready: %d replica(s) x TP=%d PCP=%d, %s on %s (%s), warm-up %.1f s",
+            cfg.replicas, cfg.tp, cfg.pcp, info.backend, info.device, info.dtype, info.warmup_s,
         )  # fmt: skip
         return self
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import os
 import socket
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import timedelta
@@ -37,6 +38,7 @@ from workers.model import DeepseekPrefillModel, TPShard
 from workers.weights import load_checkpoint
 
 # NVLink multicast off everywhere (shared hosts: see the project's GPU notes).
+WARMUP_REQUEST = "__mlapool_warmup__"
 SAFE_NCCL_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 
 
@@ -70,6 +72,7 @@ class WorkerInfo:
     dtype: str
     host: str
     pid: int
+    warmup_s: float  # the warm-up prefill, including any kernel JIT compilation
 
 
 def rendezvous_address() -> tuple[str, int]:
@@ -119,6 +122,8 @@ class PrefillWorker:
         else:
             self.model.init_random_weights(config.seed)
         self.kv = KVStore(model_config.num_hidden_layers, model_config.attention.latent_dim, dtype, device)
+        started = time.perf_counter()
+        self._warm_up()
         return WorkerInfo(
             rank=self.rank,
             world_size=self.world_size,
@@ -127,6 +132,7 @@ class PrefillWorker:
             dtype=str(dtype).removeprefix("torch."),
             host=socket.gethostname(),
             pid=os.getpid(),
+            warmup_s=round(time.perf_counter() - started, 2),
         )
 
     @torch.no_grad()
@@ -161,6 +167,14 @@ class PrefillWorker:
             for i, piece in enumerate(pieces)
             if piece.is_last
         ]
+
+    def _warm_up(self) -> None:
+        """Prefill a dummy prompt in two chunks (new tokens, then new tokens over cached context),
+        so kernels are JIT-compiled and planned before the first request, not during it."""
+        tokens = np.arange(32, dtype=np.int32) % self.model.config.vocab_size
+        self.prefill([ChunkPiece(WARMUP_REQUEST, tokens[:16], 0, 32)])
+        self.prefill([ChunkPiece(WARMUP_REQUEST, tokens[16:], 16, 32)])
+        self.kv.release(WARMUP_REQUEST)
 
     def fetch_kv(self, request_id: str) -> torch.Tensor:
         """The request's latent rows ``[layers, tokens, latent]`` on the CPU."""
