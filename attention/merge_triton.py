@@ -19,6 +19,16 @@ def _sanitize(lse):
 
 
 @triton.jit
+def _tile(T, D, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr):
+    """This program's head, token offsets, dim offsets and masks (64-bit offsets)."""
+    h = tl.program_id(1).to(tl.int64)
+    t = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T).to(tl.int64)
+    d = tl.arange(0, BLOCK_D)
+    t_ok = t < T
+    return h, t, d, t_ok, t_ok[:, None] & (d < D)[None, :]
+
+
+@triton.jit
 def _merge_two_kernel(
     out_ptr, out_lse_ptr, p_ptr, p_lse_ptr, s_ptr, s_lse_ptr,
     T, D,
@@ -26,11 +36,7 @@ def _merge_two_kernel(
     out_lse_sh, out_lse_st, p_lse_sh, p_lse_st, s_lse_sh, s_lse_st,
     HAS_OUT_LSE: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
 ):  # fmt: skip
-    h = tl.program_id(1).to(tl.int64)
-    t = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T).to(tl.int64)
-    d = tl.arange(0, BLOCK_D)
-    t_ok = t < T
-    tile_ok = t_ok[:, None] & (d < D)[None, :]
+    h, t, d, t_ok, tile_ok = _tile(T, D, BLOCK_T, BLOCK_D)
 
     p_lse = _sanitize(tl.load(p_lse_ptr + h * p_lse_sh + t * p_lse_st, mask=t_ok, other=float("-inf")))
     s_lse = _sanitize(tl.load(s_lse_ptr + h * s_lse_sh + t * s_lse_st, mask=t_ok, other=float("-inf")))
@@ -59,11 +65,7 @@ def _merge_many_kernel(
     out_lse_sh, out_lse_st, lse_sn, lse_sh, lse_st,
     BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
 ):  # fmt: skip
-    h = tl.program_id(1).to(tl.int64)
-    t = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T).to(tl.int64)
-    d = tl.arange(0, BLOCK_D)
-    t_ok = t < T
-    tile_ok = t_ok[:, None] & (d < D)[None, :]
+    h, t, d, t_ok, tile_ok = _tile(T, D, BLOCK_T, BLOCK_D)
     lse_base = lse_ptr + h * lse_sh + t * lse_st
 
     m = tl.full((BLOCK_T,), float("-inf"), tl.float32)

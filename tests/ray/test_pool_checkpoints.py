@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+from hf_models import tiny_deepseek_v3
 
 from cluster.pool import PrefillPool
 from configs.pool import PoolConfig
@@ -24,20 +24,7 @@ def test_tp_that_does_not_divide_the_heads_is_refused_before_starting(ray_cluste
 
 
 def _hf_checkpoint(path):
-    config = DeepseekV3Config(
-        vocab_size=320, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=4, q_lora_rank=24, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8,
-        v_head_dim=16, n_routed_experts=4, first_k_dense_replace=2, max_position_embeddings=512,
-        rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
-                         "original_max_position_embeddings": 128, "mscale": 1.0, "mscale_all_dim": 1.0},
-        tie_word_embeddings=False,
-    )  # fmt: skip
-    config._attn_implementation = "eager"
-    torch.manual_seed(3)
-    model = DeepseekV3ForCausalLM(config).eval()
-    with torch.no_grad():
-        for param in model.parameters():
-            param.normal_(0, 0.1)
+    model = tiny_deepseek_v3(vocab_size=320, num_layers=2, max_positions=512, mscale_all_dim=1.0, seed=3)
     model.save_pretrained(path, max_shard_size="60KB")  # several shards + an index
     return model
 

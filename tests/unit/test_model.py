@@ -2,30 +2,12 @@
 
 import pytest
 import torch
-from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+from hf_models import tiny_deepseek_v3
 
 from attention.backends.torch_sdpa import TorchSDPAPrefillBackend
 from attention.mla import plan_prefill_batch
 from configs.model import load_model_config, model_config_from_dict
 from workers.model import DeepseekPrefillModel, TPShard
-
-
-def _hf_model():
-    config = DeepseekV3Config(
-        vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
-        num_key_value_heads=4, q_lora_rank=24, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8,
-        v_head_dim=16, n_routed_experts=4, first_k_dense_replace=3, max_position_embeddings=256,
-        rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
-                         "original_max_position_embeddings": 64, "mscale": 1.0, "mscale_all_dim": 0.8},
-        tie_word_embeddings=False, torch_dtype="float32",
-    )  # fmt: skip
-    config._attn_implementation = "eager"
-    torch.manual_seed(1)
-    model = DeepseekV3ForCausalLM(config).eval()
-    with torch.no_grad():
-        for param in model.parameters():
-            param.normal_(0, 0.1)
-    return model
 
 
 def _ours_from(hf_model):
@@ -36,7 +18,7 @@ def _ours_from(hf_model):
 
 
 def test_last_token_logits_match_transformers():
-    hf_model = _hf_model()
+    hf_model = tiny_deepseek_v3()
     ours = _ours_from(hf_model)
     prompts = [torch.randint(0, 300, (n,)) for n in (37, 1, 64)]
     out = ours(torch.cat(prompts), plan_prefill_batch([len(p) for p in prompts]))
