@@ -14,7 +14,10 @@ company when a batch has room. Every worker of the replica runs the batch
 
 Requests are validated here, before they join a batch, so a bad request fails
 alone. A batch that fails on the workers fails its own requests; the replica
-keeps serving. This module is the only place that calls ``ray.get``/``ray.wait``.
+keeps serving. When a worker dies, the requests of its batch fail with that
+reason, the replica is restarted in place, and its other in-flight requests are
+prefilled again from the start; KV kept on the dead replica is reported lost.
+This module is the only place that calls ``ray.get``/``ray.wait``.
 """
 
 from __future__ import annotations
@@ -55,6 +58,7 @@ class PrefillResult:
     replica: int
     ttft_s: float
     kv_kept: bool
+    generation: int = 0  # the replica's incarnation that holds the KV (it changes when a worker dies)
 
     @property
     def first_token(self) -> int:
@@ -93,6 +97,8 @@ class _Replica:
     group: object
     infos: list[WorkerInfo]
     thread: threading.Thread | None = None
+    generation: int = 0
+    alive: bool = True
 
 
 class PrefillPool:
@@ -109,6 +115,7 @@ class PrefillPool:
         self._live: set[str] = set()
         self._lock = threading.Lock()
         self._owns_ray = False
+        self._use_gpus = False
         self._stopping = False
         self.stats = PoolStats()
 
@@ -119,6 +126,7 @@ class PrefillPool:
         use_gpus = cfg.use_gpus
         if use_gpus is None:
             use_gpus = ray.cluster_resources().get("GPU", 0) >= cfg.workers_per_replica
+        self._use_gpus = use_gpus
         try:
             for index in range(cfg.replicas):
                 self._replicas.append(self._start_replica(index, use_gpus))
@@ -185,9 +193,7 @@ class PrefillPool:
             if item is not _STOP:
                 item.future.set_exception(RuntimeError("the prefill pool was shut down"))
         for replica in self._replicas:
-            for worker in replica.workers:
-                ray.kill(worker)
-            remove_placement_group(replica.group)
+            _stop_replica(replica)
         self._replicas.clear()
         if self._owns_ray and ray.is_initialized():
             ray.shutdown()
@@ -242,12 +248,18 @@ class PrefillPool:
         if not result.kv_kept:
             raise ValueError(f"request {result.request_id!r} was not run with keep_kv=True, or was released")
         replica = self._replica(result.replica)
+        if replica.generation != result.generation:
+            raise RuntimeError(
+                f"the KV of request {result.request_id!r} was lost: a worker of replica {replica.index} died "
+                "and the replica was restarted"
+            )
         return ray.get(replica.workers[0].fetch_kv.remote(result.request_id))
 
     def release(self, result: PrefillResult) -> None:
-        """Free a kept request's KV on its workers."""
+        """Free a kept request's KV on its workers (a no-op if its replica restarted since)."""
         replica = self._replica(result.replica)
-        ray.get([w.release.remote([result.request_id]) for w in replica.workers])
+        if replica.generation == result.generation:
+            ray.get([w.release.remote([result.request_id]) for w in replica.workers])
         result.kv_kept = False
         with self._lock:
             self._live.discard(result.request_id)
@@ -263,7 +275,7 @@ class PrefillPool:
     # ---- scheduling --------------------------------------------------------
     def _serve(self, replica: _Replica) -> None:
         active: list[_Request] = []
-        while True:
+        while replica.alive:
             batch = self._next_batch(active)
             if batch is None:
                 for request in active:
@@ -308,7 +320,10 @@ class PrefillPool:
             self.stats.batches += 1
             self.stats.pieces += len(pieces)
         try:
-            outputs = ray.get([w.prefill.remote(pieces) for w in replica.workers])
+            outputs = _gather([w.prefill.remote(pieces) for w in replica.workers])
+        except ray.exceptions.RayActorError as exc:
+            self._replace_replica(replica, [r for r, _ in batch], active, exc)
+            return
         except Exception as exc:  # noqa: BLE001 -- the batch's requests get the error, the pool goes on
             logger.error("replica %d: batch of %d request(s) failed: %s", replica.index, len(batch), _cause(exc))
             failed = [r for r, _ in batch]
@@ -330,6 +345,37 @@ class PrefillPool:
                 active.remove(request)
                 self._complete(replica, request, finished[request.id])
 
+    def _replace_replica(self, replica: _Replica, failed: list[_Request], active: list[_Request], exc) -> None:
+        """A worker died: fail the batch's requests, restart the replica, retry its other requests."""
+        logger.error("replica %d: a worker died (%s); restarting the replica", replica.index, _cause(exc))
+        for request in failed:
+            self._forget(request)
+            request.future.set_exception(
+                RuntimeError(
+                    f"prefill of {request.id!r} failed: a worker of replica {replica.index} died "
+                    f"({_cause(exc)}); the replica was restarted"
+                )
+            )
+        with self._lock:
+            self.stats.failed += len(failed)
+        retry = [r for r in active if r not in failed]
+        active.clear()
+        _stop_replica(replica)
+        try:
+            fresh = self._start_replica(replica.index, self._use_gpus)
+        except Exception as start_exc:  # noqa: BLE001 -- the other replicas go on serving
+            logger.error("replica %d could not be restarted: %s", replica.index, _cause(start_exc))
+            replica.alive = False
+            for request in retry:
+                self._forget(request)
+                request.future.set_exception(RuntimeError(f"replica {replica.index} is gone: {_cause(start_exc)}"))
+            return
+        replica.workers, replica.group, replica.infos = fresh.workers, fresh.group, fresh.infos
+        replica.generation += 1
+        for request in retry:  # their KV died with the worker: prefill them again from the start
+            request.done = 0
+            self._queue.put(request)
+
     def _complete(self, replica: _Replica, request: _Request, piece) -> None:
         with self._lock:
             self.stats.completed += 1
@@ -346,6 +392,7 @@ class PrefillPool:
                 replica=replica.index,
                 ttft_s=time.perf_counter() - request.submitted,
                 kv_kept=request.keep_kv,
+                generation=replica.generation,
             )
         )
 
@@ -380,6 +427,22 @@ class PrefillPool:
         return array.astype(np.int32)
 
 
+def _gather(refs: list) -> list:
+    """Results of one SPMD call, in order. Raises as soon as any worker fails: the others may be
+    blocked in a collective with the failed one and would never return."""
+    pending = list(refs)
+    while pending:
+        ready, pending = ray.wait(pending, num_returns=1)
+        ray.get(ready)  # raises the worker's error, or RayActorError if it died
+    return ray.get(refs)
+
+
+def _stop_replica(replica: _Replica) -> None:
+    for worker in replica.workers:
+        ray.kill(worker)
+    remove_placement_group(replica.group)
+
+
 def _connect_ray(address: str | None, cpus_needed: float) -> bool:
     """Use a running Ray, connect to ``address``/``$RAY_ADDRESS``, or start an embedded one. True if started here."""
     if ray.is_initialized():
@@ -404,6 +467,9 @@ def _check_checkpoint_on_driver(config: PoolConfig, model_config) -> None:
 
 
 def _cause(exc: BaseException) -> str:
-    """The innermost message of a Ray error (the worker's own exception)."""
+    """One line naming the innermost error of a Ray failure (the worker's own exception):
+    its type, the first line of its message and, for Ray's long reports, the last."""
     cause = getattr(exc, "cause", None) or exc
-    return f"{type(cause).__name__}: {cause}"
+    lines = [line.strip() for line in str(cause).splitlines() if line.strip()]
+    text = " ".join(dict.fromkeys([lines[0], lines[-1]])) if lines else ""
+    return f"{type(cause).__name__}: {text}"

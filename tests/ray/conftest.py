@@ -1,4 +1,5 @@
-"""Ray on the CPU: one local Ray per test module, with logical GPUs so placement is tested as on a GPU node."""
+"""Ray on the CPU: one local Ray per test module, with logical GPUs so placement is tested as on a GPU
+node. Workers are pinned to device="cpu" (gloo), also on hosts that have GPUs."""
 
 import logging
 import os

@@ -10,7 +10,7 @@ from cluster.cli import main
 
 
 def test_prefill_writes_kv_and_summary_and_verifies(ray_cluster, tmp_path, capsys):
-    argv = ["prefill", "--random-tokens", "200", "--num-layers", "2", "--tp", "2", "--chunk-tokens", "64"]
+    argv = ["prefill", "--device", "cpu", "--random-tokens", "200", "--num-layers", "2", "--tp", "2", "--chunk-tokens", "64"]
     assert main([*argv, "--output-dir", str(tmp_path), "--verify"]) == 0
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert json.loads(capsys.readouterr().out) == summary
@@ -27,7 +27,8 @@ def test_prefill_writes_kv_and_summary_and_verifies(ray_cluster, tmp_path, capsy
 def test_prefill_from_a_token_file(ray_cluster, tmp_path, capsys):
     tokens = tmp_path / "prompt.txt"
     tokens.write_text("1 2 3\n4 5\n")
-    assert main(["prefill", "--tokens", str(tokens), "--num-layers", "1", "--output-dir", str(tmp_path / "out")]) == 0
+    argv = ["prefill", "--device", "cpu", "--tokens", str(tokens), "--num-layers", "1"]
+    assert main([*argv, "--output-dir", str(tmp_path / "out")]) == 0
     assert json.loads(capsys.readouterr().out)["tokens"] == 5
 
 
@@ -44,7 +45,7 @@ def test_prefill_from_a_token_file(ray_cluster, tmp_path, capsys):
 )
 def test_prefill_errors_exit_with_the_reason(ray_cluster, argv, code, message, tmp_path, capsys):
     with pytest.raises(SystemExit) as exit_info:
-        main(["prefill", "--output-dir", str(tmp_path), *argv])
+        main(["prefill", "--device", "cpu", "--output-dir", str(tmp_path), *argv])
     assert exit_info.value.code == code
     assert message in capsys.readouterr().err
 

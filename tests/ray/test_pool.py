@@ -13,7 +13,7 @@ from configs.pool import PoolConfig
 from workers.model import DeepseekPrefillModel
 
 # small chunks so that every prompt below spans several chunks and batches
-BASE = PoolConfig(model="tiny", num_layers=3, chunk_tokens=48, max_batch_tokens=96, worker_cpus=0.5, seed=5)
+BASE = PoolConfig(model="tiny", num_layers=3, chunk_tokens=48, max_batch_tokens=96, worker_cpus=0.5, seed=5, device="cpu")
 PROMPT_LENS = (1, 47, 130, 200)
 
 
@@ -108,3 +108,4 @@ def test_request_ids_must_be_unique(pool, prompts):
         pool.submit(prompts[0], request_id="same")
     pool.release(result)
     pool.prefill(prompts[0], request_id="same")  # free again once released
+

@@ -1,6 +1,9 @@
-"""The pool with checkpoints and invalid configurations (own Ray: the TP pools of test_pool hold the GPUs)."""
+"""Pool lifecycle: checkpoints, invalid configurations, shutdown, a dying worker.
+
+Its own Ray: the module-scoped TP pools of test_pool hold every logical GPU of theirs."""
 
 import json
+import threading
 
 import numpy as np
 import pytest
@@ -8,10 +11,13 @@ import torch
 from safetensors.torch import load_file, save_file
 from hf_models import tiny_deepseek_v3
 
+from attention.backends.torch_sdpa import TorchSDPAPrefillBackend
+from attention.mla import plan_prefill_batch
 from cluster.pool import PrefillPool
 from configs.pool import PoolConfig
+from workers.model import DeepseekPrefillModel
 
-BASE = PoolConfig(model="tiny", num_layers=3, chunk_tokens=48, max_batch_tokens=96, worker_cpus=0.5, seed=5)
+BASE = PoolConfig(model="tiny", num_layers=3, chunk_tokens=48, max_batch_tokens=96, worker_cpus=0.5, seed=5, device="cpu")
 
 
 def test_tp_that_does_not_divide_the_heads_is_refused_before_starting(ray_cluster):
@@ -77,3 +83,25 @@ def test_shutdown_refuses_new_requests(ray_cluster):
     pool.shutdown()
     with pytest.raises(RuntimeError, match="not running"):
         pool.submit([1, 2, 3])
+
+
+def test_a_dead_worker_fails_its_request_and_the_replica_recovers(ray_cluster):
+    prompts = [np.arange(1, 40), np.arange(3, 300) % 512, np.arange(7, 90)]
+    model = DeepseekPrefillModel.create(BASE.model_config(), TorchSDPAPrefillBackend, dtype=torch.float32)
+    model.init_random_weights(BASE.seed)
+    expected = model(torch.from_numpy(prompts[2]), plan_prefill_batch([len(prompts[2])])).logits[0]
+
+    with PrefillPool(BASE.replace(tp=2, chunk_tokens=4, max_batch_tokens=8)).start() as pool:
+        kept = pool.prefill(prompts[0], keep_kv=True)
+        started = threading.Event()
+        doomed = pool.submit(prompts[1], on_progress=lambda done, total: started.set())
+        assert started.wait(60)
+        ray_cluster.kill(pool._replicas[0].workers[1])
+        with pytest.raises(RuntimeError, match="a worker of replica 0 died .*; the replica was restarted"):
+            doomed.result(timeout=120)
+        # the pool serves the next request correctly, on new workers
+        torch.testing.assert_close(pool.prefill(prompts[2]).logits, expected, atol=2e-5, rtol=1e-5)
+        assert pool.stats.failed == 1
+        with pytest.raises(RuntimeError, match="the KV of request 'req-0' was lost"):
+            pool.fetch_kv(kept)
+        pool.release(kept)  # nothing left to free; the id is usable again
