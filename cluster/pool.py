@@ -13,7 +13,8 @@ company when a batch has room. Every worker of the replica runs the batch
 (SPMD); a request completes with its last chunk.
 
 Requests are validated here, before they join a batch, so a bad request fails
-alone. A batch that fails on the workers fails its own requests; the replica
+alone. The driver mirrors each replica's free KV blocks: a prompt that could
+never fit is refused at submit, one that does not fit yet waits for releases. A batch that fails on the workers fails its own requests; the replica
 keeps serving. When a worker dies, the requests of its batch fail with that
 reason, the replica is restarted in place, and its other in-flight requests are
 prefilled again from the start; KV kept on the dead replica is reported lost.
@@ -40,6 +41,7 @@ from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from configs.pool import PoolConfig
+from workers.kv_cache import blocks_for
 from workers.worker import SAFE_NCCL_ENV, ChunkPiece, PrefillWorker, WorkerInfo
 
 logger = logging.getLogger(__name__)
@@ -82,6 +84,7 @@ class _Request:
     future: Future
     keep_kv: bool
     on_progress: Callable[[int, int], None] | None
+    kv_blocks: int  # blocks its KV takes on each worker of its replica
     submitted: float = field(default_factory=time.perf_counter)
     done: int = 0
 
@@ -99,6 +102,12 @@ class _Replica:
     thread: threading.Thread | None = None
     generation: int = 0
     alive: bool = True
+    free_blocks: int = 0  # the driver's mirror of the workers' free KV blocks
+    waiting: _Request | None = None  # taken from the queue, admitted once its KV fits
+
+    @property
+    def kv_blocks(self) -> int:
+        return min(info.kv_blocks for info in self.infos)
 
 
 class PrefillPool:
@@ -175,7 +184,9 @@ class PrefillPool:
                 ray.kill(worker)
             remove_placement_group(group)
             raise RuntimeError(f"replica {index} failed to start: {_cause(exc)}") from exc
-        return _Replica(index, workers, group, infos)
+        replica = _Replica(index, workers, group, infos)
+        replica.free_blocks = replica.kv_blocks
+        return replica
 
     def shutdown(self) -> None:
         """Stop the schedulers, fail queued requests, and release actors and placement groups."""
@@ -223,6 +234,14 @@ class PrefillPool:
         if self._stopping or not self._replicas:
             raise RuntimeError("the prefill pool is not running: call start() first")
         tokens = self._validate_tokens(token_ids)
+        kv_blocks = blocks_for(len(tokens), self.config.block_size)
+        capacity = max(r.kv_blocks for r in self._replicas)
+        if kv_blocks > capacity:
+            raise ValueError(
+                f"prompt of {len(tokens)} tokens needs {kv_blocks} KV blocks of {self.config.block_size} tokens on "
+                f"each worker; a worker's cache holds {capacity} blocks ({capacity * self.config.block_size} tokens). "
+                "Raise kv_cache_tokens or gpu_memory_utilization, or use more GPUs"
+            )
         with self._lock:
             request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
             if not isinstance(request_id, str) or not request_id:
@@ -230,7 +249,7 @@ class PrefillPool:
             if request_id in self._live:
                 raise ValueError(f"request id {request_id!r} is already in flight or holds KV; ids must be unique")
             self._live.add(request_id)
-        request = _Request(request_id, tokens, Future(), keep_kv, on_progress)
+        request = _Request(request_id, tokens, Future(), keep_kv, on_progress, kv_blocks)
         self._queue.put(request)
         return request.future
 
@@ -258,11 +277,14 @@ class PrefillPool:
     def release(self, result: PrefillResult) -> None:
         """Free a kept request's KV on its workers (a no-op if its replica restarted since)."""
         replica = self._replica(result.replica)
-        if replica.generation == result.generation:
-            ray.get([w.release.remote([result.request_id]) for w in replica.workers])
-        result.kv_kept = False
         with self._lock:
+            held = replica.generation == result.generation and result.kv_kept
             self._live.discard(result.request_id)
+        if held:
+            ray.get([w.release.remote([result.request_id]) for w in replica.workers])
+            with self._lock:
+                replica.free_blocks += blocks_for(result.num_tokens, self.config.block_size)
+        result.kv_kept = False
 
     def health(self) -> list[list[dict]]:
         """Per replica, per worker: readiness and KV held."""
@@ -276,16 +298,20 @@ class PrefillPool:
     def _serve(self, replica: _Replica) -> None:
         active: list[_Request] = []
         while replica.alive:
-            batch = self._next_batch(active)
+            batch = self._next_batch(replica, active)
             if batch is None:
-                for request in active:
+                for request in active + ([replica.waiting] if replica.waiting else []):
                     request.future.set_exception(RuntimeError("the prefill pool was shut down"))
                 return
             if batch:
                 self._run_batch(replica, batch, active)
 
-    def _next_batch(self, active: list[_Request]) -> list[tuple[_Request, int]] | None:
-        """(request, tokens) pieces for the next batch; None when the pool stops."""
+    def _next_batch(self, replica: _Replica, active: list[_Request]) -> list[tuple[_Request, int]] | None:
+        """(request, tokens) pieces for the next batch; None when the pool stops.
+
+        Running requests come first; new ones are admitted in arrival order while
+        the batch has room and their KV fits in the replica's free blocks (one that
+        does not fit waits, holding back those behind it, until KV is released)."""
         cfg = self.config
         budget = cfg.max_batch_tokens
         batch = []
@@ -297,18 +323,28 @@ class PrefillPool:
             budget -= count
         deadline = time.monotonic() + cfg.batch_wait_ms / 1000
         while budget > 0 and not (self._stopping and batch):
-            wait = max(0.0, deadline - time.monotonic()) if batch else 0.5
-            try:
-                item = self._queue.get(timeout=wait) if wait > 0 else self._queue.get_nowait()
-            except queue.Empty:
-                if batch or not self._stopping:
-                    return batch
-                return None
-            if item is _STOP:
-                return None if not active else batch
-            active.append(item)
-            count = min(cfg.chunk_tokens, item.remaining, budget)
-            batch.append((item, count))
+            if replica.waiting is None:
+                wait = max(0.0, deadline - time.monotonic()) if batch else 0.5
+                try:
+                    item = self._queue.get(timeout=wait) if wait > 0 else self._queue.get_nowait()
+                except queue.Empty:
+                    return batch if (batch or not self._stopping) else None
+                if item is _STOP:
+                    return None if not active else batch
+                replica.waiting = item
+            request = replica.waiting
+            with self._lock:
+                fits = request.kv_blocks <= replica.free_blocks
+                if fits:
+                    replica.free_blocks -= request.kv_blocks
+            if not fits:
+                if not batch:
+                    time.sleep(0.05)  # nothing to run: wait for a release
+                return batch
+            replica.waiting = None
+            active.append(request)
+            count = min(cfg.chunk_tokens, request.remaining, budget)
+            batch.append((request, count))
             budget -= count
         return batch
 
@@ -329,6 +365,7 @@ class PrefillPool:
             failed = [r for r, _ in batch]
             with self._lock:
                 self.stats.failed += len(failed)
+                replica.free_blocks += sum(r.kv_blocks for r in failed)
             for request in failed:
                 active.remove(request)
                 self._forget(request)
@@ -359,6 +396,9 @@ class PrefillPool:
         with self._lock:
             self.stats.failed += len(failed)
         retry = [r for r in active if r not in failed]
+        if replica.waiting is not None:
+            retry.append(replica.waiting)
+            replica.waiting = None
         active.clear()
         _stop_replica(replica)
         try:
@@ -370,8 +410,10 @@ class PrefillPool:
                 self._forget(request)
                 request.future.set_exception(RuntimeError(f"replica {replica.index} is gone: {_cause(start_exc)}"))
             return
-        replica.workers, replica.group, replica.infos = fresh.workers, fresh.group, fresh.infos
-        replica.generation += 1
+        with self._lock:
+            replica.workers, replica.group, replica.infos = fresh.workers, fresh.group, fresh.infos
+            replica.generation += 1
+            replica.free_blocks = fresh.free_blocks  # the dead replica's KV is gone
         for request in retry:  # their KV died with the worker: prefill them again from the start
             request.done = 0
             self._queue.put(request)
@@ -382,6 +424,8 @@ class PrefillPool:
         if not request.keep_kv:
             for worker in replica.workers:
                 worker.release.remote([request.id])  # actor calls run in order: before any later batch
+            with self._lock:
+                replica.free_blocks += request.kv_blocks
             self._forget(request)
         request.future.set_result(
             PrefillResult(

@@ -33,6 +33,10 @@ class PoolConfig:
     max_batch_tokens tokens of all requests' chunks in one batch
     batch_wait_ms    how long the scheduler waits for more requests before running a batch
     workspace_tokens bound on cached-context rows up-projected at once (see attention.mla)
+    block_size       tokens per block of the paged latent KV cache
+    kv_cache_tokens  KV cache capacity per worker in tokens; None = on GPU what gpu_memory_utilization
+                     leaves after the weights and a profile prefill of one chunk, on CPU 262144
+    gpu_memory_utilization  fraction of a GPU's memory a worker may use (weights, activations, KV)
     worker_cpus      CPUs reserved per worker (fractional on small hosts)
     use_gpus         reserve one GPU per worker: True, False, or None (= when the cluster has enough)
     seed             seed of random weights
@@ -51,12 +55,15 @@ class PoolConfig:
     max_batch_tokens: int = 16384
     batch_wait_ms: float = 2.0
     workspace_tokens: int = 16384
+    block_size: int = 64
+    kv_cache_tokens: int | None = None
+    gpu_memory_utilization: float = 0.9
     worker_cpus: float = 1.0
     use_gpus: bool | None = None
     seed: int = 0
 
     def __post_init__(self) -> None:
-        for key in ("tp", "pcp", "replicas", "chunk_tokens", "max_batch_tokens", "workspace_tokens"):
+        for key in ("tp", "pcp", "replicas", "chunk_tokens", "max_batch_tokens", "workspace_tokens", "block_size"):
             value = getattr(self, key)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"pool config: {key} must be a positive integer, got {value!r}")
@@ -74,6 +81,13 @@ class PoolConfig:
             raise ValueError(f"pool config: device {self.device!r} is not one of {', '.join(DEVICES)}")
         if self.backend.upper() != "AUTO":
             MLAPrefillBackendEnum.parse(self.backend)  # raises ValueError listing the valid names
+        if self.kv_cache_tokens is not None and (not isinstance(self.kv_cache_tokens, int) or self.kv_cache_tokens < self.block_size):
+            raise ValueError(
+                f"pool config: kv_cache_tokens must be None or an integer >= block_size ({self.block_size}), "
+                f"got {self.kv_cache_tokens!r}"
+            )
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(f"pool config: gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if not self.worker_cpus > 0:
             raise ValueError(f"pool config: worker_cpus must be positive, got {self.worker_cpus}")
         if self.batch_wait_ms < 0:

@@ -1,72 +1,115 @@
-"""Latent KV rows of the requests a worker is prefilling or holding for handoff.
+"""The paged latent KV cache of one worker.
 
-Each request owns one buffer ``[layers, capacity, latent]`` sized for its whole
-prompt when its first chunk arrives; chunks append rows in order. A row is
-``[kv_c_normed | k_pe]`` (576 values for DeepSeek), the layout vLLM's MLA
-cache stores.
+Per layer the cache is ``[num_blocks, block_size, latent]`` -- the layout vLLM's
+MLA decode reads -- with one row per token: ``[kv_c_normed | k_pe]`` (576 values
+for DeepSeek). A request owns a list of blocks (its block table), reserved for
+its whole prompt when its first chunk arrives, so a request that has started
+never runs out of cache. Token ``i`` of a request lives in block
+``table[i // block_size]`` at offset ``i % block_size``.
+
+Capacity is fixed when the worker starts; the driver mirrors the block
+accounting to admit only requests that fit (``cluster.pool``).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 
-class RequestKV:
-    def __init__(self, num_layers: int, capacity: int, width: int, dtype: torch.dtype, device: torch.device) -> None:
-        self.rows = torch.empty(num_layers, capacity, width, dtype=dtype, device=device)
-        self.length = 0
+class KVCacheFull(RuntimeError):
+    """Not enough free blocks for a request (the driver's admission control should prevent this)."""
+
+
+def blocks_for(tokens: int, block_size: int) -> int:
+    return -(-tokens // block_size)
+
+
+@dataclass
+class _Entry:
+    blocks: torch.Tensor  # int64 [n_blocks]: the request's block table
+    slots: torch.Tensor  # int64 [capacity]: flat row index of every token of the request
+    length: int = 0  # rows written so far
 
     @property
     def capacity(self) -> int:
-        return self.rows.shape[1]
+        return len(self.slots)
+
+
+class PagedKVCache:
+    def __init__(
+        self, num_layers: int, num_blocks: int, block_size: int, width: int, dtype: torch.dtype, device: torch.device
+    ) -> None:
+        if num_blocks < 1 or block_size < 1:
+            raise ValueError(f"the KV cache needs >= 1 block of >= 1 token, got {num_blocks} x {block_size}")
+        self.block_size = block_size
+        self.blocks = torch.empty(num_layers, num_blocks, block_size, width, dtype=dtype, device=device)
+        self._rows = self.blocks.view(num_layers, num_blocks * block_size, width)
+        self._free = list(range(num_blocks - 1, -1, -1))
+        self._requests: dict[str, _Entry] = {}
+
+    @staticmethod
+    def bytes_per_block(num_layers: int, block_size: int, width: int, dtype: torch.dtype) -> int:
+        return num_layers * block_size * width * (torch.finfo(dtype).bits // 8)
 
     @property
-    def nbytes(self) -> int:
-        return self.rows.numel() * self.rows.element_size()
+    def num_blocks(self) -> int:
+        return self.blocks.shape[1]
 
-    def append(self, latents: list[torch.Tensor], start: int, stop: int) -> None:
-        """Append rows ``[start, stop)`` of every layer's batch latent."""
-        count = stop - start
-        assert self.length + count <= self.capacity, (self.length, count, self.capacity)
-        for layer, latent in enumerate(latents):
-            self.rows[layer, self.length : self.length + count] = latent[start:stop]
-        self.length += count
-
-    def layer(self, index: int) -> torch.Tensor:
-        return self.rows[index, : self.length]
-
-
-class KVStore:
-    """The requests' KV buffers on one worker, by request id."""
-
-    def __init__(self, num_layers: int, width: int, dtype: torch.dtype, device: torch.device) -> None:
-        self.num_layers, self.width, self.dtype, self.device = num_layers, width, dtype, device
-        self._requests: dict[str, RequestKV] = {}
-
-    def bytes_for(self, tokens: int) -> int:
-        return self.num_layers * tokens * self.width * torch.finfo(self.dtype).bits // 8
-
-    def reserve(self, request_id: str, capacity: int) -> RequestKV:
-        if request_id in self._requests:
-            raise ValueError(f"request id {request_id!r} already holds a KV cache on this worker")
-        kv = RequestKV(self.num_layers, capacity, self.width, self.dtype, self.device)
-        self._requests[request_id] = kv
-        return kv
-
-    def get(self, request_id: str) -> RequestKV:
-        try:
-            return self._requests[request_id]
-        except KeyError:
-            raise KeyError(f"no KV cache for request {request_id!r} on this worker") from None
-
-    def release(self, request_id: str) -> int:
-        kv = self._requests.pop(request_id, None)
-        return kv.nbytes if kv is not None else 0
+    @property
+    def free_blocks(self) -> int:
+        return len(self._free)
 
     @property
     def num_requests(self) -> int:
         return len(self._requests)
 
-    @property
-    def nbytes(self) -> int:
-        return sum(kv.nbytes for kv in self._requests.values())
+    def reserve(self, request_id: str, tokens: int) -> None:
+        """Give ``request_id`` blocks for ``tokens`` rows."""
+        if request_id in self._requests:
+            raise ValueError(f"request id {request_id!r} already holds a KV cache on this worker")
+        need = blocks_for(tokens, self.block_size)
+        if need > len(self._free):
+            raise KVCacheFull(
+                f"request {request_id!r} needs {need} KV blocks of {self.block_size} tokens; "
+                f"{len(self._free)} of {self.num_blocks} are free"
+            )
+        ids = [self._free.pop() for _ in range(need)]
+        blocks = torch.tensor(ids, dtype=torch.int64, device=self.blocks.device)
+        positions = torch.arange(tokens, device=self.blocks.device)
+        slots = blocks[positions // self.block_size] * self.block_size + positions % self.block_size
+        self._requests[request_id] = _Entry(blocks, slots)
+
+    def append(self, request_id: str, latents: list[torch.Tensor], start: int, stop: int) -> None:
+        """Append rows ``[start, stop)`` of every layer's batch latent ``[T, width]`` to the request."""
+        entry = self._entry(request_id)
+        count = stop - start
+        assert entry.length + count <= entry.capacity, (request_id, entry.length, count, entry.capacity)
+        slots = entry.slots[entry.length : entry.length + count]
+        for layer, latent in enumerate(latents):
+            self._rows[layer].index_copy_(0, slots, latent[start:stop])
+        entry.length += count
+
+    def length(self, request_id: str) -> int:
+        return self._entry(request_id).length
+
+    def rows(self, request_id: str, layer: int, count: int | None = None) -> torch.Tensor:
+        """The first ``count`` (default: all written) rows of a request in one layer, ``[count, width]``."""
+        entry = self._entry(request_id)
+        count = entry.length if count is None else count
+        return self._rows[layer].index_select(0, entry.slots[:count])
+
+    def release(self, request_id: str) -> int:
+        """Free a request's blocks; returns how many (0 if it held none)."""
+        entry = self._requests.pop(request_id, None)
+        if entry is None:
+            return 0
+        self._free.extend(entry.blocks.tolist())
+        return len(entry.blocks)
+
+    def _entry(self, request_id: str) -> _Entry:
+        try:
+            return self._requests[request_id]
+        except KeyError:
+            raise KeyError(f"no KV cache for request {request_id!r} on this worker") from None

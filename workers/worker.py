@@ -5,7 +5,8 @@ per GPU (or per CPU slot), and calls every worker of a replica with the same
 batch. Each worker:
 
 * joins its replica's process group (NCCL on CUDA, gloo on CPU) -- the TP group;
-* holds its TP shard of the model and the latent KV of the requests it prefilled;
+* holds its TP shard of the model and, in a paged cache, the latent KV of the
+  requests it prefilled (sized at setup: see ``_allocate_kv_cache``);
 * runs a batch of chunk pieces: request ``r``'s next ``len(tokens)`` tokens after
   ``context_len`` cached ones. Later chunks attend to the cached rows through the
   MLA layer's chunked-context path, so long prompts never need all their
@@ -33,12 +34,13 @@ from attention.backends.selector import get_mla_prefill_backend
 from attention.mla import plan_prefill_batch
 from configs.model import DTYPES
 from configs.pool import PoolConfig
-from workers.kv_cache import KVStore
+from workers.kv_cache import PagedKVCache, blocks_for
 from workers.model import DeepseekPrefillModel, TPShard
 from workers.weights import load_checkpoint
 
 # NVLink multicast off everywhere (shared hosts: see the project's GPU notes).
 WARMUP_REQUEST = "__mlapool_warmup__"
+CPU_KV_CACHE_TOKENS = 262144
 SAFE_NCCL_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 
 
@@ -73,6 +75,8 @@ class WorkerInfo:
     host: str
     pid: int
     warmup_s: float  # the warm-up prefill, including any kernel JIT compilation
+    kv_blocks: int  # capacity of the paged latent KV cache
+    block_size: int
 
 
 def rendezvous_address() -> tuple[str, int]:
@@ -121,7 +125,7 @@ class PrefillWorker:
             load_checkpoint(self.model, config.checkpoint)
         else:
             self.model.init_random_weights(config.seed)
-        self.kv = KVStore(model_config.num_hidden_layers, model_config.attention.latent_dim, dtype, device)
+        self.kv = self._allocate_kv_cache(model_config, dtype, device)
         started = time.perf_counter()
         self._warm_up()
         return WorkerInfo(
@@ -133,6 +137,8 @@ class PrefillWorker:
             host=socket.gethostname(),
             pid=os.getpid(),
             warmup_s=round(time.perf_counter() - started, 2),
+            kv_blocks=self.kv.num_blocks,
+            block_size=self.kv.block_size,
         )
 
     @torch.no_grad()
@@ -145,7 +151,6 @@ class PrefillWorker:
         for piece in pieces:
             if piece.context_len == 0:
                 self.kv.reserve(piece.request_id, piece.total_len)
-        request_kv = [self.kv.get(p.request_id) for p in pieces]
         batch = plan_prefill_batch(
             [len(p.token_ids) for p in pieces],
             [p.context_len for p in pieces],
@@ -154,11 +159,11 @@ class PrefillWorker:
             backend=model.backend,
         )
         token_ids = torch.from_numpy(np.concatenate([p.token_ids for p in pieces]).astype(np.int64)).to(device)
-        context = _PackedContext(request_kv, [p.context_len for p in pieces]) if batch.num_context_rows else None
+        context = _PackedContext(self.kv, pieces) if batch.num_context_rows else None
         out = model(token_ids, batch, context)
         start = 0
-        for piece, kv in zip(pieces, request_kv):
-            kv.append(out.latents, start, start + len(piece.token_ids))
+        for piece in pieces:
+            self.kv.append(piece.request_id, out.latents, start, start + len(piece.token_ids))
             start += len(piece.token_ids)
         if self.rank != 0:
             return None
@@ -168,27 +173,58 @@ class PrefillWorker:
             if piece.is_last
         ]
 
+    def _allocate_kv_cache(self, model_config, dtype: torch.dtype, device: torch.device) -> PagedKVCache:
+        """The paged cache, sized by ``kv_cache_tokens`` or, on a GPU, by the memory left after
+        a profile prefill of one full chunk at ``gpu_memory_utilization``."""
+        config, layers, width = self.config, model_config.num_hidden_layers, model_config.attention.latent_dim
+        per_block = PagedKVCache.bytes_per_block(layers, config.block_size, width, dtype)
+        if config.kv_cache_tokens is not None:
+            num_blocks = blocks_for(config.kv_cache_tokens, config.block_size)
+        elif device.type == "cuda":
+            profile_tokens = min(config.chunk_tokens, model_config.max_position_embeddings)
+            self.kv = PagedKVCache(layers, blocks_for(profile_tokens, config.block_size), config.block_size, width, dtype, device)
+            torch.cuda.reset_peak_memory_stats(device)
+            self._prefill_dummy(profile_tokens, chunks=1)
+            peak = torch.cuda.max_memory_allocated(device)
+            del self.kv
+            torch.cuda.empty_cache()
+            budget = torch.cuda.get_device_properties(device).total_memory * config.gpu_memory_utilization - peak
+            num_blocks = int(budget // per_block)
+            if num_blocks < 1:
+                raise ValueError(
+                    f"no GPU memory left for the KV cache: weights and a {profile_tokens}-token chunk peak at "
+                    f"{peak / 2**30:.1f} GiB of {torch.cuda.get_device_properties(device).total_memory / 2**30:.1f} GiB; "
+                    "raise gpu_memory_utilization, lower chunk_tokens, or use more TP"
+                )
+        else:
+            num_blocks = blocks_for(CPU_KV_CACHE_TOKENS, config.block_size)
+        return PagedKVCache(layers, num_blocks, config.block_size, width, dtype, device)
+
+    def _prefill_dummy(self, tokens: int, chunks: int) -> None:
+        ids = np.arange(tokens, dtype=np.int32) % self.model.config.vocab_size
+        step = -(-tokens // chunks)
+        for start in range(0, tokens, step):
+            self.prefill([ChunkPiece(WARMUP_REQUEST, ids[start : start + step], start, tokens)])
+        self.kv.release(WARMUP_REQUEST)
+
     def _warm_up(self) -> None:
         """Prefill a dummy prompt in two chunks (new tokens, then new tokens over cached context),
         so kernels are JIT-compiled and planned before the first request, not during it."""
-        tokens = np.arange(32, dtype=np.int32) % self.model.config.vocab_size
-        self.prefill([ChunkPiece(WARMUP_REQUEST, tokens[:16], 0, 32)])
-        self.prefill([ChunkPiece(WARMUP_REQUEST, tokens[16:], 16, 32)])
-        self.kv.release(WARMUP_REQUEST)
+        self._prefill_dummy(32, chunks=2)
 
     def fetch_kv(self, request_id: str) -> torch.Tensor:
         """The request's latent rows ``[layers, tokens, latent]`` on the CPU."""
-        kv = self.kv.get(request_id)
-        return kv.rows[:, : kv.length].cpu()
+        layers = self._model().config.num_hidden_layers
+        return torch.stack([self.kv.rows(request_id, layer) for layer in range(layers)]).cpu()
 
     def release(self, request_ids: Sequence[str]) -> int:
-        """Free the requests' KV; returns the bytes freed."""
+        """Free the requests' KV; returns the blocks freed."""
         return sum(self.kv.release(request_id) for request_id in request_ids)
 
     def health(self) -> dict:
-        info = {"rank": self.rank, "ready": self.model is not None, "kv_requests": 0, "kv_bytes": 0}
+        info = {"rank": self.rank, "ready": self.model is not None, "kv_requests": 0, "kv_free_blocks": 0}
         if self.model is not None:
-            info.update(kv_requests=self.kv.num_requests, kv_bytes=self.kv.nbytes)
+            info.update(kv_requests=self.kv.num_requests, kv_free_blocks=self.kv.free_blocks)
         return info
 
     def shutdown(self) -> None:
@@ -203,7 +239,7 @@ class PrefillWorker:
     def _check_piece(self, piece: ChunkPiece) -> None:
         if piece.context_len == 0:
             return
-        held = self.kv.get(piece.request_id).length
+        held = self.kv.length(piece.request_id)
         if held != piece.context_len:
             raise ValueError(
                 f"request {piece.request_id!r}: chunk expects {piece.context_len} cached tokens, the worker holds {held}"
@@ -211,17 +247,18 @@ class PrefillWorker:
 
 
 class _PackedContext(Sequence):
-    """Per layer, the batch's cached rows packed in batch order (built one layer at a time)."""
+    """Per layer, the batch's cached rows packed in batch order (gathered one layer at a time)."""
 
-    def __init__(self, request_kv, context_lens: list[int]) -> None:
-        self.parts = [(kv, n) for kv, n in zip(request_kv, context_lens) if n]
-        self.num_layers = request_kv[0].rows.shape[0]
+    def __init__(self, kv: PagedKVCache, pieces: Sequence[ChunkPiece]) -> None:
+        self.kv = kv
+        self.parts = [(p.request_id, p.context_len) for p in pieces if p.context_len]
+        self.num_layers = kv.blocks.shape[0]
 
     def __len__(self) -> int:
         return self.num_layers
 
     def __getitem__(self, layer: int) -> torch.Tensor:
-        views = [kv.rows[layer, :n] for kv, n in self.parts]
+        views = [self.kv.rows(request_id, layer, n) for request_id, n in self.parts]
         return views[0] if len(views) == 1 else torch.cat(views)
 
 

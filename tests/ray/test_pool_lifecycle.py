@@ -2,6 +2,7 @@
 
 Its own Ray: the module-scoped TP pools of test_pool hold every logical GPU of theirs."""
 
+import concurrent.futures
 import json
 import threading
 
@@ -105,3 +106,20 @@ def test_a_dead_worker_fails_its_request_and_the_replica_recovers(ray_cluster):
         with pytest.raises(RuntimeError, match="the KV of request 'req-0' was lost"):
             pool.fetch_kv(kept)
         pool.release(kept)  # nothing left to free; the id is usable again
+
+
+def test_kv_capacity_refuses_what_never_fits_and_queues_what_fits_later(ray_cluster):
+    config = BASE.replace(num_layers=1, block_size=16, kv_cache_tokens=256, chunk_tokens=64, max_batch_tokens=128)
+    with PrefillPool(config).start() as pool:
+        assert [info.kv_blocks for info in pool.worker_infos[0]] == [16]
+        with pytest.raises(ValueError, match="prompt of 257 tokens needs 17 KV blocks of 16 tokens on each worker; "
+                                             "a worker's cache holds 16 blocks \\(256 tokens\\)"):
+            pool.submit(np.arange(257) % 512)
+        first = pool.prefill(np.arange(200), keep_kv=True)  # holds 13 of 16 blocks
+        second = pool.submit(np.arange(1, 101))  # needs 7: waits
+        assert not second.done()
+        with pytest.raises(concurrent.futures.TimeoutError):
+            second.result(timeout=2.0)
+        pool.release(first)  # frees 13 blocks: the waiting request runs
+        assert second.result(timeout=60).num_tokens == 100
+        assert pool.health()[0][0]["kv_free_blocks"] == 16

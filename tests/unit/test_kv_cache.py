@@ -1,0 +1,51 @@
+"""The paged latent KV cache: layout, block tables, reuse, capacity."""
+
+import pytest
+import torch
+
+from workers.kv_cache import KVCacheFull, PagedKVCache, blocks_for
+
+
+def _cache(num_blocks=8, block_size=4, layers=2, width=6):
+    return PagedKVCache(layers, num_blocks, block_size, width, torch.float32, torch.device("cpu"))
+
+
+def test_rows_come_back_in_order_across_chunks_and_blocks():
+    cache = _cache()
+    latents = [torch.randn(11, 6), torch.randn(11, 6)]  # two layers of one 11-token request
+    cache.reserve("a", 11)
+    cache.append("a", latents, 0, 5)  # chunk 1: tokens 0-4
+    cache.append("a", latents, 5, 11)  # chunk 2: tokens 5-10
+    for layer in range(2):
+        assert torch.equal(cache.rows("a", layer), latents[layer])
+        assert torch.equal(cache.rows("a", layer, 7), latents[layer][:7])
+    assert cache.length("a") == 11 and cache.free_blocks == 8 - blocks_for(11, 4) == 5
+
+
+def test_vllm_layout_token_i_is_in_block_table_i_over_block_size():
+    cache = _cache()
+    cache.reserve("x", 3)  # takes block 0 (blocks are handed out lowest first)
+    cache.reserve("a", 10)  # blocks 1, 2, 3
+    latent = torch.arange(10 * 6, dtype=torch.float32).view(10, 6)
+    cache.append("a", [latent, latent + 1000], 0, 10)
+    table = cache._requests["a"].blocks.tolist()
+    assert table == [1, 2, 3]
+    for i in range(10):
+        assert torch.equal(cache.blocks[0, table[i // 4], i % 4], latent[i])
+        assert torch.equal(cache.blocks[1, table[i // 4], i % 4], latent[i] + 1000)
+
+
+def test_release_returns_blocks_for_reuse_and_full_is_refused():
+    cache = _cache(num_blocks=4, block_size=4)
+    cache.reserve("a", 9)  # 3 blocks
+    with pytest.raises(KVCacheFull, match="request 'b' needs 2 KV blocks of 4 tokens; 1 of 4 are free"):
+        cache.reserve("b", 5)
+    assert cache.release("a") == 3 and cache.release("a") == 0
+    cache.reserve("b", 16)
+    assert cache.free_blocks == 0 and cache.num_requests == 1
+    with pytest.raises(ValueError, match="request id 'b' already holds a KV cache"):
+        cache.reserve("b", 1)
+    with pytest.raises(KeyError, match="no KV cache for request 'zz'"):
+        cache.rows("zz", 0)
+    with pytest.raises(ValueError, match="needs >= 1 block"):
+        _cache(num_blocks=0)
