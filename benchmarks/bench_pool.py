@@ -63,7 +63,8 @@ def run_tp(args: argparse.Namespace, tp: int, prompts: dict[int, np.ndarray]) ->
         pool.release(longest)
     summary = {
         "tp": tp, "backend": info.backend, "device": info.device, "dtype": info.dtype,
-        "pool_startup_s": round(startup, 1), "warmup_s": round(warmup, 1), "results": rows,
+        "pool_startup_s": round(startup, 1), "worker_warmup_s": info.warmup_s, "first_request_s": round(warmup, 2),
+        "kv_cache_tokens_per_worker": info.kv_blocks * info.block_size, "results": rows,
     }  # fmt: skip
     return summary, longest.logits, kv
 
