@@ -157,7 +157,8 @@ def plan_prefill_batch(
 
     Context rows are packed sequence after sequence and cut into chunks of at
     most ``workspace_tokens`` rows (``None``: one chunk); a chunk may split a
-    sequence. When ``backend`` is given its kernels are planned here, once.
+    sequence. When ``backend`` is given its kernels are planned here, once, and
+    the plans of earlier batches are dropped.
     """
     seq_lens = tuple(int(n) for n in seq_lens)
     context_lens = tuple(int(n) for n in context_lens) if context_lens is not None else (0,) * len(seq_lens)
@@ -189,6 +190,7 @@ def plan_prefill_batch(
         workspace_tokens=workspace_tokens,
     )
     if backend is not None:
+        backend.clear_plans()
         backend.plan(batch.cu_seqlens, causal=True)
         for chunk in chunks:
             backend.plan(chunk.cu_seqlens_q, chunk.cu_seqlens_k, causal=False)

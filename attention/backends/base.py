@@ -285,6 +285,10 @@ class MLAPrefillBackend(ABC):
         self.num_plans_built += 1
         return plan
 
+    def clear_plans(self) -> None:
+        """Drop every cached plan (and the kernel state it holds)."""
+        self._plans.clear()
+
     def run_prefill_new_tokens(
         self,
         q: torch.Tensor,

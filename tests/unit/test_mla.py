@@ -142,6 +142,8 @@ def test_plan_once_for_all_layers():
         for layer in layers:
             hidden = hidden + layer(hidden, batch, context)[0]
     assert backend.num_plans_built == planned
+    plan_prefill_batch([5], backend=backend)  # the next batch replaces this batch's plans
+    assert len(backend._plans) == 1
 
 
 def test_bad_inputs_are_named():
