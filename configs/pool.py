@@ -1,8 +1,8 @@
-"""Pool configuration: parallelism, backend, batching and chunking, validated on load.
+"""Pool configuration: parallelism, backend, batching, chunking and KV cache, validated on creation.
 
-A pool config is a flat set of keys (also readable from JSON/YAML-like dicts
-with :meth:`PoolConfig.from_dict`); :meth:`PoolConfig.resolve` checks it
-against the model (TP must divide the heads, ...) and fills in ``auto`` values.
+:class:`PoolConfig` checks its own values; :meth:`PoolConfig.model_config` loads
+the model and checks it against the pool (TP must divide the heads, no MoE
+layers yet). ``auto`` values are resolved by each worker for its device.
 """
 
 from __future__ import annotations
@@ -92,14 +92,6 @@ class PoolConfig:
             raise ValueError(f"pool config: worker_cpus must be positive, got {self.worker_cpus}")
         if self.batch_wait_ms < 0:
             raise ValueError(f"pool config: batch_wait_ms must be >= 0, got {self.batch_wait_ms}")
-
-    @classmethod
-    def from_dict(cls, raw: dict[str, Any]) -> PoolConfig:
-        names = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(raw) - names)
-        if unknown:
-            raise ValueError(f"pool config: unknown key(s) {unknown}; valid: {sorted(names)}")
-        return cls(**raw)
 
     def replace(self, **changes: Any) -> PoolConfig:
         return dataclasses.replace(self, **changes)

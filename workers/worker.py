@@ -227,10 +227,6 @@ class PrefillWorker:
             info.update(kv_requests=self.kv.num_requests, kv_free_blocks=self.kv.free_blocks)
         return info
 
-    def shutdown(self) -> None:
-        if torch.distributed.is_initialized():
-            torch.distributed.destroy_process_group()
-
     def _model(self) -> DeepseekPrefillModel:
         if self.model is None:
             raise RuntimeError("worker is not set up: call setup() first")
