@@ -321,6 +321,8 @@ class PrefillPool:
                 break
             batch.append((request, count))
             budget -= count
+        if self._stopping and not batch:
+            return None  # running requests are drained first; queued and waiting ones fail
         deadline = time.monotonic() + cfg.batch_wait_ms / 1000
         while budget > 0 and not (self._stopping and batch):
             if replica.waiting is None:

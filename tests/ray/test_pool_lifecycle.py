@@ -123,3 +123,7 @@ def test_kv_capacity_refuses_what_never_fits_and_queues_what_fits_later(ray_clus
         pool.release(first)  # frees 13 blocks: the waiting request runs
         assert second.result(timeout=60).num_tokens == 100
         assert pool.health()[0][0]["kv_free_blocks"] == 16
+        pool.prefill(np.arange(250), keep_kv=True)  # holds 16 of 16 blocks
+        stuck = pool.submit(np.arange(10))  # waits for blocks that are never released
+    with pytest.raises(RuntimeError, match="the prefill pool was shut down"):
+        stuck.result(timeout=10)
