@@ -97,7 +97,8 @@ class PrefillWorker:
         return rendezvous_address()
 
     def setup(self, master_addr: str, master_port: int, timeout_s: float = 600.0) -> WorkerInfo:
-        """Join the process group, build this rank's shard and load (or draw) its weights."""
+        """Join the process group, build this rank's shard, load (or draw) its weights, size the
+        paged KV cache and run the warm-up prefill (kernel JIT happens here, not in a request)."""
         config = self.config
         model_config = config.model_config()
         device = _device(config.device)
