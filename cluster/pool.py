@@ -379,7 +379,10 @@ class PrefillPool:
         for request, count in batch:
             request.done += count
             if request.on_progress is not None:
-                request.on_progress(request.done, len(request.tokens))
+                try:
+                    request.on_progress(request.done, len(request.tokens))
+                except Exception:  # noqa: BLE001 -- a caller's callback must not stop the scheduler
+                    logger.exception("on_progress of request %r raised; continuing", request.id)
             if request.remaining == 0:
                 active.remove(request)
                 self._complete(replica, request, finished[request.id])

@@ -102,6 +102,15 @@ def test_bad_prompt_fails_alone_and_the_pool_keeps_serving(pool, prompts, refere
     torch.testing.assert_close(good.result().logits, reference[1][0], atol=2e-5, rtol=1e-5)
 
 
+def test_a_failing_progress_callback_does_not_stop_the_pool(pool, prompts, reference):
+    def broken(done, total):
+        raise RuntimeError("caller bug")
+
+    result = pool.prefill(prompts[2], on_progress=broken)
+    torch.testing.assert_close(result.logits, reference[2][0], atol=2e-5, rtol=1e-5)
+    assert pool.prefill(prompts[1]).num_tokens == len(prompts[1])
+
+
 def test_request_ids_must_be_unique(pool, prompts):
     result = pool.prefill(prompts[0], request_id="same", keep_kv=True)
     with pytest.raises(ValueError, match="request id 'same' is already in flight or holds KV"):
