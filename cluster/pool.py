@@ -202,7 +202,7 @@ class PrefillPool:
             except queue.Empty:
                 break
             if item is not _STOP:
-                item.future.set_exception(RuntimeError("the prefill pool was shut down"))
+                _settle(item.future, error=RuntimeError("the prefill pool was shut down"))
         for replica in self._replicas:
             _stop_replica(replica)
         self._replicas.clear()
@@ -301,7 +301,7 @@ class PrefillPool:
             batch = self._next_batch(replica, active)
             if batch is None:
                 for request in active + ([replica.waiting] if replica.waiting else []):
-                    request.future.set_exception(RuntimeError("the prefill pool was shut down"))
+                    _settle(request.future, error=RuntimeError("the prefill pool was shut down"))
                 return
             if batch:
                 self._run_batch(replica, batch, active)
@@ -371,7 +371,7 @@ class PrefillPool:
             for request in failed:
                 active.remove(request)
                 self._forget(request)
-                request.future.set_exception(RuntimeError(f"prefill of {request.id!r} failed: {_cause(exc)}"))
+                _settle(request.future, error=RuntimeError(f"prefill of {request.id!r} failed: {_cause(exc)}"))
             for worker in replica.workers:
                 worker.release.remote([r.id for r in failed])
             return
@@ -392,12 +392,11 @@ class PrefillPool:
         logger.error("replica %d: a worker died (%s); restarting the replica", replica.index, _cause(exc))
         for request in failed:
             self._forget(request)
-            request.future.set_exception(
-                RuntimeError(
-                    f"prefill of {request.id!r} failed: a worker of replica {replica.index} died "
-                    f"({_cause(exc)}); the replica was restarted"
-                )
+            error = RuntimeError(
+                f"prefill of {request.id!r} failed: a worker of replica {replica.index} died "
+                f"({_cause(exc)}); the replica was restarted"
             )
+            _settle(request.future, error=error)
         with self._lock:
             self.stats.failed += len(failed)
         retry = [r for r in active if r not in failed]
@@ -413,7 +412,7 @@ class PrefillPool:
             replica.alive = False
             for request in retry:
                 self._forget(request)
-                request.future.set_exception(RuntimeError(f"replica {replica.index} is gone: {_cause(start_exc)}"))
+                _settle(request.future, error=RuntimeError(f"replica {replica.index} is gone: {_cause(start_exc)}"))
             return
         with self._lock:
             replica.workers, replica.group, replica.infos = fresh.workers, fresh.group, fresh.infos
@@ -432,18 +431,17 @@ class PrefillPool:
             with self._lock:
                 replica.free_blocks += request.kv_blocks
             self._forget(request)
-        request.future.set_result(
-            PrefillResult(
-                request_id=request.id,
-                num_tokens=len(request.tokens),
-                logits=piece.logits,
-                last_hidden=piece.last_hidden,
-                replica=replica.index,
-                ttft_s=time.perf_counter() - request.submitted,
-                kv_kept=request.keep_kv,
-                generation=replica.generation,
-            )
+        result = PrefillResult(
+            request_id=request.id,
+            num_tokens=len(request.tokens),
+            logits=piece.logits,
+            last_hidden=piece.last_hidden,
+            replica=replica.index,
+            ttft_s=time.perf_counter() - request.submitted,
+            kv_kept=request.keep_kv,
+            generation=replica.generation,
         )
+        _settle(request.future, result=result)
 
     def _forget(self, request: _Request) -> None:
         with self._lock:
@@ -474,6 +472,16 @@ class PrefillPool:
         if low < 0 or high >= config.vocab_size:
             raise ValueError(f"token id {low if low < 0 else high} is outside the vocabulary [0, {config.vocab_size})")
         return array.astype(np.int32)
+
+
+def _settle(future: Future, *, result=None, error: BaseException | None = None) -> None:
+    """Resolve a request's future, unless its caller cancelled it (then the outcome is dropped)."""
+    if future.cancelled():
+        return
+    if error is not None:
+        future.set_exception(error)
+    else:
+        future.set_result(result)
 
 
 def _gather(refs: list) -> list:

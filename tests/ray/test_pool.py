@@ -111,6 +111,14 @@ def test_a_failing_progress_callback_does_not_stop_the_pool(pool, prompts, refer
     assert pool.prefill(prompts[1]).num_tokens == len(prompts[1])
 
 
+def test_a_cancelled_request_does_not_stop_the_pool(pool, prompts, reference):
+    cancelled = pool.submit(prompts[3])
+    cancelled.cancel()
+    after = pool.submit(prompts[2]).result(timeout=120)  # a dead scheduler would time out here
+    torch.testing.assert_close(after.logits, reference[2][0], atol=2e-5, rtol=1e-5)
+    assert cancelled.cancelled()
+
+
 def test_request_ids_must_be_unique(pool, prompts):
     result = pool.prefill(prompts[0], request_id="same", keep_kv=True)
     with pytest.raises(ValueError, match="request id 'same' is already in flight or holds KV"):
