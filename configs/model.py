@@ -11,6 +11,7 @@ built-in name load through one path::
 
 from __future__ import annotations
 
+import hashlib
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -85,8 +86,6 @@ class ModelConfig:
 
     def fingerprint(self) -> str:
         """Stable hash of the shape-defining fields (for KV handoff compatibility checks)."""
-        import hashlib
-
         payload = json.dumps({k: v for k, v in self.source.items() if not k.startswith("_")}, sort_keys=True)
         return hashlib.sha256(payload.encode()).hexdigest()[:16]
 

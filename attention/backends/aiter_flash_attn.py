@@ -7,7 +7,7 @@ project (see README).
 
 from __future__ import annotations
 
-from attention.backends.base import BackendCapabilities, MLAPrefillBackend, neutralize_blind_rows
+from attention.backends.base import BackendCapabilities, MLAPrefillBackend
 
 
 class AiterFlashAttnPrefillBackend(MLAPrefillBackend):
@@ -19,5 +19,4 @@ class AiterFlashAttnPrefillBackend(MLAPrefillBackend):
 
         out, lse_HT = aiter.flash_attn_varlen_func(q, k, v, return_lse=True, **plan.varlen_kwargs(self.scale))
         lse_HT = lse_HT.float()
-        neutralize_blind_rows(out, lse_HT, plan)
         return out, (lse_HT if return_lse else None)

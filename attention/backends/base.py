@@ -335,7 +335,9 @@ class MLAPrefillBackend(ABC):
     def _forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: RaggedPlan, return_lse: bool
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Run the kernel on validated inputs; return ``(o [T,H,Dv], lse [H,T] | None)``."""
+        """Run the kernel on validated inputs; return ``(o [T,H,Dv], lse [H,T] | None)``.
+
+        Rows that see no key need not be right: the caller rewrites them."""
 
     # ---- internals ---------------------------------------------------------
     def _plan_for(
@@ -361,6 +363,7 @@ class MLAPrefillBackend(ABC):
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         self._check_inputs(q, k, v, plan)
         out, lse = self._forward(q, k, v, plan, return_lse)
+        neutralize_blind_rows(out, lse, plan)
         assert out.shape == (q.shape[0], self.num_heads, self.dims.v_head_dim), out.shape
         assert lse is None or (lse.shape == (self.num_heads, q.shape[0]) and lse.dtype == torch.float32)
         return out, lse
@@ -390,6 +393,7 @@ def neutralize_blind_rows(out_THD: torch.Tensor, lse_HT: torch.Tensor | None, pl
 
     Kernel libraries disagree there (FA2 returns +inf LSE, others garbage);
     the rows are known on the host from the plan, so this costs no sync.
+    Applied to every backend's result by :meth:`MLAPrefillBackend._checked_forward`.
     """
     for rows in plan.blind_query_rows:
         out_THD[rows] = 0

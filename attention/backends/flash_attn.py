@@ -27,7 +27,6 @@ from attention.backends.base import (
     DeviceCapability,
     MLAPrefillBackend,
     MLAPrefillSelectorConfig,
-    neutralize_blind_rows,
 )
 
 MODULES = {3: "flash_attn_interface", 4: "flash_attn.cute", 2: "flash_attn"}
@@ -93,5 +92,4 @@ class FlashAttnPrefillBackend(MLAPrefillBackend):
         if pad:
             out = out[..., :v_dim]
         lse = lse.float()
-        neutralize_blind_rows(out, lse, plan)
         return out, (lse if return_lse else None)

@@ -31,7 +31,6 @@ from attention.backends.base import (
     BackendCapabilities,
     MLAPrefillBackend,
     RaggedPlan,
-    neutralize_blind_rows,
 )
 
 logger = logging.getLogger(__name__)
@@ -86,10 +85,7 @@ class FlashInferPrefillBackend(MLAPrefillBackend):
     def _forward(self, q, k, v, plan, return_lse):
         wrapper = self._wrapper(plan, q.dtype)
         if not return_lse:
-            out = wrapper.run(q, k.contiguous(), v.contiguous())
-            neutralize_blind_rows(out, None, plan)
-            return out, None
+            return wrapper.run(q, k.contiguous(), v.contiguous()), None
         out, lse_TH = wrapper.run(q, k.contiguous(), v.contiguous(), return_lse=True)
         lse_HT = lse_TH.t() * math.log(2.0)
-        neutralize_blind_rows(out, lse_HT, plan)
         return out, lse_HT

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from attention.backends.base import DEEPSEEK_MLA_DIMS, BackendCapabilities, MLAPrefillBackend, neutralize_blind_rows
+from attention.backends.base import DEEPSEEK_MLA_DIMS, BackendCapabilities, MLAPrefillBackend
 
 
 class TokenspeedMLAPrefillBackend(MLAPrefillBackend):
@@ -44,5 +44,4 @@ class TokenspeedMLAPrefillBackend(MLAPrefillBackend):
             max_seq_len_q=plan.max_seqlen_q,
         )
         lse_HT = lse_TH.t().float()
-        neutralize_blind_rows(out, lse_HT, plan)
         return out, (lse_HT if return_lse else None)

@@ -16,7 +16,6 @@ from attention.backends.base import (
     BackendCapabilities,
     MLADimensions,
     MLAPrefillBackend,
-    neutralize_blind_rows,
 )
 
 
@@ -61,5 +60,4 @@ class TrtllmRaggedPrefillBackend(MLAPrefillBackend):
             return_lse=True,
         )
         lse_HT = lse_TH.t() * math.log(2.0)
-        neutralize_blind_rows(out, lse_HT, plan)
         return out, (lse_HT if return_lse else None)
