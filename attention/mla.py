@@ -144,6 +144,11 @@ class PrefillBatch:
     def num_context_rows(self) -> int:
         return sum(self.context_lens)
 
+    @property
+    def last_token_index(self) -> torch.Tensor:
+        """Index of every sequence's last new token in the batch."""
+        return self.cu_seqlens[1:].long() - 1
+
 
 def plan_prefill_batch(
     seq_lens: Sequence[int],
@@ -176,10 +181,7 @@ def plan_prefill_batch(
     device = torch.device(device)
     cu = _offsets(seq_lens)
     positions = torch.cat([torch.arange(c, c + n) for n, c in zip(seq_lens, context_lens)]).to(device)
-    chunks = tuple(
-        _make_chunk(segments, seq_lens, context_lens, cu, device)
-        for segments in _pack_context(context_lens, workspace_tokens)
-    )
+    chunks = plan_context_chunks(seq_lens, context_lens, workspace_tokens=workspace_tokens, device=device)
     batch = PrefillBatch(
         seq_lens=seq_lens,
         context_lens=context_lens,
@@ -195,6 +197,26 @@ def plan_prefill_batch(
         for chunk in chunks:
             backend.plan(chunk.cu_seqlens_q, chunk.cu_seqlens_k, causal=False)
     return batch
+
+
+def plan_context_chunks(
+    q_lens: Sequence[int],
+    k_lens: Sequence[int],
+    *,
+    workspace_tokens: int | None = DEFAULT_WORKSPACE_TOKENS,
+    device: torch.device | str = "cpu",
+) -> tuple[ContextChunk, ...]:
+    """Chunks of non-causal attention of query groups ``q_lens`` over their packed keys ``k_lens``.
+
+    Group ``i`` has ``q_lens[i]`` query rows and ``k_lens[i]`` cached rows; keys are
+    packed group after group and cut every ``workspace_tokens`` rows (``None``: one
+    chunk). Groups with keys need queries; groups without keys get no chunk.
+    """
+    if any(k > 0 and q <= 0 for q, k in zip(q_lens, k_lens)):
+        raise ValueError(f"every group with cached rows needs queries, got q_lens={list(q_lens)} k_lens={list(k_lens)}")
+    q_lens, k_lens = tuple(q_lens), tuple(k_lens)
+    cu = _offsets(q_lens)
+    return tuple(_make_chunk(segments, q_lens, k_lens, cu, torch.device(device)) for segments in _pack_context(k_lens, workspace_tokens))
 
 
 def _offsets(lengths: Sequence[int]) -> list[int]:
@@ -309,48 +331,56 @@ class MLAAttention(nn.Module):
         context, packed in batch order; it must be given iff the batch has context.
         """
         self._check_inputs(hidden, batch, context_kv)
-        c, heads = self.config, self.num_heads
-        tokens = hidden.shape[0]
-
-        if c.q_lora_rank is None:
-            q = self.q_proj(hidden)
-        else:
-            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(hidden)))
-        q = q.view(tokens, heads, c.dims.qk_head_dim)
-        kv_c, k_pe = self.kv_a_proj_with_mqa(hidden).split([c.kv_lora_rank, c.qk_rope_head_dim], dim=-1)
-        kv_c = self.kv_a_layernorm(kv_c)
-        cos, sin = self.rope.cos_sin(batch.positions)
-        q[..., c.qk_nope_head_dim :] = self.rope(q[..., c.qk_nope_head_dim :], cos, sin)
-        k_pe = self.rope(k_pe, cos, sin)
-        latent = torch.cat([kv_c, k_pe], dim=-1)
-
-        k, v = self._up_project(kv_c, k_pe)
+        q, latent = self.project(hidden, batch.positions)
+        k, v = self.up_project(latent)
         has_context = bool(batch.context_chunks)
         result = self.backend.run_prefill_new_tokens(
             q, k, v, batch.cu_seqlens, batch.max_seqlen, return_softmax_lse=has_context
         )
         attn = result[0] if has_context else result
         if has_context:
-            self._attend_context(q, attn, result[1], batch, context_kv)
-        return self.o_proj(attn.reshape(tokens, heads * c.v_head_dim)), latent
+            self.attend_context(q, attn, result[1], batch.context_chunks, context_kv)
+        return self.output(attn), latent
 
-    def _up_project(self, kv_c: torch.Tensor, k_pe: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Latent ``kv_c [S, Lkv]``, ``k_pe [S, R]`` -> ``k [S, N, P+R]``, ``v [S, N, V]``."""
+    def project(self, hidden: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``hidden [T, hidden]`` at ``positions [T]`` -> ``q [T, N, P+R]`` and ``latent [T, Lkv+R]``, both rotated."""
+        c, tokens = self.config, hidden.shape[0]
+        if c.q_lora_rank is None:
+            q = self.q_proj(hidden)
+        else:
+            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(hidden)))
+        q = q.view(tokens, self.num_heads, c.dims.qk_head_dim)
+        kv_c, k_pe = self.kv_a_proj_with_mqa(hidden).split([c.kv_lora_rank, c.qk_rope_head_dim], dim=-1)
+        kv_c = self.kv_a_layernorm(kv_c)
+        cos, sin = self.rope.cos_sin(positions)
+        q[..., c.qk_nope_head_dim :] = self.rope(q[..., c.qk_nope_head_dim :], cos, sin)
+        return q, torch.cat([kv_c, self.rope(k_pe, cos, sin)], dim=-1)
+
+    def up_project(self, latent: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Latent rows ``[S, Lkv+R]`` -> ``k [S, N, P+R]``, ``v [S, N, V]``."""
         c = self.config
-        rows = kv_c.shape[0]
-        kv = self.kv_b_proj(kv_c).view(rows, self.num_heads, c.qk_nope_head_dim + c.v_head_dim)
+        rows = latent.shape[0]
+        kv = self.kv_b_proj(latent[:, : c.kv_lora_rank]).view(rows, self.num_heads, c.qk_nope_head_dim + c.v_head_dim)
         k_nope, v = kv.split([c.qk_nope_head_dim, c.v_head_dim], dim=-1)
-        k = torch.cat([k_nope, k_pe.unsqueeze(1).expand(rows, self.num_heads, c.qk_rope_head_dim)], dim=-1)
-        return k, v
+        k_pe = latent[:, c.kv_lora_rank :].unsqueeze(1).expand(rows, self.num_heads, c.qk_rope_head_dim)
+        return torch.cat([k_nope, k_pe], dim=-1), v
 
-    def _attend_context(
-        self, q: torch.Tensor, attn: torch.Tensor, lse: torch.Tensor, batch: PrefillBatch, context_kv: torch.Tensor
+    def output(self, attn: torch.Tensor) -> torch.Tensor:
+        """``o_proj`` of the attention output ``[T, N, V]`` (a partial sum under TP)."""
+        return self.o_proj(attn.reshape(attn.shape[0], self.num_heads * self.config.v_head_dim))
+
+    def attend_context(
+        self,
+        q: torch.Tensor,
+        attn: torch.Tensor,
+        lse: torch.Tensor,
+        chunks: Sequence[ContextChunk],
+        context_kv: torch.Tensor,
     ) -> None:
-        """Fold every context chunk into ``attn``/``lse`` in place."""
-        kv_lora = self.config.kv_lora_rank
-        for chunk in batch.context_chunks:
-            rows = context_kv[chunk.row_start : chunk.row_end]
-            k, v = self._up_project(rows[:, :kv_lora], rows[:, kv_lora:])
+        """Fold non-causal attention over cached latent rows into ``attn [T,N,V]``/``lse [N,T]`` in place,
+        one chunk of ``context_kv`` rows (up-projected on the fly) at a time."""
+        for chunk in chunks:
+            k, v = self.up_project(context_kv[chunk.row_start : chunk.row_end])
             tokens = slice(chunk.token_start, chunk.token_end)
             chunk_out, chunk_lse = self.backend.run_prefill_context_chunk(
                 q[tokens], k, v, chunk.cu_seqlens_q, chunk.cu_seqlens_k, chunk.max_seqlen_q, chunk.max_seqlen_k

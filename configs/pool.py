@@ -13,8 +13,10 @@ from typing import Any
 
 from attention.backends.registry import MLAPrefillBackendEnum
 from configs.model import DTYPES, ModelConfig, load_model_config
+from workers.pcp import STRATEGIES as PCP_STRATEGIES
 
 DEVICES = ("auto", "cpu", "cuda")
+PLACEMENTS = ("STRICT_PACK", "PACK", "SPREAD", "STRICT_SPREAD")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -25,6 +27,9 @@ class PoolConfig:
     checkpoint       HF checkpoint directory (config.json + safetensors); None = seeded random weights
     num_layers       run only the first N layers (None: all)
     tp, pcp          tensor- and prefill-context-parallel degrees; a replica has tp * pcp workers
+    pcp_strategy     how a chunk attends to context sharded over PCP ranks: "sharded" (merge partial
+                     outputs), "gather" (all-gather the latent KV), or "auto" (a cost model, per batch)
+    placement        Ray placement strategy of a replica's workers; STRICT_PACK keeps it on one node
     replicas         independent TP x PCP groups serving requests in parallel
     backend          MLA prefill backend name, or "auto"
     dtype            compute dtype, or "auto" (the model's on GPU, float32 on CPU)
@@ -34,7 +39,8 @@ class PoolConfig:
     batch_wait_ms    how long the scheduler waits for more requests before running a batch
     workspace_tokens bound on cached-context rows up-projected at once (see attention.mla)
     block_size       tokens per block of the paged latent KV cache
-    kv_cache_tokens  KV cache capacity per worker in tokens; None = on GPU what gpu_memory_utilization
+    kv_cache_tokens  KV cache capacity per worker in tokens (under PCP a prompt's KV is striped over the
+                     pcp workers of a TP rank, so a replica holds pcp times more); None = on GPU what gpu_memory_utilization
                      leaves after the weights and a profile prefill of one chunk, on CPU 262144
     gpu_memory_utilization  fraction of a GPU's memory a worker may use (weights, activations, KV)
     worker_cpus      CPUs reserved per worker (fractional on small hosts)
@@ -47,6 +53,8 @@ class PoolConfig:
     num_layers: int | None = None
     tp: int = 1
     pcp: int = 1
+    pcp_strategy: str = "auto"
+    placement: str = "STRICT_PACK"
     replicas: int = 1
     backend: str = "auto"
     dtype: str = "auto"
@@ -67,8 +75,10 @@ class PoolConfig:
             value = getattr(self, key)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"pool config: {key} must be a positive integer, got {value!r}")
-        if self.pcp != 1:
-            raise ValueError(f"pool config: pcp={self.pcp} is not supported yet; valid: 1")
+        if self.pcp_strategy not in PCP_STRATEGIES:
+            raise ValueError(f"pool config: pcp_strategy {self.pcp_strategy!r} is not one of {', '.join(PCP_STRATEGIES)}")
+        if self.placement not in PLACEMENTS:
+            raise ValueError(f"pool config: placement {self.placement!r} is not one of {', '.join(PLACEMENTS)}")
         if self.num_layers is not None and (not isinstance(self.num_layers, int) or self.num_layers < 1):
             raise ValueError(f"pool config: num_layers must be a positive integer or None, got {self.num_layers!r}")
         if self.max_batch_tokens < self.chunk_tokens:

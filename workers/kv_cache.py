@@ -81,14 +81,14 @@ class PagedKVCache:
         slots = blocks[positions // self.block_size] * self.block_size + positions % self.block_size
         self._requests[request_id] = _Entry(blocks, slots)
 
-    def append(self, request_id: str, latents: list[torch.Tensor], start: int, stop: int) -> None:
-        """Append rows ``[start, stop)`` of every layer's batch latent ``[T, width]`` to the request."""
+    def append(self, request_id: str, latents: list[torch.Tensor], rows: slice | torch.Tensor) -> None:
+        """Append rows ``rows`` (a slice or an index tensor) of every layer's batch latent ``[T, width]``."""
         entry = self._entry(request_id)
-        count = stop - start
+        count = len(range(*rows.indices(latents[0].shape[0]))) if isinstance(rows, slice) else rows.numel()
         assert entry.length + count <= entry.capacity, (request_id, entry.length, count, entry.capacity)
         slots = entry.slots[entry.length : entry.length + count]
         for layer, latent in enumerate(latents):
-            self._rows[layer].index_copy_(0, slots, latent[start:stop])
+            self._rows[layer].index_copy_(0, slots, latent[rows])
         entry.length += count
 
     def length(self, request_id: str) -> int:

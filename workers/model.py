@@ -31,6 +31,7 @@ from torch import nn
 from attention.backends.base import MLAPrefillBackend
 from attention.mla import MLAAttention, PrefillBatch, RMSNorm
 from configs.model import ModelConfig
+from workers.pcp import PCPPlan, context_parallel_attention
 
 COLUMN_PARALLEL = ("q_b_proj.weight", "q_proj.weight", "kv_b_proj.weight", "gate_proj.weight", "up_proj.weight")
 ROW_PARALLEL = ("o_proj.weight", "down_proj.weight")
@@ -150,7 +151,7 @@ class DeepseekPrefillModel(nn.Module):
     def forward(
         self,
         token_ids: torch.Tensor,
-        batch: PrefillBatch,
+        batch: PrefillBatch | PCPPlan,
         context: Sequence[torch.Tensor] | None = None,
         *,
         compute_logits: bool = True,
@@ -160,32 +161,38 @@ class DeepseekPrefillModel(nn.Module):
 
         ``context`` holds one packed ``[C, latent]`` tensor of cached rows per
         layer when the batch has context. ``on_layer(i)`` is called after each layer.
+        Under prefill context parallelism ``batch`` is this rank's :class:`PCPPlan`:
+        ``token_ids`` are then the rank's zigzag share, ``context`` its KV shard,
+        the latents the whole batch's, and only PCP rank 0 gets last states and logits.
         """
         self.check_tokens(token_ids, batch)
-        if batch.num_context_rows and (context is None or len(context) != self.config.num_hidden_layers):
+        if any(batch.context_lens) and (context is None or len(context) != self.config.num_hidden_layers):
             raise ValueError(f"the batch has cached context: pass one context tensor per layer ({self.config.num_hidden_layers})")
         h = self.model.embed_tokens(token_ids)
         latents = []
         for i, layer in enumerate(self.model.layers):
-            attn, latent = layer.self_attn(layer.input_layernorm(h), batch, context[i] if context else None)
+            x, layer_context = layer.input_layernorm(h), context[i] if context else None
+            if isinstance(batch, PCPPlan):
+                attn, latent = context_parallel_attention(layer.self_attn, x, batch, layer_context)
+            else:
+                attn, latent = layer.self_attn(x, batch, layer_context)
             h = h + self.tp.all_reduce(attn)
             h = h + self.tp.all_reduce(layer.mlp(layer.post_attention_layernorm(h)))
             latents.append(latent)
             if on_layer is not None:
                 on_layer(i)
-        last_index = batch.cu_seqlens[1:].long() - 1
-        last = self.model.norm(h[last_index])
+        last = self.model.norm(h[batch.last_token_index])
         logits = self.lm_head(last).float() if compute_logits else None
         return PrefillOutput(last_hidden=last, logits=logits, latents=latents)
 
-    def check_tokens(self, token_ids: torch.Tensor, batch: PrefillBatch) -> None:
+    def check_tokens(self, token_ids: torch.Tensor, batch: PrefillBatch | PCPPlan) -> None:
         """Raise ``TypeError``/``ValueError`` for token ids this model cannot prefill."""
         if not isinstance(token_ids, torch.Tensor) or token_ids.dtype not in (torch.int64, torch.int32):
             got = token_ids.dtype if isinstance(token_ids, torch.Tensor) else type(token_ids).__name__
             raise TypeError(f"token ids must be an int64 or int32 tensor, got {got}")
         if token_ids.dim() != 1 or token_ids.numel() != batch.num_tokens:
             raise ValueError(f"token ids must be 1-D with {batch.num_tokens} entries, got shape {tuple(token_ids.shape)}")
-        low, high = int(token_ids.min()), int(token_ids.max())
+        low, high = (int(token_ids.min()), int(token_ids.max())) if token_ids.numel() else (0, 0)
         if low < 0 or high >= self.config.vocab_size:
             bad = low if low < 0 else high
             raise ValueError(f"token id {bad} is outside the vocabulary [0, {self.config.vocab_size})")

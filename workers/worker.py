@@ -36,6 +36,7 @@ from configs.model import DTYPES
 from configs.pool import PoolConfig
 from workers.kv_cache import PagedKVCache, blocks_for
 from workers.model import DeepseekPrefillModel, TPShard
+from workers.pcp import PCPCostModel, PCPGroup, PCPPlan, measure_cost_model, shard_rows
 from workers.weights import load_checkpoint
 
 # NVLink multicast off everywhere (shared hosts: see the project's GPU notes).
@@ -66,6 +67,16 @@ class PieceResult:
 
 
 @dataclass
+class BatchOutput:
+    """What rank 0 returns for a batch: finished requests, and under PCP the context strategy
+    used and the bytes one rank received for it (all layers)."""
+
+    results: list[PieceResult]
+    pcp_strategy: str | None = None
+    pcp_bytes: int = 0
+
+
+@dataclass
 class WorkerInfo:
     rank: int
     world_size: int
@@ -77,6 +88,7 @@ class WorkerInfo:
     warmup_s: float  # the warm-up prefill, including any kernel JIT compilation
     kv_blocks: int  # capacity of the paged latent KV cache
     block_size: int
+    pcp_link_gbps: float | None  # measured PCP all-gather bandwidth per rank (None without PCP)
 
 
 def rendezvous_address() -> tuple[str, int]:
@@ -91,7 +103,10 @@ class PrefillWorker:
     def __init__(self, config: PoolConfig, rank: int) -> None:
         self.config, self.rank = config, rank
         self.world_size = config.workers_per_replica
+        self.pcp_rank, self.tp_rank = divmod(rank, config.tp)
         self.model: DeepseekPrefillModel | None = None
+        self.pcp = PCPGroup()
+        self.cost_model: PCPCostModel | None = None
 
     def rendezvous_address(self) -> tuple[str, int]:
         return rendezvous_address()
@@ -105,7 +120,7 @@ class PrefillWorker:
         dtype = _dtype(config.dtype, device, model_config.dtype)
         if device.type == "cuda":
             torch.cuda.set_device(device)
-        group = None
+        tp_group = None
         if self.world_size > 1:
             torch.distributed.init_process_group(
                 "nccl" if device.type == "cuda" else "gloo",
@@ -114,18 +129,23 @@ class PrefillWorker:
                 world_size=self.world_size,
                 timeout=timedelta(seconds=timeout_s),
             )
-            group = torch.distributed.group.WORLD
+            tp_group, pcp_group = self._grid_groups()
+            if config.pcp > 1:
+                self.pcp = PCPGroup(self.pcp_rank, config.pcp, pcp_group)
         backend_cls = get_mla_prefill_backend(
             MLAPrefillSelectorConfig(dtype, model_config.attention.dims),
             DeviceCapability.of(device),
             None if config.backend.upper() == "AUTO" else config.backend,
         )
-        tp = TPShard(self.rank, config.tp, group)
+        tp = TPShard(self.tp_rank, config.tp, tp_group)
         self.model = DeepseekPrefillModel.create(model_config, backend_cls, tp=tp, dtype=dtype, device=device)
         if config.checkpoint:
             load_checkpoint(self.model, config.checkpoint)
         else:
             self.model.init_random_weights(config.seed)
+        if self.pcp.size > 1:
+            width = model_config.attention.latent_dim
+            self.cost_model = measure_cost_model(self.pcp, torch.distributed.group.WORLD, device, dtype, width=width)
         self.kv = self._allocate_kv_cache(model_config, dtype, device)
         started = time.perf_counter()
         self._warm_up()
@@ -140,39 +160,85 @@ class PrefillWorker:
             warmup_s=round(time.perf_counter() - started, 2),
             kv_blocks=self.kv.num_blocks,
             block_size=self.kv.block_size,
+            pcp_link_gbps=round(self.cost_model.link_bytes_per_s / 1e9, 2) if self.cost_model else None,
         )
 
+    def _grid_groups(self):
+        """The TP group and the PCP group of this rank (every rank creates every group, in one order)."""
+        tp, pcp = self.config.tp, self.config.pcp
+        if pcp == 1:
+            return torch.distributed.group.WORLD, None
+        if tp == 1:
+            return None, torch.distributed.group.WORLD
+        mine = {}
+        for p in range(pcp):  # TP groups: the same pcp_rank
+            group = torch.distributed.new_group([p * tp + t for t in range(tp)])
+            if p == self.pcp_rank:
+                mine["tp"] = group
+        for t in range(tp):  # PCP groups: the same tp_rank
+            group = torch.distributed.new_group([p * tp + t for p in range(pcp)])
+            if t == self.tp_rank:
+                mine["pcp"] = group
+        return mine["tp"], mine["pcp"]
+
     @torch.no_grad()
-    def prefill(self, pieces: Sequence[ChunkPiece]) -> list[PieceResult] | None:
-        """Run one batch of chunk pieces. Every rank of the replica gets the same call."""
+    def prefill(self, pieces: Sequence[ChunkPiece]) -> BatchOutput | None:
+        """Run one batch of chunk pieces. Every rank of the replica gets the same call;
+        global rank 0 returns the finished requests' results and the batch's PCP report."""
         model = self._model()
         device = model.lm_head.weight.device
         for piece in pieces:  # identical on every rank, so all ranks fail together
             self._check_piece(piece)
         for piece in pieces:
             if piece.context_len == 0:
-                self.kv.reserve(piece.request_id, piece.total_len)
-        batch = plan_prefill_batch(
-            [len(p.token_ids) for p in pieces],
-            [p.context_len for p in pieces],
-            workspace_tokens=self.config.workspace_tokens,
-            device=device,
-            backend=model.backend,
-        )
+                self.kv.reserve(piece.request_id, self._rows(piece.total_len))
+        seq_lens, context_lens = [len(p.token_ids) for p in pieces], [p.context_len for p in pieces]
         token_ids = torch.from_numpy(np.concatenate([p.token_ids for p in pieces]).astype(np.int64)).to(device)
-        context = _PackedContext(self.kv, pieces) if batch.num_context_rows else None
-        out = model(token_ids, batch, context)
+        if self.pcp.size > 1:
+            batch = PCPPlan(
+                seq_lens,
+                context_lens,
+                pcp=self.pcp,
+                block_size=self.kv.block_size,
+                num_heads=model.backend.num_heads,
+                dims=model.backend.dims,
+                latent_width=model.config.attention.latent_dim,
+                element_size=model.dtype.itemsize,
+                workspace_tokens=self.config.workspace_tokens,
+                device=device,
+                strategy=self.config.pcp_strategy,
+                cost_model=self.cost_model,
+                backend=model.backend,
+            )
+            token_ids = token_ids[batch.local_index]
+        else:
+            batch = plan_prefill_batch(
+                seq_lens, context_lens, workspace_tokens=self.config.workspace_tokens, device=device, backend=model.backend
+            )
+        context = _PackedContext(self.kv, [(p.request_id, self._rows(p.context_len)) for p in pieces if p.context_len])
+        out = model(token_ids, batch, context if any(context_lens) else None)
         start = 0
-        for piece in pieces:
-            self.kv.append(piece.request_id, out.latents, start, start + len(piece.token_ids))
+        for i, piece in enumerate(pieces):
+            if isinstance(batch, PCPPlan):
+                self.kv.append(piece.request_id, out.latents, batch.store_index[i])
+            else:
+                self.kv.append(piece.request_id, out.latents, slice(start, start + len(piece.token_ids)))
             start += len(piece.token_ids)
         if self.rank != 0:
             return None
-        return [
+        results = [
             PieceResult(piece.request_id, out.logits[i].cpu(), out.last_hidden[i].float().cpu())
             for i, piece in enumerate(pieces)
             if piece.is_last
         ]
+        if not isinstance(batch, PCPPlan):
+            return BatchOutput(results)
+        layers = model.config.num_hidden_layers
+        return BatchOutput(results, batch.strategy, int(batch.comm_bytes_per_layer * layers))
+
+    def _rows(self, tokens: int) -> int:
+        """KV rows of a request's first ``tokens`` tokens that this worker stores (its PCP stripes)."""
+        return shard_rows(tokens, self.pcp.rank, self.pcp.size, self.config.block_size)
 
     def _allocate_kv_cache(self, model_config, dtype: torch.dtype, device: torch.device) -> PagedKVCache:
         """The paged cache, sized by ``kv_cache_tokens`` or, on a GPU, by the memory left after
@@ -236,19 +302,21 @@ class PrefillWorker:
     def _check_piece(self, piece: ChunkPiece) -> None:
         if piece.context_len == 0:
             return
-        held = self.kv.length(piece.request_id)
-        if held != piece.context_len:
+        held, expected = self.kv.length(piece.request_id), self._rows(piece.context_len)
+        if held != expected:
             raise ValueError(
-                f"request {piece.request_id!r}: chunk expects {piece.context_len} cached tokens, the worker holds {held}"
+                f"request {piece.request_id!r}: chunk expects {piece.context_len} cached tokens "
+                f"({expected} rows on this worker), the worker holds {held}"
             )
 
 
 class _PackedContext(Sequence):
-    """Per layer, the batch's cached rows packed in batch order (gathered one layer at a time)."""
+    """Per layer, the batch's cached rows held here, packed in batch order (gathered one layer at a time).
 
-    def __init__(self, kv: PagedKVCache, pieces: Sequence[ChunkPiece]) -> None:
-        self.kv = kv
-        self.parts = [(p.request_id, p.context_len) for p in pieces if p.context_len]
+    ``parts`` lists ``(request_id, rows)`` for the requests with context."""
+
+    def __init__(self, kv: PagedKVCache, parts: list[tuple[str, int]]) -> None:
+        self.kv, self.parts = kv, parts
         self.num_layers = kv.blocks.shape[0]
 
     def __len__(self) -> int:

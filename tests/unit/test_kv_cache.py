@@ -14,8 +14,8 @@ def test_rows_come_back_in_order_across_chunks_and_blocks():
     cache = _cache()
     latents = [torch.randn(11, 6), torch.randn(11, 6)]  # two layers of one 11-token request
     cache.reserve("a", 11)
-    cache.append("a", latents, 0, 5)  # chunk 1: tokens 0-4
-    cache.append("a", latents, 5, 11)  # chunk 2: tokens 5-10
+    cache.append("a", latents, slice(0, 5))  # chunk 1: tokens 0-4
+    cache.append("a", latents, torch.arange(5, 11))  # chunk 2: tokens 5-10
     for layer in range(2):
         assert torch.equal(cache.rows("a", layer), latents[layer])
         assert torch.equal(cache.rows("a", layer, 7), latents[layer][:7])
@@ -27,7 +27,7 @@ def test_vllm_layout_token_i_is_in_block_table_i_over_block_size():
     cache.reserve("x", 3)  # takes block 0 (blocks are handed out lowest first)
     cache.reserve("a", 10)  # blocks 1, 2, 3
     latent = torch.arange(10 * 6, dtype=torch.float32).view(10, 6)
-    cache.append("a", [latent, latent + 1000], 0, 10)
+    cache.append("a", [latent, latent + 1000], slice(0, 10))
     table = cache._requests["a"].blocks.tolist()
     assert table == [1, 2, 3]
     for i in range(10):

@@ -1,0 +1,461 @@
+"""Prefill context parallelism (PCP): the prompt's tokens and its latent KV cache spread over a group.
+
+Legend: P the PCP degree, r this rank in the PCP group, T the batch's new tokens
+(its "chunk"), T_r those this rank computes, C the cached context rows of the
+batch, N this rank's heads, W = kv_lora_rank + qk_rope_head_dim (576).
+
+Grid. A replica has ``tp * pcp`` workers; global rank ``pcp_rank * tp + tp_rank``.
+Ranks with the same ``pcp_rank`` form a TP group (they split heads), ranks with
+the same ``tp_rank`` a PCP group (they split tokens). Everything below happens
+inside one PCP group, for one TP rank's heads.
+
+Zigzag split. Each request's new tokens of a step are cut into ``2P`` near-equal
+segments; rank ``r`` computes segments ``r`` and ``2P-1-r`` (head and tail), so
+every rank gets the same causal work. The last segment, which holds the last
+token, is always non-empty and belongs to rank 0.
+
+Striped KV. Block ``j`` (``block_size`` tokens) of a request's latent KV lives
+on PCP rank ``j % P``: a rank stores every ``P``-th block, in order, so its shard
+grows by appending and the longest prompt that fits grows linearly with ``P``.
+
+Per layer, for the batch (two strategies for the cached context):
+
+    q_r, latent_r = project(hidden_r)                 this rank's tokens
+    latent        = all-gather(latent_r)              [T, W]: the chunk's keys, and the rows to store
+    o, lse        = causal attention of q_r over their chunk prefixes
+
+    sharded (the design card's): context stays where it is
+        q     = all-gather(q_r)                       queries of requests with context
+        o', lse' = attention of q over this rank's own shard (non-causal)
+        all-to-all: each rank gets, from every rank, the partials of its own queries
+        (o, lse) = merge_attn_states_many(o, o'_0..o'_{P-1})
+        bytes per chunk ~ T * N * (Dqk + Dv + 4 B/elt...)   -- flat in the context length
+    gather (vLLM's): queries stay where they are
+        context = all-gather(every rank's shard)      [C, W]
+        (o, lse) = merge(o, attention of q_r over context)
+        bytes per chunk ~ C * W                        -- grows with the context
+
+    out_r = o_proj(o)
+
+A cost model (:class:`PCPCostModel`) estimates each strategy's time per batch
+from the bytes it moves, the measured link bandwidth and, for gather, the
+up-projection of the whole context that every rank repeats; ``auto`` picks the
+cheaper, and the user can force one. Collectives are launched asynchronously and
+waited for only where their result is needed, so the latent/query gathers run
+under the projections and the all-to-all under the causal attention.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from functools import cached_property
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from attention.mla import MLAAttention, plan_context_chunks
+from attention.merge import merge_attn_states_many
+
+STRATEGIES = ("auto", "sharded", "gather")
+
+
+# ---- token split and KV striping (pure functions; the driver uses them too) ----------------------
+def zigzag_segments(num_tokens: int, size: int) -> list[tuple[int, int]]:
+    """``2 * size`` contiguous ``(start, stop)`` segments of ``range(num_tokens)``, sizes differing by
+    at most one; the last ones are the longer, so the final token's segment is never empty."""
+    parts = 2 * size
+    base, extra = divmod(num_tokens, parts)
+    bounds = [0]
+    for i in range(parts):
+        bounds.append(bounds[-1] + base + (1 if i >= parts - extra else 0))
+    return list(zip(bounds, bounds[1:]))
+
+
+def rank_segments(num_tokens: int, rank: int, size: int) -> tuple[tuple[int, int], tuple[int, int]]:
+    """The head and tail segments rank ``rank`` computes."""
+    segments = zigzag_segments(num_tokens, size)
+    return segments[rank], segments[2 * size - 1 - rank]
+
+
+def shard_rows(num_tokens: int, rank: int, size: int, block_size: int) -> int:
+    """How many of a request's first ``num_tokens`` KV rows PCP rank ``rank`` stores."""
+    blocks, rest = divmod(num_tokens, block_size)
+    rows = (blocks // size + (1 if rank < blocks % size else 0)) * block_size
+    return rows + (rest if blocks % size == rank else 0)
+
+
+def shard_positions(num_tokens: int, rank: int, size: int, block_size: int) -> torch.Tensor:
+    """Token positions (ascending) of the rows rank ``rank`` stores, among the first ``num_tokens``."""
+    positions = torch.arange(num_tokens)
+    return positions[(positions // block_size) % size == rank]
+
+
+def interleave_shards(shards: list[torch.Tensor], block_size: int) -> torch.Tensor:
+    """Reassemble a request's KV from its PCP shards ``[layers, rows_r, W]`` (rank order) into
+    ``[layers, tokens, W]`` in token order."""
+    size = len(shards)
+    tokens = sum(shard.shape[1] for shard in shards)
+    out = shards[0].new_empty(shards[0].shape[0], tokens, shards[0].shape[2])
+    for rank, shard in enumerate(shards):
+        expected = shard_rows(tokens, rank, size, block_size)
+        if shard.shape[1] != expected:
+            raise ValueError(f"PCP rank {rank} returned {shard.shape[1]} KV rows; a {tokens}-token request has {expected}")
+        out[:, shard_positions(tokens, rank, size, block_size)] = shard
+    return out
+
+
+# ---- the group -----------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class PCPGroup:
+    """This rank's place in its PCP group (``group`` is a torch.distributed group)."""
+
+    rank: int = 0
+    size: int = 1
+    group: Any = None
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.rank < self.size:
+            raise ValueError(f"PCP rank {self.rank} is outside 0..{self.size - 1}")
+
+    def all_gather(self, rows: torch.Tensor, padded: int) -> tuple[Any, torch.Tensor]:
+        """Start gathering every rank's ``rows [n_r, ...]`` (``n_r <= padded``) into ``[P * padded, ...]``;
+        returns ``(work, buffer)``; rank ``s``'s rows start at ``s * padded``."""
+        send = rows.new_zeros(padded, *rows.shape[1:])
+        send[: rows.shape[0]] = rows
+        buffer = rows.new_empty(self.size * padded, *rows.shape[1:])
+        return _all_gather(buffer, send, self.group), buffer
+
+    def all_to_all(self, rows: torch.Tensor, send_counts: list[int], recv_counts: list[int]) -> tuple[Any, torch.Tensor]:
+        """Start an all-to-all of ``rows``, sliced by ``send_counts`` per destination; returns ``(work, buffer)``."""
+        buffer = rows.new_empty(sum(recv_counts), *rows.shape[1:])
+        work = dist.all_to_all_single(buffer, rows, recv_counts, send_counts, group=self.group, async_op=True)
+        return work, buffer
+
+
+def _all_gather(buffer: torch.Tensor, send: torch.Tensor, group) -> Any:
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # renamed in torch 2.13
+    return gather(buffer, send, group=group, async_op=True)
+
+
+# ---- cost model ------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class PCPCostModel:
+    """Per-batch time estimates of the two context strategies from measured rates.
+
+    ``link_bytes_per_s``: bytes a rank receives per second in a PCP collective;
+    ``gemm_flops_per_s``: the up-projection GEMM rate. Both are measured once at
+    setup (:func:`measure_cost_model`) and agreed on by every rank.
+    """
+
+    link_bytes_per_s: float
+    gemm_flops_per_s: float
+
+    def estimate(self, comm_bytes: float, extra_flops: float) -> float:
+        return comm_bytes / self.link_bytes_per_s + extra_flops / self.gemm_flops_per_s
+
+
+@torch.no_grad()
+def measure_cost_model(pcp: PCPGroup, world_group, device: torch.device, dtype: torch.dtype, *, width: int) -> PCPCostModel:
+    """Time an all-gather on the PCP group and an up-projection-sized GEMM; every rank of
+    ``world_group`` ends with the slowest rank's figures, so all pick the same strategy."""
+    rows = 16384 if device.type == "cuda" else 1024
+    x = torch.randn(rows, width, device=device).to(dtype)
+    comm = _median_time(lambda: pcp.all_gather(x, rows)[0].wait(), device)
+    w = torch.randn(512, 4096, device=device).to(dtype)
+    a = torch.randn(rows, 512, device=device).to(dtype)
+    gemm = _median_time(lambda: a @ w, device)
+    rates = torch.tensor(
+        [(pcp.size - 1) * x.numel() * x.element_size() / comm, 2 * rows * 512 * 4096 / gemm], dtype=torch.float64, device=device
+    )
+    if world_group is not None:
+        dist.all_reduce(rates, op=dist.ReduceOp.MIN, group=world_group)
+    link, flops = rates.tolist()
+    return PCPCostModel(link_bytes_per_s=link, gemm_flops_per_s=flops)
+
+
+def _median_time(fn, device: torch.device, repeats: int = 5) -> float:
+    fn()  # warm-up (connections, kernels)
+    times = []
+    for _ in range(repeats):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        start = time.perf_counter()
+        fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        times.append(time.perf_counter() - start)
+    return max(sorted(times)[repeats // 2], 1e-9)
+
+
+# ---- the per-batch plan ---------------------------------------------------------------------------
+@dataclass(frozen=True)
+class CommEstimate:
+    """Bytes one rank receives per layer (averaged over the group) and the flops it repeats, per strategy."""
+
+    latent_bytes: float
+    sharded_bytes: float
+    gather_bytes: float
+    gather_extra_flops: float
+
+
+class PCPPlan:
+    """Everything one PCP rank needs to run a batch, built once and shared by every layer.
+
+    ``seq_lens``/``context_lens`` describe the batch's requests (new and cached
+    tokens); the plan is a pure function of them, the group shape and the model
+    dims, so every rank computes the same plan for itself without talking.
+    """
+
+    def __init__(
+        self,
+        seq_lens: list[int],
+        context_lens: list[int],
+        *,
+        pcp: PCPGroup,
+        block_size: int,
+        num_heads: int,
+        dims,
+        latent_width: int,
+        element_size: int,
+        workspace_tokens: int | None,
+        device: torch.device,
+        strategy: str = "auto",
+        cost_model: PCPCostModel | None = None,
+        backend=None,
+    ) -> None:
+        if strategy not in STRATEGIES:
+            raise ValueError(f"PCP strategy {strategy!r} is not one of {', '.join(STRATEGIES)}")
+        self.seq_lens, self.context_lens = tuple(seq_lens), tuple(context_lens)
+        self.pcp, self.block_size, self.device = pcp, block_size, device
+        size, rank = pcp.size, pcp.rank
+        starts = _offsets(self.seq_lens)
+
+        # Zigzag: each rank's tokens (indices into the batch), request after request, head then tail.
+        local_ranges = [
+            [(s + a, s + b) for s, n in zip(starts, self.seq_lens) for a, b in rank_segments(n, r, size)]
+            for r in range(size)
+        ]
+        piece_counts = [
+            [sum(b - a for a, b in rank_segments(n, r, size)) for n in self.seq_lens] for r in range(size)
+        ]
+        self.local_counts = [sum(counts) for counts in piece_counts]
+        self.padded = max(self.local_counts)
+        self.local_index = _ranges(local_ranges[rank], device)
+        positions = torch.cat(
+            [torch.arange(c, c + n, device=device) for n, c in zip(self.seq_lens, self.context_lens)]
+        )
+        self.positions = positions.index_select(0, self.local_index)
+        # all-gather buffer (rank-major, padded) -> batch order
+        self.gathered_to_batch = torch.empty(starts[-1], dtype=torch.int64, device=device)
+        for r in range(size):
+            slots = torch.arange(r * self.padded, r * self.padded + self.local_counts[r], device=device)
+            self.gathered_to_batch[_ranges(local_ranges[r], device)] = slots
+
+        # Causal new-token attention: one query sequence per non-empty local segment, its keys the
+        # request's new tokens up to the segment's end (bottom-right causal).
+        q_lens, k_lens, key_ranges = [], [], []
+        for s, n in zip(starts, self.seq_lens):
+            for a, b in rank_segments(n, rank, size):
+                if b > a:
+                    q_lens.append(b - a)
+                    k_lens.append(b)
+                    key_ranges.append((s, s + b))
+        self.new_cu_q = torch.tensor(_offsets(q_lens), dtype=torch.int32, device=device)
+        self.new_cu_k = torch.tensor(_offsets(k_lens), dtype=torch.int32, device=device)
+        self.new_max_q, self.new_max_k = max(q_lens, default=0), max(k_lens, default=0)
+        self.new_key_index = _ranges(key_ranges, device)
+
+        # Logits: every request's last token ends rank 0's share of that request (its tail segment).
+        local_start = _offsets(piece_counts[rank])
+        self.last_token_index = _index([end - 1 for end in local_start[1:]] if rank == 0 else [], device)
+
+        # KV rows this rank stores: those in its blocks, per request, as indices into the batch.
+        self.store_index = []
+        for s, n, c in zip(starts, self.seq_lens, self.context_lens):
+            p = torch.arange(c, c + n, device=device)
+            self.store_index.append(p[(p // block_size) % size == rank] - c + s)
+
+        # Cached context: requests with any, and their rows on each rank.
+        ctx = [i for i, c in enumerate(self.context_lens) if c > 0]
+        self.has_context = bool(ctx)
+        self.shard_lens = [[shard_rows(self.context_lens[i], r, size, block_size) for i in ctx] for r in range(size)]
+        self.local_ctx_index = _ranges([(local_start[i], local_start[i + 1]) for i in ctx], device)
+        self.ctx_counts = [sum(piece_counts[r][i] for i in ctx) for r in range(size)]
+
+        # sharded: every query of a request with context (gathered; grouped by request) over the
+        # rank's own shard; the partials then go back to the rank that owns each query.
+        self.padded_ctx = max(self.ctx_counts)
+        group_ranges, q_group_lens = [], []
+        for k, i in enumerate(ctx):
+            for r in range(size):
+                offset = r * self.padded_ctx + sum(piece_counts[r][m] for m in ctx[:k])
+                group_ranges.append((offset, offset + piece_counts[r][i]))
+            q_group_lens.append(sum(piece_counts[r][i] for r in range(size)))
+        self.sharded_q_index = _ranges(group_ranges, device)
+        self.sharded_chunks = plan_context_chunks(
+            q_group_lens, self.shard_lens[rank], workspace_tokens=workspace_tokens, device=device
+        )
+        where = torch.empty(size * self.padded_ctx, dtype=torch.int64, device=device)
+        where[self.sharded_q_index] = torch.arange(len(self.sharded_q_index), device=device)
+        self.a2a_send_index = _ranges(
+            [(d * self.padded_ctx, d * self.padded_ctx + self.ctx_counts[d]) for d in range(size)], device
+        )
+        self.a2a_send_index = where[self.a2a_send_index]
+
+        # gather: this rank's queries of each request with context over all of that request's rows
+        self.padded_shard = max(sum(lens) for lens in self.shard_lens)
+        keep = [k for k, i in enumerate(ctx) if piece_counts[rank][i] > 0]
+        rows = []
+        for k in keep:
+            for r in range(size):
+                offset = r * self.padded_shard + sum(self.shard_lens[r][:k])
+                rows.append((offset, offset + self.shard_lens[r][k]))
+        self.gather_context_index = _ranges(rows, device)
+        self.gather_q_index = _ranges([(local_start[ctx[k]], local_start[ctx[k] + 1]) for k in keep], device)
+        self.gather_chunks = plan_context_chunks(
+            [piece_counts[rank][ctx[k]] for k in keep],
+            [self.context_lens[ctx[k]] for k in keep],
+            workspace_tokens=workspace_tokens,
+            device=device,
+        )
+
+        # What each strategy costs, and the choice.
+        esize = element_size
+        total_ctx = sum(self.context_lens)
+        total_ctx_q = sum(self.ctx_counts)
+        per_rank = lambda total: total * (size - 1) / size  # noqa: E731 -- bytes received, averaged over ranks
+        row_bytes = num_heads * (dims.v_head_dim * esize + 4)
+        self.estimate = CommEstimate(
+            latent_bytes=per_rank(starts[-1] * latent_width * esize),
+            sharded_bytes=per_rank(total_ctx_q * num_heads * dims.qk_head_dim * esize) + per_rank(total_ctx_q * row_bytes),
+            gather_bytes=per_rank(total_ctx * latent_width * esize),
+            gather_extra_flops=per_rank(total_ctx) * 2 * (latent_width - dims.qk_rope_head_dim) * num_heads
+            * (dims.qk_nope_head_dim + dims.v_head_dim),
+        )
+        if not self.has_context:
+            self.strategy = "none"
+        elif strategy != "auto":
+            self.strategy = strategy
+        else:
+            model = cost_model or PCPCostModel(link_bytes_per_s=1e11, gemm_flops_per_s=1e14)
+            sharded = model.estimate(self.estimate.sharded_bytes, 0.0)
+            gather = model.estimate(self.estimate.gather_bytes, self.estimate.gather_extra_flops)
+            self.strategy = "sharded" if sharded <= gather else "gather"
+
+        if backend is not None:
+            backend.clear_plans()
+            if self.local_counts[rank]:
+                backend.plan(self.new_cu_q, self.new_cu_k, causal=True)
+            for chunk in self.sharded_chunks if self.strategy == "sharded" else self.gather_chunks if self.strategy == "gather" else ():
+                backend.plan(chunk.cu_seqlens_q, chunk.cu_seqlens_k, causal=False)
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens this rank computes (its zigzag share of the batch)."""
+        return self.local_counts[self.pcp.rank]
+
+    @property
+    def num_context_rows(self) -> int:
+        """Cached rows this rank holds for the batch (its shard)."""
+        return sum(self.shard_lens[self.pcp.rank])
+
+    @property
+    def comm_bytes_per_layer(self) -> float:
+        """Bytes a rank receives per layer under the chosen strategy (averaged over the group)."""
+        extra = {"sharded": self.estimate.sharded_bytes, "gather": self.estimate.gather_bytes}.get(self.strategy, 0.0)
+        return self.estimate.latent_bytes + extra
+
+
+def _offsets(lengths) -> list[int]:
+    out = [0]
+    for n in lengths:
+        out.append(out[-1] + n)
+    return out
+
+
+def _index(values, device: torch.device) -> torch.Tensor:
+    return torch.tensor(list(values), dtype=torch.int64, device=device)
+
+
+def _ranges(pairs, device: torch.device) -> torch.Tensor:
+    """The concatenation of ``range(a, b)`` for every ``(a, b)`` in ``pairs``, as an int64 tensor."""
+    parts = [torch.arange(a, b, device=device) for a, b in pairs if b > a]
+    return torch.cat(parts) if parts else torch.empty(0, dtype=torch.int64, device=device)
+
+
+# ---- the layer -------------------------------------------------------------------------------------
+def context_parallel_attention(
+    attn: MLAAttention, hidden: torch.Tensor, plan: PCPPlan, context: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One MLA layer on this rank's tokens ``hidden [T_r, hidden]``.
+
+    ``context [C_r, W]`` holds this rank's shard of the batch's cached rows
+    (requests with context, in batch order). Returns ``out [T_r, hidden]`` (a
+    partial sum under TP) and the batch's latent ``[T, W]`` in batch order.
+    """
+    pcp, backend = plan.pcp, attn.backend
+    heads, dv = attn.num_heads, attn.config.v_head_dim
+    q, latent = attn.project(hidden, plan.positions)
+    latent_work, latent_buf = pcp.all_gather(latent, plan.padded)
+    if plan.strategy == "sharded":
+        q_work, q_buf = pcp.all_gather(q.index_select(0, plan.local_ctx_index), plan.padded_ctx)
+    elif plan.strategy == "gather":
+        ctx_work, ctx_buf = pcp.all_gather(context, plan.padded_shard)
+
+    a2a = None
+    if plan.strategy == "sharded":
+        # context first, so the all-to-all of its partials runs under the causal attention below
+        q_work.wait()
+        q_ctx = q_buf.index_select(0, plan.sharded_q_index)
+        o_part = q_ctx.new_zeros(q_ctx.shape[0], heads, dv)
+        lse_part = torch.full((heads, q_ctx.shape[0]), float("-inf"), device=q.device)
+        attn.attend_context(q_ctx, o_part, lse_part, plan.sharded_chunks, context)
+        packed = _pack(o_part, lse_part).index_select(0, plan.a2a_send_index)
+        recv = [plan.ctx_counts[pcp.rank]] * pcp.size
+        a2a = pcp.all_to_all(packed, plan.ctx_counts, recv)
+
+    latent_work.wait()
+    batch_latent = latent_buf.index_select(0, plan.gathered_to_batch)
+    if plan.num_tokens:
+        k, v = attn.up_project(batch_latent.index_select(0, plan.new_key_index))
+        o, lse = backend.run_prefill_new_tokens(
+            q, k, v, plan.new_cu_q, plan.new_max_q, True, cu_seqlens_k=plan.new_cu_k, max_seqlen_k=plan.new_max_k
+        )
+    else:
+        o = q.new_zeros(0, heads, dv)
+        lse = torch.empty(heads, 0, device=q.device)
+
+    if plan.strategy == "sharded":
+        work, buf = a2a
+        work.wait()
+        o_parts, lse_parts = _unpack(buf, pcp.size, heads, dv, o.dtype)
+        sel = plan.local_ctx_index
+        merged, _ = merge_attn_states_many(
+            torch.cat([o.index_select(0, sel)[None], o_parts]), torch.cat([lse.index_select(1, sel)[None], lse_parts])
+        )
+        o.index_copy_(0, sel, merged)
+    elif plan.strategy == "gather":
+        ctx_work.wait()
+        rows = ctx_buf.index_select(0, plan.gather_context_index)
+        sel = plan.gather_q_index
+        o_sel, lse_sel = o.index_select(0, sel), lse.index_select(1, sel)
+        attn.attend_context(q.index_select(0, sel), o_sel, lse_sel, plan.gather_chunks, rows)
+        o.index_copy_(0, sel, o_sel)
+    return attn.output(o), batch_latent
+
+
+def _pack(o: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
+    """``o [T,N,V]`` and ``lse [N,T]`` float32 as one byte row per token (one all-to-all, not two)."""
+    rows = o.shape[0]
+    return torch.cat([o.reshape(rows, -1).view(torch.uint8), lse.t().contiguous().view(torch.uint8)], dim=1)
+
+
+def _unpack(buf: torch.Tensor, size: int, heads: int, dv: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """The inverse of :func:`_pack` for ``size`` equal blocks: ``o [size,T,N,V]``, ``lse [size,N,T]``."""
+    o_bytes = heads * dv * torch.empty((), dtype=dtype).element_size()
+    rows = buf.shape[0] // size
+    o = buf[:, :o_bytes].contiguous().view(dtype).view(size, rows, heads, dv)
+    lse = buf[:, o_bytes:].contiguous().view(torch.float32).view(size, rows, heads).transpose(1, 2)
+    return o, lse
