@@ -1,6 +1,6 @@
 """The ``mlapool`` command line.
 
-    mlapool prefill [--model tiny] [--tp N] [--random-tokens N | --tokens FILE] [--output-dir DIR] [--verify] ...
+    mlapool prefill [--model tiny] [--tp N] [--pcp N] [--random-tokens N | --tokens FILE] [--output-dir DIR] [--verify] ...
     mlapool backends [--dtype bfloat16] [--model deepseek-v3]
 
 ``prefill`` starts a prefill pool (on the Ray cluster at ``$RAY_ADDRESS``, or an
@@ -28,7 +28,7 @@ from attention.backends.registry import MLAPrefillBackendEnum
 from attention.backends.selector import ENV_BACKEND, backend_priorities, backend_reasons, get_mla_prefill_backend
 from attention.mla import DEFAULT_WORKSPACE_TOKENS
 from configs.model import DTYPES, builtin_models, load_model_config
-from configs.pool import DEVICES, PoolConfig
+from configs.pool import DEVICES, PCP_STRATEGIES, PoolConfig
 
 BACKEND_CHOICES = ["AUTO"] + [m.name for m in MLAPrefillBackendEnum]
 DEFAULTS = PoolConfig()
@@ -60,7 +60,12 @@ def _parser() -> argparse.ArgumentParser:
     model.add_argument("--num-layers", type=int, help="run only the first N layers")
     model.add_argument("--seed", type=int, default=DEFAULTS.seed, help="seed of the random weights and random tokens (default: 0)")
     pool = prefill.add_argument_group("pool")
-    pool.add_argument("--tp", type=int, default=DEFAULTS.tp, help="tensor-parallel degree: workers (GPUs) per replica (default: 1)")
+    pool.add_argument("--tp", type=int, default=DEFAULTS.tp, help="tensor-parallel degree: splits the heads (default: 1)")
+    pool.add_argument("--pcp", type=int, default=DEFAULTS.pcp,
+                      help="prefill-context-parallel degree: splits the tokens and the KV cache; a replica has tp x pcp workers (default: 1)")  # fmt: skip
+    pool.add_argument("--pcp-strategy", default=DEFAULTS.pcp_strategy, choices=PCP_STRATEGIES,
+                      help="context attention under PCP: merge partial outputs (sharded), all-gather the KV (gather), or pick per batch by cost (auto, the default)")  # fmt: skip
+    pool.add_argument("--kv-cache-tokens", type=int, help="KV cache capacity per worker in tokens (default: what GPU memory allows; 262144 on CPU)")
     pool.add_argument("--backend", default="auto", type=str.upper, choices=BACKEND_CHOICES, metavar="NAME",
                       help=f"MLA prefill backend: auto or one of {', '.join(BACKEND_CHOICES[1:])} (default: auto, which honours ${ENV_BACKEND})")  # fmt: skip
     pool.add_argument("--dtype", default=DEFAULTS.dtype, choices=["auto", *DTYPES], help="compute dtype (default: the model's on GPU, float32 on CPU)")
@@ -120,6 +125,9 @@ def _prefill(args: argparse.Namespace) -> int:
         checkpoint=str(args.checkpoint) if args.checkpoint else None,
         num_layers=args.num_layers,
         tp=args.tp,
+        pcp=args.pcp,
+        pcp_strategy=args.pcp_strategy,
+        kv_cache_tokens=args.kv_cache_tokens,
         backend=args.backend,
         dtype=args.dtype,
         device=args.device,
@@ -146,6 +154,7 @@ def _prefill(args: argparse.Namespace) -> int:
         result = pool.prefill(tokens, keep_kv=True, on_progress=_ProgressBar())
         kv = pool.fetch_kv(result)
         pool.release(result)
+        stats = pool.stats
 
     args.output_dir.mkdir(parents=True, exist_ok=True)
     kv_file = args.output_dir / "kv.safetensors"
@@ -156,6 +165,7 @@ def _prefill(args: argparse.Namespace) -> int:
         "layers": model_config.num_hidden_layers,
         "tokens": result.num_tokens,
         "tp": config.tp,
+        "pcp": config.pcp,
         "backend": info.backend,
         "device": info.device,
         "dtype": info.dtype,
@@ -167,6 +177,8 @@ def _prefill(args: argparse.Namespace) -> int:
         "kv_file": str(kv_file),
         "kv_layout": f"per layer [tokens, {model_config.attention.latent_dim}] = [kv_c_normed | k_pe]",
     }
+    if config.pcp > 1:
+        summary["pcp_context"] = {"batches_per_strategy": stats.pcp_strategies, "bytes_received_per_worker": stats.pcp_bytes}
     if args.verify:
         summary["verify"] = _verify(config, model_config, tokens, result.logits, kv, info)
     (args.output_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")

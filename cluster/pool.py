@@ -4,17 +4,19 @@
         result = pool.prefill(token_ids)                  # blocking
         futures = [pool.submit(p) for p in prompts]       # concurrent requests share batches
 
-Each replica is one placement group of ``tp * pcp`` bundles packed on one node
-(``STRICT_PACK``), one actor per bundle, joined in one process group. A
-scheduler thread per replica builds batches: the next chunk (at most
-``chunk_tokens``) of every request it is prefilling, plus new requests from
-the shared queue, up to ``max_batch_tokens``; it waits ``batch_wait_ms`` for
-company when a batch has room. Every worker of the replica runs the batch
-(SPMD); a request completes with its last chunk.
+Each replica is one placement group of ``tp * pcp`` bundles (``placement``,
+by default ``STRICT_PACK``: one node), one actor per bundle, joined in one
+process group and split into TP and PCP groups (``workers.pcp``). A scheduler
+thread per replica builds batches: the next chunk (at most ``chunk_tokens``) of
+every request it is prefilling, plus new requests from the shared queue, up to
+``max_batch_tokens``; it waits ``batch_wait_ms`` for company when a batch has
+room. Every worker of the replica runs the batch (SPMD; under PCP each takes
+its zigzag share of every chunk); a request completes with its last chunk.
 
 Requests are validated here, before they join a batch, so a bad request fails
-alone. The driver mirrors each replica's free KV blocks: a prompt that could
-never fit is refused at submit, one that does not fit yet waits for releases. A batch that fails on the workers fails its own requests; the replica
+alone. The driver mirrors each replica's free KV blocks (of PCP rank 0, which
+holds the most of a striped request): a prompt that could never fit is refused
+at submit, one that does not fit yet waits for releases. A batch that fails on the workers fails its own requests; the replica
 keeps serving. When a worker dies, the requests of its batch fail with that
 reason, the replica is restarted in place, and its other in-flight requests are
 prefilled again from the start; KV kept on the dead replica is reported lost.
@@ -42,6 +44,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from configs.pool import PoolConfig
 from workers.kv_cache import blocks_for
+from workers.pcp import interleave_shards, shard_rows
 from workers.worker import SAFE_NCCL_ENV, ChunkPiece, PrefillWorker, WorkerInfo
 
 logger = logging.getLogger(__name__)
@@ -69,12 +72,15 @@ class PrefillResult:
 
 @dataclass
 class PoolStats:
-    """Counters since start: batches run, chunk pieces in them, requests completed or failed."""
+    """Counters since start: batches run, chunk pieces in them, requests completed or failed, and
+    under PCP the batches per context strategy and the bytes one worker received for them."""
 
     batches: int = 0
     pieces: int = 0
     completed: int = 0
     failed: int = 0
+    pcp_strategies: dict[str, int] = field(default_factory=dict)
+    pcp_bytes: int = 0
 
 
 @dataclass(eq=False)
@@ -155,12 +161,12 @@ class PrefillPool:
     def _start_replica(self, index: int, use_gpus: bool) -> _Replica:
         cfg = self.config
         bundle = {"CPU": cfg.worker_cpus, **({"GPU": 1} if use_gpus else {})}
-        group = placement_group([bundle] * cfg.workers_per_replica, strategy="STRICT_PACK", name=f"mlapool-{uuid.uuid4().hex[:8]}-{index}")
+        group = placement_group([bundle] * cfg.workers_per_replica, strategy=cfg.placement, name=f"mlapool-{uuid.uuid4().hex[:8]}-{index}")
         ready, _ = ray.wait([group.ready()], timeout=self._start_timeout_s)
         if not ready:
             remove_placement_group(group)
             raise RuntimeError(
-                f"replica {index} needs {cfg.workers_per_replica} x {bundle} on one node; the cluster has "
+                f"replica {index} needs {cfg.workers_per_replica} x {bundle} ({cfg.placement}); the cluster has "
                 f"{ray.available_resources()} available. Lower tp/replicas or add nodes."
             )
         env = {**SAFE_NCCL_ENV, **{k: v for k, v in os.environ.items() if k.startswith("NCCL_")}}
@@ -234,13 +240,13 @@ class PrefillPool:
         if self._stopping or not self._replicas:
             raise RuntimeError("the prefill pool is not running: call start() first")
         tokens = self._validate_tokens(token_ids)
-        kv_blocks = blocks_for(len(tokens), self.config.block_size)
-        capacity = max(r.kv_blocks for r in self._replicas)
-        if kv_blocks > capacity:
+        kv_blocks = self._kv_blocks(len(tokens))
+        if len(tokens) > self.max_prompt_tokens:
             raise ValueError(
-                f"prompt of {len(tokens)} tokens needs {kv_blocks} KV blocks of {self.config.block_size} tokens on "
-                f"each worker; a worker's cache holds {capacity} blocks ({capacity * self.config.block_size} tokens). "
-                "Raise kv_cache_tokens or gpu_memory_utilization, or use more GPUs"
+                f"prompt of {len(tokens)} tokens does not fit in the KV cache: it needs {kv_blocks} blocks of "
+                f"{self.config.block_size} tokens on a worker (PCP={self.config.pcp} stripes it), a worker holds "
+                f"{max(r.kv_blocks for r in self._replicas)}, so the longest prompt is {self.max_prompt_tokens} tokens. "
+                "Raise kv_cache_tokens or gpu_memory_utilization, or use a larger pcp"
             )
         with self._lock:
             request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
@@ -252,6 +258,17 @@ class PrefillPool:
         request = _Request(request_id, tokens, Future(), keep_kv, on_progress, kv_blocks)
         self._queue.put(request)
         return request.future
+
+    @property
+    def max_prompt_tokens(self) -> int:
+        """The longest prompt whose KV fits in an empty replica (it grows linearly with PCP)."""
+        cfg = self.config
+        return max(r.kv_blocks for r in self._replicas) * cfg.block_size * cfg.pcp
+
+    def _kv_blocks(self, tokens: int) -> int:
+        """Blocks a request takes on the worker holding the most of it (PCP rank 0 of each TP rank)."""
+        cfg = self.config
+        return blocks_for(shard_rows(tokens, 0, cfg.pcp, cfg.block_size), cfg.block_size)
 
     def prefill(self, token_ids, **kwargs) -> PrefillResult:
         """Prefill one prompt and wait for it."""
@@ -272,7 +289,9 @@ class PrefillPool:
                 f"the KV of request {result.request_id!r} was lost: a worker of replica {replica.index} died "
                 "and the replica was restarted"
             )
-        return ray.get(replica.workers[0].fetch_kv.remote(result.request_id))
+        tp = self.config.tp  # TP ranks hold the same latent: read TP rank 0 of every PCP rank
+        shards = ray.get([replica.workers[p * tp].fetch_kv.remote(result.request_id) for p in range(self.config.pcp)])
+        return shards[0] if len(shards) == 1 else interleave_shards(shards, self.config.block_size)
 
     def release(self, result: PrefillResult) -> None:
         """Free a kept request's KV on its workers (a no-op if its replica restarted since)."""
@@ -283,7 +302,7 @@ class PrefillPool:
         if held:
             ray.get([w.release.remote([result.request_id]) for w in replica.workers])
             with self._lock:
-                replica.free_blocks += blocks_for(result.num_tokens, self.config.block_size)
+                replica.free_blocks += self._kv_blocks(result.num_tokens)
         result.kv_kept = False
 
     def health(self) -> list[list[dict]]:
@@ -375,7 +394,17 @@ class PrefillPool:
             for worker in replica.workers:
                 worker.release.remote([r.id for r in failed])
             return
-        finished = {result.request_id: result for result in outputs[0]}
+        report = outputs[0]
+        finished = {result.request_id: result for result in report.results}
+        if report.pcp_strategy is not None:
+            logger.debug(
+                "replica %d: batch of %d piece(s), PCP context strategy %s, %d bytes received per worker",
+                replica.index, len(pieces), report.pcp_strategy, report.pcp_bytes,
+            )  # fmt: skip
+            with self._lock:
+                counts = self.stats.pcp_strategies
+                counts[report.pcp_strategy] = counts.get(report.pcp_strategy, 0) + 1
+                self.stats.pcp_bytes += report.pcp_bytes
         for request, count in batch:
             request.done += count
             if request.on_progress is not None:

@@ -24,8 +24,12 @@ BASE = PoolConfig(model="tiny", num_layers=3, chunk_tokens=48, max_batch_tokens=
 def test_tp_that_does_not_divide_the_heads_is_refused_before_starting(ray_cluster):
     with pytest.raises(ValueError, match=r"TP=3 does not divide tiny's 8 attention heads; valid TP degrees: \[1, 2, 4, 8\]"):
         PrefillPool(BASE.replace(tp=3))
-    with pytest.raises(ValueError, match="pcp=2 is not supported yet"):
-        BASE.replace(pcp=2)
+    with pytest.raises(ValueError, match="pcp_strategy 'ring' is not one of auto, sharded, gather"):
+        BASE.replace(pcp=2, pcp_strategy="ring")
+    with pytest.raises(ValueError, match="placement 'ANYWHERE' is not one of STRICT_PACK, PACK, SPREAD, STRICT_SPREAD"):
+        BASE.replace(placement="ANYWHERE")
+    with pytest.raises(ValueError, match="pcp must be a positive integer, got 0"):
+        BASE.replace(pcp=0)
     with pytest.raises(ValueError, match="unknown MLA prefill backend 'fast'"):
         BASE.replace(backend="fast")
 
@@ -86,13 +90,14 @@ def test_shutdown_refuses_new_requests(ray_cluster):
         pool.submit([1, 2, 3])
 
 
-def test_a_dead_worker_fails_its_request_and_the_replica_recovers(ray_cluster):
+@pytest.mark.parametrize("grid", [dict(tp=2), dict(pcp=2)], ids=["tp2", "pcp2"])
+def test_a_dead_worker_fails_its_request_and_the_replica_recovers(ray_cluster, grid):
     prompts = [np.arange(1, 40), np.arange(3, 300) % 512, np.arange(7, 90)]
     model = DeepseekPrefillModel.create(BASE.model_config(), TorchSDPAPrefillBackend, dtype=torch.float32)
     model.init_random_weights(BASE.seed)
     expected = model(torch.from_numpy(prompts[2]), plan_prefill_batch([len(prompts[2])])).logits[0]
 
-    with PrefillPool(BASE.replace(tp=2, chunk_tokens=4, max_batch_tokens=8)).start() as pool:
+    with PrefillPool(BASE.replace(**grid, chunk_tokens=4, max_batch_tokens=8)).start() as pool:
         kept = pool.prefill(prompts[0], keep_kv=True)
         started = threading.Event()
         doomed = pool.submit(prompts[1], on_progress=lambda done, total: started.set())
@@ -112,8 +117,10 @@ def test_kv_capacity_refuses_what_never_fits_and_queues_what_fits_later(ray_clus
     config = BASE.replace(num_layers=1, block_size=16, kv_cache_tokens=256, chunk_tokens=64, max_batch_tokens=128)
     with PrefillPool(config).start() as pool:
         assert [info.kv_blocks for info in pool.worker_infos[0]] == [16]
-        with pytest.raises(ValueError, match="prompt of 257 tokens needs 17 KV blocks of 16 tokens on each worker; "
-                                             "a worker's cache holds 16 blocks \\(256 tokens\\)"):
+        assert pool.max_prompt_tokens == 256
+        with pytest.raises(ValueError, match="prompt of 257 tokens does not fit in the KV cache: it needs 17 blocks of 16 "
+                                             "tokens on a worker \\(PCP=1 stripes it\\), a worker holds 16, so the longest "
+                                             "prompt is 256 tokens"):
             pool.submit(np.arange(257) % 512)
         first = pool.prefill(np.arange(200), keep_kv=True)  # holds 13 of 16 blocks
         second = pool.submit(np.arange(1, 101))  # needs 7: waits

@@ -1,0 +1,158 @@
+"""Prefill context parallelism: the zigzag split, KV striping, and PCP workers (gloo, one process
+per rank, no Ray) against the single-process reference for several chunk sizes and both strategies."""
+
+import multiprocessing
+import socket
+
+import numpy as np
+import pytest
+import torch
+
+from attention.backends.base import DEEPSEEK_MLA_DIMS
+from attention.backends.torch_sdpa import TorchSDPAPrefillBackend
+from attention.mla import plan_prefill_batch
+from configs.pool import PoolConfig
+from workers.model import DeepseekPrefillModel
+from workers.pcp import (
+    PCPCostModel,
+    PCPGroup,
+    PCPPlan,
+    interleave_shards,
+    rank_segments,
+    shard_positions,
+    shard_rows,
+    zigzag_segments,
+)
+
+BASE = PoolConfig(model="tiny", num_layers=2, device="cpu", seed=5, block_size=16, workspace_tokens=40)
+PROMPT_LENS = (1, 47, 130, 200)
+
+
+@pytest.mark.parametrize("tokens", [0, 1, 5, 7, 8, 100, 8193])
+@pytest.mark.parametrize("size", [1, 2, 3, 4])
+def test_zigzag_covers_every_token_once_balanced_and_rank_0_gets_the_last(tokens, size):
+    segments = zigzag_segments(tokens, size)
+    assert len(segments) == 2 * size and segments[0][0] == 0 and segments[-1][1] == tokens
+    assert all(a[1] == b[0] for a, b in zip(segments, segments[1:]))
+    lengths = [b - a for a, b in segments]
+    assert max(lengths) - min(lengths) <= 1
+    shares = [sum(b - a for a, b in rank_segments(tokens, r, size)) for r in range(size)]
+    assert sum(shares) == tokens and max(shares) - min(shares) <= 2
+    if tokens:
+        head, tail = rank_segments(tokens, 0, size)
+        assert tail[1] == tokens and tail[1] > tail[0]
+    # causal work (query i sees i + 1 keys) is balanced too: off by O(tokens) of ~tokens^2 / 2
+    work = [sum(sum(range(a + 1, b + 1)) for a, b in rank_segments(tokens, r, size)) for r in range(size)]
+    assert max(work) - min(work) <= 2 * tokens
+
+
+@pytest.mark.parametrize("tokens", [0, 15, 16, 17, 100, 129])
+@pytest.mark.parametrize("size", [1, 2, 3])
+def test_striped_shards_partition_the_tokens_by_block(tokens, size):
+    positions = [shard_positions(tokens, r, size, 16) for r in range(size)]
+    assert [len(p) for p in positions] == [shard_rows(tokens, r, size, 16) for r in range(size)]
+    assert sorted(torch.cat(positions).tolist()) == list(range(tokens))
+    for r, p in enumerate(positions):
+        assert all((x // 16) % size == r for x in p.tolist())
+    latent = torch.randn(3, tokens, 5)
+    assert torch.equal(interleave_shards([latent[:, p] for p in positions], 16), latent)
+
+
+def test_capacity_per_rank_shrinks_linearly_with_pcp():
+    for size in (1, 2, 4):
+        assert shard_rows(64 * 1024, 0, size, 64) == 64 * 1024 // size
+
+
+def test_interleave_refuses_inconsistent_shards():
+    with pytest.raises(ValueError, match="PCP rank 0 returned 10 KV rows; a 13-token request has 13"):
+        interleave_shards([torch.zeros(1, 10, 4), torch.zeros(1, 3, 4)], 16)
+
+
+def _plan(strategy, seq_lens, context_lens, cost_model=None, size=4):
+    return PCPPlan(
+        seq_lens, context_lens, pcp=PCPGroup(0, size), block_size=64, num_heads=128, dims=DEEPSEEK_MLA_DIMS,
+        latent_width=576, element_size=2, workspace_tokens=None, device=torch.device("cpu"),
+        strategy=strategy, cost_model=cost_model,
+    )  # fmt: skip
+
+
+def test_sharded_bytes_are_flat_in_the_context_length_and_gather_bytes_grow():
+    sharded = [_plan("sharded", [8192], [c]).comm_bytes_per_layer for c in (8192, 65536, 524288)]
+    gather = [_plan("gather", [8192], [c]).comm_bytes_per_layer for c in (8192, 65536, 524288)]
+    assert sharded[0] == sharded[1] == sharded[2]
+    assert gather[0] < gather[1] < gather[2] and gather[2] / gather[1] > 7
+    assert _plan("auto", [8192], [0]).strategy == "none"
+
+
+def test_cost_model_switches_to_sharded_when_the_context_is_long():
+    model = PCPCostModel(link_bytes_per_s=200e9, gemm_flops_per_s=600e12)
+    short, long = _plan("auto", [8192], [16384], model), _plan("auto", [8192], [4 * 1024 * 1024], model)
+    assert short.strategy == "gather" and long.strategy == "sharded"
+    with pytest.raises(ValueError, match="PCP strategy 'ring' is not one of auto, sharded, gather"):
+        _plan("ring", [8], [0])
+
+
+# ---- PCP workers in processes (gloo) ------------------------------------------------------------
+def _run_rank(rank, config, port, prompts, chunk, results):
+    from workers.worker import ChunkPiece, PrefillWorker
+
+    worker = PrefillWorker(config, rank)
+    worker.setup("127.0.0.1", port)
+    done, logits, strategies = [0] * len(prompts), {}, []
+    while any(d < len(p) for d, p in zip(done, prompts)):
+        pieces = []
+        for i, prompt in enumerate(prompts):
+            if done[i] < len(prompt):
+                n = min(chunk, len(prompt) - done[i])
+                pieces.append(ChunkPiece(f"r{i}", prompt[done[i] : done[i] + n], done[i], len(prompt)))
+                done[i] += n
+        out = worker.prefill(pieces)
+        if out is not None:
+            strategies.append(out.pcp_strategy)
+            logits.update({r.request_id: r.logits.numpy() for r in out.results})
+    kv = {f"r{i}": worker.fetch_kv(f"r{i}").numpy() for i in range(len(prompts))}
+    results.put((rank, logits, kv, strategies))
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()
+
+
+def _free_port():
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    gen = np.random.default_rng(0)
+    return [gen.integers(0, 512, size=n).astype(np.int32) for n in PROMPT_LENS]
+
+
+@pytest.fixture(scope="module")
+def reference(prompts):
+    model = DeepseekPrefillModel.create(BASE.model_config(), TorchSDPAPrefillBackend, dtype=torch.float32)
+    model.init_random_weights(BASE.seed)
+    outs = [model(torch.from_numpy(p.astype(np.int64)), plan_prefill_batch([len(p)])) for p in prompts]
+    return [(out.logits[0], torch.stack(out.latents)) for out in outs]
+
+
+@pytest.mark.parametrize("strategy", ["sharded", "gather"])
+@pytest.mark.parametrize("chunk", [5, 48, 130])
+def test_pcp3_workers_equal_the_reference_whatever_the_chunk_size(prompts, reference, strategy, chunk):
+    """PCP=3 (odd, so zigzag segments are uneven; chunk 5 leaves ranks without tokens)."""
+    config = BASE.replace(pcp=3, pcp_strategy=strategy)
+    ctx = multiprocessing.get_context("spawn")
+    results = ctx.Queue()
+    port = _free_port()
+    procs = [ctx.Process(target=_run_rank, args=(r, config, port, prompts, chunk, results)) for r in range(3)]
+    for proc in procs:
+        proc.start()
+    got = sorted((results.get(timeout=120) for _ in procs), key=lambda item: item[0])
+    for proc in procs:
+        proc.join(timeout=60)
+    logits, strategies = got[0][1], got[0][3]
+    assert strategies[0] == "none" and set(strategies[1:]) == {strategy}  # the first batch has no context
+    for i, (ref_logits, ref_kv) in enumerate(reference):
+        torch.testing.assert_close(torch.from_numpy(logits[f"r{i}"]), ref_logits, atol=2e-5, rtol=1e-5)
+        kv = interleave_shards([torch.from_numpy(got[r][2][f"r{i}"]) for r in range(3)], config.block_size)
+        torch.testing.assert_close(kv, ref_kv, atol=2e-5, rtol=1e-5)
