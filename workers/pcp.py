@@ -22,27 +22,37 @@ Per layer, for the batch (two strategies for the cached context):
 
     q_r, latent_r = project(hidden_r)                 this rank's tokens
     latent        = all-gather(latent_r)              [T, W]: the chunk's keys, and the rows to store
-    o, lse        = causal attention of q_r over their chunk prefixes
+    o, lse        = causal attention of q_r over their chunk prefixes (bottom-right)
 
-    sharded (the design card's): context stays where it is
-        q     = all-gather(q_r)                       queries of requests with context
+    sharded (the design card's): the context stays where it is
+        q        = all-gather(q_r)                    queries of requests with context
         o', lse' = attention of q over this rank's own shard (non-causal)
-        all-to-all: each rank gets, from every rank, the partials of its own queries
-        (o, lse) = merge_attn_states_many(o, o'_0..o'_{P-1})
-        bytes per chunk ~ T * N * (Dqk + Dv + 4 B/elt...)   -- flat in the context length
-    gather (vLLM's): queries stay where they are
-        context = all-gather(every rank's shard)      [C, W]
-        (o, lse) = merge(o, attention of q_r over context)
-        bytes per chunk ~ C * W                        -- grows with the context
+        all-to-all of (o', lse'): each rank gets every rank's partials of its own queries
+        (o, lse) = merge_attn_states_many(o, o'_0 .. o'_{P-1})        (float32, locally)
+    gather (what vLLM's PCP does): the queries stay where they are
+        context  = all-gather(every rank's shard)     [C, W]
+        (o, lse) = merge(o, attention of q_r over the whole context)
 
     out_r = o_proj(o)
 
+Bytes a rank receives per layer, beside the latent's ``T * W * e * (P-1)/P``
+(``e`` the element size): sharded ``T * N * (Dqk*e + Dv*e + 4) * (P-1)/P``,
+flat in the context length; gather ``C * W * e * (P-1)/P``, growing with it,
+and every rank then up-projects the whole context (``C * 2 * Lkv * N * (P+V)``
+FLOPs, ``(P-1)/P`` of them repeated work). For DeepSeek (W = 576) sharded moves
+fewer bytes once ``C > 0.56 * N * T``: at TP=1 (N = 128) a context about 70
+chunks long, at TP=8 about 9 chunks.
+
+The partials travel as one all-to-all of ``o'`` with its LSE packed into the
+same rows, and are merged in float32 by the receiver. The alternative --
+all-gather the LSEs, rescale, reduce-scatter ``o'`` -- moves the same ``o'``
+bytes plus a second collective, and would sum bf16 partials inside NCCL.
+
 A cost model (:class:`PCPCostModel`) estimates each strategy's time per batch
-from the bytes it moves, the measured link bandwidth and, for gather, the
-up-projection of the whole context that every rank repeats; ``auto`` picks the
-cheaper, and the user can force one. Collectives are launched asynchronously and
-waited for only where their result is needed, so the latent/query gathers run
-under the projections and the all-to-all under the causal attention.
+from those bytes, the measured link bandwidth and the gather's repeated
+up-projection at the measured GEMM rate; ``auto`` picks the cheaper, and the
+user can force one. Collectives are started asynchronously: the latent, query
+and context gathers run under the causal attention of the new tokens.
 """
 
 from __future__ import annotations
@@ -404,21 +414,9 @@ def context_parallel_attention(
     elif plan.strategy == "gather":
         ctx_work, ctx_buf = pcp.all_gather(context, plan.padded_shard)
 
-    a2a = None
-    if plan.strategy == "sharded":
-        # context first, so the all-to-all of its partials runs under the causal attention below
-        q_work.wait()
-        q_ctx = q_buf.index_select(0, plan.sharded_q_index)
-        o_part = q_ctx.new_zeros(q_ctx.shape[0], heads, dv)
-        lse_part = torch.full((heads, q_ctx.shape[0]), float("-inf"), device=q.device)
-        attn.attend_context(q_ctx, o_part, lse_part, plan.sharded_chunks, context)
-        packed = _pack(o_part, lse_part).index_select(0, plan.a2a_send_index)
-        recv = [plan.ctx_counts[pcp.rank]] * pcp.size
-        a2a = pcp.all_to_all(packed, plan.ctx_counts, recv)
-
     latent_work.wait()
     batch_latent = latent_buf.index_select(0, plan.gathered_to_batch)
-    if plan.num_tokens:
+    if plan.num_tokens:  # runs while the query (or context) gather is in flight
         k, v = attn.up_project(batch_latent.index_select(0, plan.new_key_index))
         o, lse = backend.run_prefill_new_tokens(
             q, k, v, plan.new_cu_q, plan.new_max_q, True, cu_seqlens_k=plan.new_cu_k, max_seqlen_k=plan.new_max_k
@@ -428,14 +426,21 @@ def context_parallel_attention(
         lse = torch.empty(heads, 0, device=q.device)
 
     if plan.strategy == "sharded":
-        work, buf = a2a
+        q_work.wait()
+        q_ctx = q_buf.index_select(0, plan.sharded_q_index)
+        o_part = q_ctx.new_zeros(q_ctx.shape[0], heads, dv)
+        lse_part = torch.full((heads, q_ctx.shape[0]), float("-inf"), device=q.device)
+        attn.attend_context(q_ctx, o_part, lse_part, plan.sharded_chunks, context)
+        packed = _pack(o_part, lse_part).index_select(0, plan.a2a_send_index)
+        work, buf = pcp.all_to_all(packed, plan.ctx_counts, [plan.ctx_counts[pcp.rank]] * pcp.size)
         work.wait()
-        o_parts, lse_parts = _unpack(buf, pcp.size, heads, dv, o.dtype)
         sel = plan.local_ctx_index
-        merged, _ = merge_attn_states_many(
-            torch.cat([o.index_select(0, sel)[None], o_parts]), torch.cat([lse.index_select(1, sel)[None], lse_parts])
-        )
-        o.index_copy_(0, sel, merged)
+        if sel.numel():
+            o_parts, lse_parts = _unpack(buf, pcp.size, heads, dv, o.dtype)
+            merged, _ = merge_attn_states_many(
+                torch.cat([o.index_select(0, sel)[None], o_parts]), torch.cat([lse.index_select(1, sel)[None], lse_parts])
+            )
+            o.index_copy_(0, sel, merged)
     elif plan.strategy == "gather":
         ctx_work.wait()
         rows = ctx_buf.index_select(0, plan.gather_context_index)

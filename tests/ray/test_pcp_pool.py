@@ -17,11 +17,18 @@ BASE = PoolConfig(
 )
 PROMPT_LENS = (1, 47, 130, 200)
 GRIDS = [(1, 2), (2, 2), (1, 4)]
+# the same on real GPUs (NCCL), where the machine has enough of them
+CUDA_CASES = [
+    pytest.param(grid, strategy, marks=pytest.mark.multi_gpu, id=f"tp{grid[0]}xpcp{grid[1]}-{strategy}")
+    for grid in GRIDS
+    if torch.cuda.device_count() >= grid[0] * grid[1]
+    for strategy in ("sharded", "gather")
+]
 
 
-def _reference(config, prompts):
+def _reference(config, prompts, draw_device=None):
     model = DeepseekPrefillModel.create(config.model_config(), TorchSDPAPrefillBackend, dtype=torch.float32)
-    model.init_random_weights(config.seed)
+    model.init_random_weights(config.seed, draw_device=draw_device)
     outs = [model(torch.from_numpy(np.asarray(p, dtype=np.int64)), plan_prefill_batch([len(p)])) for p in prompts]
     return [(out.logits[0], torch.stack(out.latents)) for out in outs]
 
@@ -75,3 +82,18 @@ def test_the_longest_prompt_grows_with_pcp_and_one_at_the_limit_runs(ray_cluster
         torch.testing.assert_close(pool.fetch_kv(result), latents, atol=2e-5, rtol=1e-5)
         pool.release(result)
         assert [w["kv_free_blocks"] for w in pool.health()[0]] == [16, 16]
+
+
+@pytest.mark.parametrize("grid,strategy", CUDA_CASES)
+def test_nccl_grid_on_gpus_equals_the_reference(ray_cluster, prompts, grid, strategy):
+    tp, pcp = grid
+    config = BASE.replace(tp=tp, pcp=pcp, pcp_strategy=strategy, device="cuda", dtype="float32", backend="TORCH_SDPA")
+    reference = _reference(config, prompts, draw_device="cuda")  # the workers draw their random weights on CUDA
+    with PrefillPool(config).start() as pool:
+        assert {i.device.split(":")[0] for i in pool.worker_infos[0]} == {"cuda"}
+        results = pool.prefill_many(prompts, keep_kv=True)
+        for result, (logits, latents) in zip(results, reference):
+            torch.testing.assert_close(result.logits, logits, atol=1e-4, rtol=1e-4)
+            torch.testing.assert_close(pool.fetch_kv(result), latents, atol=1e-4, rtol=1e-4)
+            pool.release(result)
+        assert set(pool.stats.pcp_strategies) == {"none", strategy}
