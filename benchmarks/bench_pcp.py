@@ -218,10 +218,10 @@ def _worker(rank: int, world: int, port: int, args, results) -> None:
     pcps = {}
     for p in args.pcp:
         group = PCPGroup(rank, p, groups[p]) if p > 1 and rank < p else PCPGroup()
-        cost = measure_cost_model(group, groups[p], device, dtype, width=576) if p > 1 and rank < p else None
+        cost = measure_cost_model(group, groups[p], attn) if p > 1 and rank < p else None
         pcps[p] = (group, cost)
         if cost and rank == 0:
-            report["cost_models"][p] = {"link_GBps": cost.link_bytes_per_s / 1e9, "gemm_TFps": cost.gemm_flops_per_s / 1e12}
+            report["cost_models"][p] = {"link_GBps": cost.link_bytes_per_s / 1e9, "up_projection_Mrows_per_s": cost.up_projection_rows_per_s / 1e6}
         if p > 1:
             timing, _ = run_all(p, lambda: merge_collectives(group, args.chunks[0], device))
             if rank == 0:

@@ -49,9 +49,9 @@ all-gather the LSEs, rescale, reduce-scatter ``o'`` -- moves the same ``o'``
 bytes plus a second collective, and would sum bf16 partials inside NCCL.
 
 A cost model (:class:`PCPCostModel`) estimates each strategy's time per batch
-from those bytes, the measured link bandwidth and the gather's repeated
-up-projection at the measured GEMM rate; ``auto`` picks the cheaper, and the
-user can force one. Collectives are started asynchronously: the latent, query
+from those bytes at the measured link bandwidth, plus the gather's repeated
+up-projection at the measured rate (GEMM and K/V writes); ``auto`` picks the
+cheaper, and the user can force one. Collectives are started asynchronously: the latent, query
 and context gathers run under the causal attention of the new tokens.
 """
 
@@ -154,35 +154,37 @@ def _all_gather(buffer: torch.Tensor, send: torch.Tensor, group) -> Any:
 class PCPCostModel:
     """Per-batch time estimates of the two context strategies from measured rates.
 
-    ``link_bytes_per_s``: bytes a rank receives per second in a PCP collective;
-    ``gemm_flops_per_s``: the up-projection GEMM rate. Both are measured once at
-    setup (:func:`measure_cost_model`) and agreed on by every rank.
+    ``link_bytes_per_s``: bytes a rank receives per second in a PCP all-gather;
+    ``up_projection_rows_per_s``: latent rows a rank up-projects to K/V per
+    second (the GEMM and the K/V writes), which the gather strategy repeats on
+    every rank. Both are measured once at setup (:func:`measure_cost_model`) and
+    agreed on by every rank.
     """
 
     link_bytes_per_s: float
-    gemm_flops_per_s: float
+    up_projection_rows_per_s: float
 
-    def estimate(self, comm_bytes: float, extra_flops: float) -> float:
-        return comm_bytes / self.link_bytes_per_s + extra_flops / self.gemm_flops_per_s
+    def estimate(self, comm_bytes: float, extra_rows: float) -> float:
+        return comm_bytes / self.link_bytes_per_s + extra_rows / self.up_projection_rows_per_s
 
 
 @torch.no_grad()
-def measure_cost_model(pcp: PCPGroup, world_group, device: torch.device, dtype: torch.dtype, *, width: int) -> PCPCostModel:
-    """Time an all-gather on the PCP group and an up-projection-sized GEMM; every rank of
-    ``world_group`` ends with the slowest rank's figures, so all pick the same strategy."""
+def measure_cost_model(pcp: PCPGroup, world_group, attn: MLAAttention) -> PCPCostModel:
+    """Time an all-gather of latent rows on the PCP group and ``attn``'s up-projection; every rank
+    of ``world_group`` ends with the slowest rank's figures, so all pick the same strategy."""
+    weight = attn.kv_b_proj.weight
+    device = weight.device
     rows = 16384 if device.type == "cuda" else 1024
-    x = torch.randn(rows, width, device=device).to(dtype)
-    comm = _median_time(lambda: pcp.all_gather(x, rows)[0].wait(), device)
-    w = torch.randn(512, 4096, device=device).to(dtype)
-    a = torch.randn(rows, 512, device=device).to(dtype)
-    gemm = _median_time(lambda: a @ w, device)
+    latent = torch.randn(rows, attn.config.latent_dim, device=device).to(weight.dtype)
+    comm = _median_time(lambda: pcp.all_gather(latent, rows)[0].wait(), device)
+    up = _median_time(lambda: attn.up_project(latent), device)
     rates = torch.tensor(
-        [(pcp.size - 1) * x.numel() * x.element_size() / comm, 2 * rows * 512 * 4096 / gemm], dtype=torch.float64, device=device
+        [(pcp.size - 1) * latent.numel() * latent.element_size() / comm, rows / up], dtype=torch.float64, device=device
     )
     if world_group is not None:
         dist.all_reduce(rates, op=dist.ReduceOp.MIN, group=world_group)
-    link, flops = rates.tolist()
-    return PCPCostModel(link_bytes_per_s=link, gemm_flops_per_s=flops)
+    link, up_rows = rates.tolist()
+    return PCPCostModel(link_bytes_per_s=link, up_projection_rows_per_s=up_rows)
 
 
 def _median_time(fn, device: torch.device, repeats: int = 5) -> float:
@@ -202,12 +204,13 @@ def _median_time(fn, device: torch.device, repeats: int = 5) -> float:
 # ---- the per-batch plan ---------------------------------------------------------------------------
 @dataclass(frozen=True)
 class CommEstimate:
-    """Bytes one rank receives per layer (averaged over the group) and the flops it repeats, per strategy."""
+    """Bytes one rank receives per layer (averaged over the group) per strategy, and the context
+    rows the gather strategy up-projects on a rank beyond its share."""
 
     latent_bytes: float
     sharded_bytes: float
     gather_bytes: float
-    gather_extra_flops: float
+    gather_extra_rows: float
 
 
 class PCPPlan:
@@ -237,6 +240,8 @@ class PCPPlan:
     ) -> None:
         if strategy not in STRATEGIES:
             raise ValueError(f"PCP strategy {strategy!r} is not one of {', '.join(STRATEGIES)}")
+        if strategy == "auto" and cost_model is None:
+            raise ValueError("PCP strategy 'auto' needs a cost model (measure_cost_model), or force sharded/gather")
         self.seq_lens, self.context_lens = tuple(seq_lens), tuple(context_lens)
         self.pcp, self.block_size, self.device = pcp, block_size, device
         size, rank = pcp.size, pcp.rank
@@ -341,17 +346,15 @@ class PCPPlan:
             latent_bytes=per_rank(starts[-1] * latent_width * esize),
             sharded_bytes=per_rank(total_ctx_q * num_heads * dims.qk_head_dim * esize) + per_rank(total_ctx_q * row_bytes),
             gather_bytes=per_rank(total_ctx * latent_width * esize),
-            gather_extra_flops=per_rank(total_ctx) * 2 * (latent_width - dims.qk_rope_head_dim) * num_heads
-            * (dims.qk_nope_head_dim + dims.v_head_dim),
+            gather_extra_rows=per_rank(total_ctx),
         )
         if not self.has_context:
             self.strategy = "none"
         elif strategy != "auto":
             self.strategy = strategy
         else:
-            model = cost_model or PCPCostModel(link_bytes_per_s=1e11, gemm_flops_per_s=1e14)
-            sharded = model.estimate(self.estimate.sharded_bytes, 0.0)
-            gather = model.estimate(self.estimate.gather_bytes, self.estimate.gather_extra_flops)
+            sharded = cost_model.estimate(self.estimate.sharded_bytes, 0.0)
+            gather = cost_model.estimate(self.estimate.gather_bytes, self.estimate.gather_extra_rows)
             self.strategy = "sharded" if sharded <= gather else "gather"
 
         if backend is not None:

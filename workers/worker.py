@@ -144,8 +144,8 @@ class PrefillWorker:
         else:
             self.model.init_random_weights(config.seed)
         if self.pcp.size > 1:
-            width = model_config.attention.latent_dim
-            self.cost_model = measure_cost_model(self.pcp, torch.distributed.group.WORLD, device, dtype, width=width)
+            attn = self.model.model.layers[0].self_attn
+            self.cost_model = measure_cost_model(self.pcp, torch.distributed.group.WORLD, attn)
         self.kv = self._allocate_kv_cache(model_config, dtype, device)
         started = time.perf_counter()
         self._warm_up()

@@ -81,15 +81,21 @@ def test_sharded_bytes_are_flat_in_the_context_length_and_gather_bytes_grow():
     gather = [_plan("gather", [8192], [c]).comm_bytes_per_layer for c in (8192, 65536, 524288)]
     assert sharded[0] == sharded[1] == sharded[2]
     assert gather[0] < gather[1] < gather[2] and gather[2] / gather[1] > 7
-    assert _plan("auto", [8192], [0]).strategy == "none"
+    assert _plan("sharded", [8192], [0]).strategy == "none"
 
 
 def test_cost_model_switches_to_sharded_when_the_context_is_long():
-    model = PCPCostModel(link_bytes_per_s=200e9, gemm_flops_per_s=600e12)
-    short, long = _plan("auto", [8192], [16384], model), _plan("auto", [8192], [4 * 1024 * 1024], model)
+    # 4xH200-like rates: 215 GB/s per rank, 10M up-projected rows/s
+    model = PCPCostModel(link_bytes_per_s=215e9, up_projection_rows_per_s=10e6)
+    short, long = _plan("auto", [8192], [8192], model), _plan("auto", [8192], [131072], model)
     assert short.strategy == "gather" and long.strategy == "sharded"
+    # the crossover follows the rates: a slower link keeps gather longer
+    slow = PCPCostModel(link_bytes_per_s=20e9, up_projection_rows_per_s=10e6)
+    assert _plan("auto", [8192], [131072], slow).strategy == "gather"
     with pytest.raises(ValueError, match="PCP strategy 'ring' is not one of auto, sharded, gather"):
         _plan("ring", [8], [0])
+    with pytest.raises(ValueError, match="'auto' needs a cost model"):
+        _plan("auto", [8], [0])
 
 
 # ---- PCP workers in processes (gloo) ------------------------------------------------------------
