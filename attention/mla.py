@@ -179,7 +179,7 @@ def plan_prefill_batch(
         raise ValueError(f"workspace_tokens must be a positive number of rows or None, got {workspace_tokens}")
 
     device = torch.device(device)
-    cu = _offsets(seq_lens)
+    cu = offsets(seq_lens)
     positions = torch.cat([torch.arange(c, c + n) for n, c in zip(seq_lens, context_lens)]).to(device)
     chunks = plan_context_chunks(seq_lens, context_lens, workspace_tokens=workspace_tokens, device=device)
     batch = PrefillBatch(
@@ -215,11 +215,12 @@ def plan_context_chunks(
     if any(k > 0 and q <= 0 for q, k in zip(q_lens, k_lens)):
         raise ValueError(f"every group with cached rows needs queries, got q_lens={list(q_lens)} k_lens={list(k_lens)}")
     q_lens, k_lens = tuple(q_lens), tuple(k_lens)
-    cu = _offsets(q_lens)
+    cu = offsets(q_lens)
     return tuple(_make_chunk(segments, q_lens, k_lens, cu, torch.device(device)) for segments in _pack_context(k_lens, workspace_tokens))
 
 
-def _offsets(lengths: Sequence[int]) -> list[int]:
+def offsets(lengths: Sequence[int]) -> list[int]:
+    """``[0, l0, l0+l1, ...]``: where each of ``lengths`` starts in their concatenation, and the total."""
     offsets = [0]
     for n in lengths:
         offsets.append(offsets[-1] + n)
@@ -268,8 +269,8 @@ def _make_chunk(
         token_end=cu[seq_end],
         row_start=row_start,
         row_end=row_start + sum(k_lens),
-        cu_seqlens_q=torch.tensor(_offsets(q_lens), dtype=torch.int32, device=device),
-        cu_seqlens_k=torch.tensor(_offsets(k_lens), dtype=torch.int32, device=device),
+        cu_seqlens_q=torch.tensor(offsets(q_lens), dtype=torch.int32, device=device),
+        cu_seqlens_k=torch.tensor(offsets(k_lens), dtype=torch.int32, device=device),
         max_seqlen_q=max(q_lens),
         max_seqlen_k=max(k_lens),
     )

@@ -65,7 +65,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from attention.mla import MLAAttention, plan_context_chunks
+from attention.mla import MLAAttention, offsets, plan_context_chunks
 from attention.merge import merge_attn_states_many
 
 STRATEGIES = ("auto", "sharded", "gather")
@@ -245,7 +245,7 @@ class PCPPlan:
         self.seq_lens, self.context_lens = tuple(seq_lens), tuple(context_lens)
         self.pcp, self.block_size, self.device = pcp, block_size, device
         size, rank = pcp.size, pcp.rank
-        starts = _offsets(self.seq_lens)
+        starts = offsets(self.seq_lens)
 
         # Zigzag: each rank's tokens (indices into the batch), request after request, head then tail.
         local_ranges = [
@@ -277,13 +277,13 @@ class PCPPlan:
                     q_lens.append(b - a)
                     k_lens.append(b)
                     key_ranges.append((s, s + b))
-        self.new_cu_q = torch.tensor(_offsets(q_lens), dtype=torch.int32, device=device)
-        self.new_cu_k = torch.tensor(_offsets(k_lens), dtype=torch.int32, device=device)
+        self.new_cu_q = torch.tensor(offsets(q_lens), dtype=torch.int32, device=device)
+        self.new_cu_k = torch.tensor(offsets(k_lens), dtype=torch.int32, device=device)
         self.new_max_q, self.new_max_k = max(q_lens, default=0), max(k_lens, default=0)
         self.new_key_index = _ranges(key_ranges, device)
 
         # Logits: every request's last token ends rank 0's share of that request (its tail segment).
-        local_start = _offsets(piece_counts[rank])
+        local_start = offsets(piece_counts[rank])
         self.last_token_index = _index([end - 1 for end in local_start[1:]] if rank == 0 else [], device)
 
         # KV rows this rank stores: those in its blocks, per request, as indices into the batch.
@@ -379,13 +379,6 @@ class PCPPlan:
         """Bytes a rank receives per layer under the chosen strategy (averaged over the group)."""
         extra = {"sharded": self.estimate.sharded_bytes, "gather": self.estimate.gather_bytes}.get(self.strategy, 0.0)
         return self.estimate.latent_bytes + extra
-
-
-def _offsets(lengths) -> list[int]:
-    out = [0]
-    for n in lengths:
-        out.append(out[-1] + n)
-    return out
 
 
 def _index(values, device: torch.device) -> torch.Tensor:

@@ -4,6 +4,7 @@ node. Workers are pinned to device="cpu" (gloo), also on hosts that have GPUs.""
 import logging
 import os
 
+import numpy as np
 import pytest
 import ray
 
@@ -15,3 +16,12 @@ def ray_cluster():
     ray.init(num_cpus=2, num_gpus=4, include_dashboard=False, logging_level=logging.WARNING, log_to_driver=False)
     yield ray
     ray.shutdown()
+
+
+PROMPT_LENS = (1, 47, 130, 200)  # with chunks of 48: one chunk, a full one, several, several with a remainder
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    gen = np.random.default_rng(0)
+    return [gen.integers(0, 512, size=n) for n in PROMPT_LENS]
