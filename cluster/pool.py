@@ -153,8 +153,9 @@ class PrefillPool:
             replica.thread.start()
         info = self._replicas[0].infos[0]
         logger.info(
-            "prefill pool ready: %d replica(s) x TP=%d PCP=%d, %s on %s (%s), warm-up %.1f s",
+            "prefill pool ready: %d replica(s) x TP=%d PCP=%d, %s on %s (%s), warm-up %.1f s%s",
             cfg.replicas, cfg.tp, cfg.pcp, info.backend, info.device, info.dtype, info.warmup_s,
+            f", PCP all-gather {info.pcp_link_gbps} GB/s per worker" if info.pcp_link_gbps else "",
         )  # fmt: skip
         return self
 
@@ -162,12 +163,17 @@ class PrefillPool:
         cfg = self.config
         bundle = {"CPU": cfg.worker_cpus, **({"GPU": 1} if use_gpus else {})}
         group = placement_group([bundle] * cfg.workers_per_replica, strategy=cfg.placement, name=f"mlapool-{uuid.uuid4().hex[:8]}-{index}")
+        if not _fits_now(bundle, cfg.workers_per_replica, cfg.placement):
+            logger.warning(
+                "replica %d needs %d x %s (%s), more than the cluster's nodes have now; waiting up to %.0f s "
+                "for an autoscaler to add them", index, cfg.workers_per_replica, bundle, cfg.placement, self._start_timeout_s,
+            )  # fmt: skip
         ready, _ = ray.wait([group.ready()], timeout=self._start_timeout_s)
         if not ready:
             remove_placement_group(group)
             raise RuntimeError(
                 f"replica {index} needs {cfg.workers_per_replica} x {bundle} ({cfg.placement}); the cluster has "
-                f"{ray.available_resources()} available. Lower tp/replicas or add nodes."
+                f"{ray.available_resources()} available. Lower tp, pcp or replicas, or add nodes."
             )
         env = {**SAFE_NCCL_ENV, **{k: v for k, v in os.environ.items() if k.startswith("NCCL_")}}
         if not use_gpus:
@@ -527,6 +533,14 @@ def _stop_replica(replica: _Replica) -> None:
     for worker in replica.workers:
         ray.kill(worker)
     remove_placement_group(replica.group)
+
+
+def _fits_now(bundle: dict, count: int, placement: str) -> bool:
+    """Whether the cluster's live nodes could hold ``count`` bundles now (one node for STRICT_PACK)."""
+    nodes = [n["Resources"] for n in ray.nodes() if n.get("Alive")]
+    if placement == "STRICT_PACK":
+        return any(all(node.get(k, 0) >= v * count for k, v in bundle.items()) for node in nodes)
+    return all(sum(node.get(k, 0) for node in nodes) >= v * count for k, v in bundle.items())
 
 
 def _connect_ray(address: str | None, cpus_needed: float) -> bool:

@@ -65,6 +65,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from attention.backends.base import MLADimensions, MLAPrefillBackend
 from attention.mla import MLAAttention, offsets, plan_context_chunks
 from attention.merge import merge_attn_states_many
 
@@ -217,8 +218,10 @@ class PCPPlan:
     """Everything one PCP rank needs to run a batch, built once and shared by every layer.
 
     ``seq_lens``/``context_lens`` describe the batch's requests (new and cached
-    tokens); the plan is a pure function of them, the group shape and the model
-    dims, so every rank computes the same plan for itself without talking.
+    tokens); the plan is a pure function of them, the group shape, the model
+    dims and the (agreed) cost model, so every rank computes its own plan, and
+    the same strategy, without talking. ``num_heads`` are this rank's (TP) heads;
+    ``backend``, when given, has its kernels planned here for the batch.
     """
 
     def __init__(
@@ -229,14 +232,14 @@ class PCPPlan:
         pcp: PCPGroup,
         block_size: int,
         num_heads: int,
-        dims,
+        dims: MLADimensions,
         latent_width: int,
         element_size: int,
         workspace_tokens: int | None,
         device: torch.device,
         strategy: str = "auto",
         cost_model: PCPCostModel | None = None,
-        backend=None,
+        backend: MLAPrefillBackend | None = None,
     ) -> None:
         if strategy not in STRATEGIES:
             raise ValueError(f"PCP strategy {strategy!r} is not one of {', '.join(STRATEGIES)}")

@@ -4,15 +4,18 @@ The driver (``cluster.pool``) wraps :class:`PrefillWorker` in a Ray actor, one
 per GPU (or per CPU slot), and calls every worker of a replica with the same
 batch. Each worker:
 
-* joins its replica's process group (NCCL on CUDA, gloo on CPU) -- the TP group;
-* holds its TP shard of the model and, in a paged cache, the latent KV of the
-  requests it prefilled (sized at setup: see ``_allocate_kv_cache``);
+* joins its replica's process group (NCCL on CUDA, gloo on CPU), split into its
+  TP group (same ``pcp_rank``: the heads are split) and its PCP group (same
+  ``tp_rank``: the tokens are split; ``rank = pcp_rank * tp + tp_rank``);
+* holds its TP shard of the model and, in a paged cache, its PCP stripes of the
+  latent KV of the requests it prefilled (sized at setup: see ``_allocate_kv_cache``);
 * runs a batch of chunk pieces: request ``r``'s next ``len(tokens)`` tokens after
   ``context_len`` cached ones. Later chunks attend to the cached rows through the
-  MLA layer's chunked-context path, so long prompts never need all their
-  activations at once;
-* returns, from TP rank 0 only, the logits and last hidden state of every request
-  whose final chunk was in the batch.
+  MLA layer's chunked-context path (under PCP: ``workers.pcp``, each worker its
+  zigzag share of the tokens), so long prompts never need all their activations
+  at once;
+* returns, from rank 0 only, the logits and last hidden state of every request
+  whose final chunk was in the batch, and the batch's PCP strategy and bytes.
 
 Nothing here imports Ray: the worker is plain Python and testable in-process.
 """

@@ -10,11 +10,14 @@ from cluster.cli import main
 
 
 def test_prefill_writes_kv_and_summary_and_verifies(ray_cluster, tmp_path, capsys):
-    argv = ["prefill", "--device", "cpu", "--random-tokens", "200", "--num-layers", "2", "--tp", "2", "--chunk-tokens", "64"]
+    argv = ["prefill", "--device", "cpu", "--random-tokens", "200", "--num-layers", "2", "--pcp", "2", "--chunk-tokens", "64"]
     assert main([*argv, "--output-dir", str(tmp_path), "--verify"]) == 0
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert json.loads(capsys.readouterr().out) == summary
-    assert summary["tokens"] == 200 and summary["tp"] == 2 and summary["layers"] == 2
+    assert summary["tokens"] == 200 and summary["tp"] == 1 and summary["pcp"] == 2 and summary["layers"] == 2
+    context = summary["pcp_context"]  # 4 chunks: the first has no context
+    assert context["batches_per_strategy"]["none"] == 1 and sum(context["batches_per_strategy"].values()) == 4
+    assert context["bytes_received_per_worker"] > 0
     assert summary["backend"] == "TORCH_SDPA" and summary["device"] == "cpu"
     assert summary["ttft_s"] > 0 and summary["tokens_per_s"] > 0
     assert summary["verify"]["ok"] and summary["verify"]["same_first_token"]
@@ -39,6 +42,9 @@ def test_prefill_from_a_token_file(ray_cluster, tmp_path, capsys):
         (["--random-tokens", "0"], 2, "--random-tokens must be positive, got 0"),
         (["--model", "deepseek-v3"], 2, "mlapool prefill --num-layers 3"),
         (["--tp", "3"], 2, "TP=3 does not divide tiny's 8 attention heads"),
+        (["--pcp", "0"], 2, "pcp must be a positive integer, got 0"),
+        (["--kv-cache-tokens", "10"], 2, "kv_cache_tokens must be None or an integer >= block_size (64), got 10"),
+        (["--kv-cache-tokens", "256", "--random-tokens", "300"], 2, "prompt of 300 tokens does not fit in the KV cache"),
         (["--tokens", "/no/such/file"], 2, "No such file"),
         (["--num-layers", "1", "--backend", "aiter_flash_attn"], 1, "replica 0 failed to start: ValueError: MLA prefill backend AITER_FLASH_ATTN cannot run"),
     ],

@@ -83,6 +83,14 @@ def test_broken_checkpoints_are_refused_with_the_tensor_named(tmp_path_factory, 
         assert pool.prefill([1, 2, 3]).num_tokens == 3
 
 
+def test_a_grid_larger_than_the_cluster_warns_at_once_and_fails_after_the_timeout(ray_cluster, caplog):
+    config = BASE.replace(tp=4, pcp=2, num_layers=1)  # 8 workers x 0.5 CPU; the test cluster has 2 CPUs
+    with caplog.at_level("WARNING", logger="cluster.pool"):
+        with pytest.raises(RuntimeError, match=r"replica 0 needs 8 x \{'CPU': 0.5\} \(STRICT_PACK\).* Lower tp, pcp or replicas"):
+            PrefillPool(config, start_timeout_s=2).start()
+    assert "more than the cluster's nodes have now; waiting up to 2 s" in caplog.text
+
+
 def test_shutdown_refuses_new_requests(ray_cluster):
     pool = PrefillPool(BASE.replace(num_layers=1)).start()
     pool.shutdown()
