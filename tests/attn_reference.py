@@ -26,15 +26,15 @@ def attention_ref(q, k, v, seqlens_q, seqlens_k, *, scale, causal, dtype=torch.f
         vi = _round(v[ks : ks + lk].to(work), dtype)
         s = _round(torch.einsum("thd,shd->hts", qi, ki) * scale, dtype)
         if causal:
-            i = torch.arange(lq)[:, None]
-            j = torch.arange(lk)[None, :]
+            i = torch.arange(lq, device=q.device)[:, None]
+            j = torch.arange(lk, device=q.device)[None, :]
             s = s.masked_fill(j > i + (lk - lq), float("-inf"))
         if lk == 0:
-            lse = torch.full((heads, lq), float("-inf"), dtype=work)
+            lse = torch.full((heads, lq), float("-inf"), dtype=work, device=q.device)
         else:
             lse = _round(torch.logsumexp(s, dim=-1), dtype)
         p = _round(torch.exp(s - torch.where(torch.isinf(lse), 0, lse)[..., None]), dtype)
-        o = _round(torch.einsum("hts,shd->thd", p, vi), dtype) if lk else torch.zeros(lq, heads, dv, dtype=work)
+        o = _round(torch.einsum("hts,shd->thd", p, vi), dtype) if lk else torch.zeros(lq, heads, dv, dtype=work, device=q.device)
         outs.append(o)
         lses.append(lse)
         qs += lq

@@ -117,6 +117,32 @@ def test_context_chunk_non_causal(member, device, dtype):
     _check_against_reference(out, lse, q, k, v, seqlens_q, seqlens_k, backend.scale, False, dtype)
 
 
+@pytest.mark.parametrize("member,device,dtype", [p for p in CASES if p.values[1] == "cuda" and p.values[2] == torch.bfloat16])
+@pytest.mark.parametrize(
+    "seqlens_q,seqlens_k,causal",
+    [([8192], [16384], False), ([4096, 4096], [8192, 16384], False), ([8192], [8192], True)],
+    ids=["context-8Kx16K", "context-ragged", "causal-8K"],
+)
+def test_deepseek_sized_chunks_on_gpu(member, device, dtype, seqlens_q, seqlens_k, causal):
+    """The shapes of 8K-token chunks over 16K-row context pieces at 128 heads, against float32 attention of
+    the same bf16 inputs (small shapes miss kernel paths -- split KV, many tiles -- that these take)."""
+    heads = 128
+    backend = _make(member, device, heads)
+    q, k, v, cu_q, cu_k = _inputs(seqlens_q, seqlens_k, heads, dtype, device)
+    if causal:
+        out, lse = backend.run_prefill_new_tokens(q, k, v, cu_q, max(seqlens_q), True)
+    else:
+        out, lse = backend.run_prefill_context_chunk(q, k, v, cu_q, cu_k, max(seqlens_q), max(seqlens_k))
+    for group in range(0, heads, 16):  # the float32 reference, 16 heads at a time to bound its memory
+        h = slice(group, group + 16)
+        out_ref, lse_ref = attention_ref(
+            q[:, h].float(), k[:, h].float(), v[:, h].float(), seqlens_q, seqlens_k, scale=backend.scale,
+            causal=causal, dtype=torch.float32,
+        )  # fmt: skip
+        assert max_err(out[:, h].float(), out_ref) <= 4 * rounding_error(out_ref, dtype) + 1e-3
+        assert max_err(lse[h], lse_ref) <= 1e-2
+
+
 @pytest.mark.parametrize("member,device,dtype", _cases([torch.float32, torch.bfloat16], OTHER_DIMS))
 def test_other_mla_dims(member, device, dtype):
     seqlens = [5, 17]
