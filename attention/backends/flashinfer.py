@@ -45,9 +45,6 @@ class FlashInferPrefillBackend(MLAPrefillBackend):
     workspace_bytes = 128 << 20
     max_cached_plans = 16  # each holds a workspace
     template = "auto"
-    # Prefill batches have thousands of queries, enough parallelism without splitting the KV; split-KV
-    # partials live in the float workspace (see the chunked-accuracy results in benchmarks/results).
-    disable_split_kv = True
 
     def _build_state(self, plan: RaggedPlan) -> dict:
         return {}  # one planned wrapper per dtype, built on the first run of that dtype
@@ -78,7 +75,6 @@ class FlashInferPrefillBackend(MLAPrefillBackend):
                 sm_scale=self.scale,
                 q_data_type=dtype,
                 kv_data_type=dtype,
-                disable_split_kv=self.disable_split_kv,
             )
             if first:
                 logger.info("FlashInfer: planned in %.1f s", time.perf_counter() - started)
