@@ -46,7 +46,9 @@ chunks long, at TP=8 about 9 chunks.
 The partials travel as one all-to-all of ``o'`` with its LSE packed into the
 same rows, and are merged in float32 by the receiver. The alternative --
 all-gather the LSEs, rescale, reduce-scatter ``o'`` -- moves the same ``o'``
-bytes plus a second collective, and would sum bf16 partials inside NCCL.
+bytes plus a second collective, and would sum bf16 partials inside NCCL;
+measured on 4 H200s for 8K query rows: 0.74 ms against 1.75 ms (float32
+reduce) and 0.77 ms (bf16 reduce); for 32K rows 2.5 against 6.6 and 2.7 ms.
 
 A cost model (:class:`PCPCostModel`) estimates each strategy's time per batch
 from those bytes at the measured link bandwidth, plus the gather's repeated
