@@ -248,7 +248,7 @@ class PCPPlan:
         if strategy == "auto" and cost_model is None:
             raise ValueError("PCP strategy 'auto' needs a cost model (measure_cost_model), or force sharded/gather")
         self.seq_lens, self.context_lens = tuple(seq_lens), tuple(context_lens)
-        self.pcp, self.block_size, self.device = pcp, block_size, device
+        self.pcp = pcp
         size, rank = pcp.size, pcp.rank
         starts = offsets(self.seq_lens)
 
@@ -299,61 +299,20 @@ class PCPPlan:
 
         # Cached context: requests with any, and their rows on each rank.
         ctx = [i for i, c in enumerate(self.context_lens) if c > 0]
-        self.has_context = bool(ctx)
         self.shard_lens = [[shard_rows(self.context_lens[i], r, size, block_size) for i in ctx] for r in range(size)]
         self.local_ctx_index = _ranges([(local_start[i], local_start[i + 1]) for i in ctx], device)
         self.ctx_counts = [sum(piece_counts[r][i] for i in ctx) for r in range(size)]
 
-        # sharded: every query of a request with context (gathered; grouped by request) over the
-        # rank's own shard; the partials then go back to the rank that owns each query.
-        self.padded_ctx = max(self.ctx_counts)
-        group_ranges, q_group_lens = [], []
-        for k, i in enumerate(ctx):
-            for r in range(size):
-                offset = r * self.padded_ctx + sum(piece_counts[r][m] for m in ctx[:k])
-                group_ranges.append((offset, offset + piece_counts[r][i]))
-            q_group_lens.append(sum(piece_counts[r][i] for r in range(size)))
-        self.sharded_q_index = _ranges(group_ranges, device)
-        self.sharded_chunks = plan_context_chunks(
-            q_group_lens, self.shard_lens[rank], workspace_tokens=workspace_tokens, device=device
-        )
-        where = torch.empty(size * self.padded_ctx, dtype=torch.int64, device=device)
-        where[self.sharded_q_index] = torch.arange(len(self.sharded_q_index), device=device)
-        self.a2a_send_index = _ranges(
-            [(d * self.padded_ctx, d * self.padded_ctx + self.ctx_counts[d]) for d in range(size)], device
-        )
-        self.a2a_send_index = where[self.a2a_send_index]
-
-        # gather: this rank's queries of each request with context over all of that request's rows
-        self.padded_shard = max(sum(lens) for lens in self.shard_lens)
-        keep = [k for k, i in enumerate(ctx) if piece_counts[rank][i] > 0]
-        rows = []
-        for k in keep:
-            for r in range(size):
-                offset = r * self.padded_shard + sum(self.shard_lens[r][:k])
-                rows.append((offset, offset + self.shard_lens[r][k]))
-        self.gather_context_index = _ranges(rows, device)
-        self.gather_q_index = _ranges([(local_start[ctx[k]], local_start[ctx[k] + 1]) for k in keep], device)
-        self.gather_chunks = plan_context_chunks(
-            [piece_counts[rank][ctx[k]] for k in keep],
-            [self.context_lens[ctx[k]] for k in keep],
-            workspace_tokens=workspace_tokens,
-            device=device,
-        )
-
         # What each strategy costs, and the choice.
-        esize = element_size
-        total_ctx = sum(self.context_lens)
-        total_ctx_q = sum(self.ctx_counts)
-        per_rank = lambda total: total * (size - 1) / size  # noqa: E731 -- bytes received, averaged over ranks
-        row_bytes = num_heads * (dims.v_head_dim * esize + 4)
+        per_rank = lambda total: total * (size - 1) / size  # noqa: E731 -- received, averaged over the ranks
+        total_ctx, total_ctx_q = sum(self.context_lens), sum(self.ctx_counts)
         self.estimate = CommEstimate(
-            latent_bytes=per_rank(starts[-1] * latent_width * esize),
-            sharded_bytes=per_rank(total_ctx_q * num_heads * dims.qk_head_dim * esize) + per_rank(total_ctx_q * row_bytes),
-            gather_bytes=per_rank(total_ctx * latent_width * esize),
+            latent_bytes=per_rank(starts[-1] * latent_width * element_size),
+            sharded_bytes=per_rank(total_ctx_q * num_heads * ((dims.qk_head_dim + dims.v_head_dim) * element_size + 4)),
+            gather_bytes=per_rank(total_ctx * latent_width * element_size),
             gather_extra_rows=per_rank(total_ctx),
         )
-        if not self.has_context:
+        if not ctx:
             self.strategy = "none"
         elif strategy != "auto":
             self.strategy = strategy
@@ -362,22 +321,54 @@ class PCPPlan:
             gather = cost_model.estimate(self.estimate.gather_bytes, self.estimate.gather_extra_rows)
             self.strategy = "sharded" if sharded <= gather else "gather"
 
+        self.context_chunks = ()
+        if self.strategy == "sharded":
+            # every query of a request with context (gathered; grouped by request) over this rank's
+            # own shard; the partials then go back to the rank that owns each query
+            self.padded_ctx = max(self.ctx_counts)
+            group_ranges, q_group_lens = [], []
+            for k, i in enumerate(ctx):
+                for r in range(size):
+                    offset = r * self.padded_ctx + sum(piece_counts[r][m] for m in ctx[:k])
+                    group_ranges.append((offset, offset + piece_counts[r][i]))
+                q_group_lens.append(sum(piece_counts[r][i] for r in range(size)))
+            self.sharded_q_index = _ranges(group_ranges, device)
+            self.context_chunks = plan_context_chunks(
+                q_group_lens, self.shard_lens[rank], workspace_tokens=workspace_tokens, device=device
+            )
+            where = torch.empty(size * self.padded_ctx, dtype=torch.int64, device=device)
+            where[self.sharded_q_index] = torch.arange(len(self.sharded_q_index), device=device)
+            to_owners = [(d * self.padded_ctx, d * self.padded_ctx + self.ctx_counts[d]) for d in range(size)]
+            self.a2a_send_index = where[_ranges(to_owners, device)]
+        elif self.strategy == "gather":
+            # this rank's queries of each request with context over all of that request's rows
+            self.padded_shard = max(sum(lens) for lens in self.shard_lens)
+            keep = [k for k, i in enumerate(ctx) if piece_counts[rank][i] > 0]
+            rows = []
+            for k in keep:
+                for r in range(size):
+                    offset = r * self.padded_shard + sum(self.shard_lens[r][:k])
+                    rows.append((offset, offset + self.shard_lens[r][k]))
+            self.gather_context_index = _ranges(rows, device)
+            self.gather_q_index = _ranges([(local_start[ctx[k]], local_start[ctx[k] + 1]) for k in keep], device)
+            self.context_chunks = plan_context_chunks(
+                [piece_counts[rank][ctx[k]] for k in keep],
+                [self.context_lens[ctx[k]] for k in keep],
+                workspace_tokens=workspace_tokens,
+                device=device,
+            )
+
         if backend is not None:
             backend.clear_plans()
             if self.local_counts[rank]:
                 backend.plan(self.new_cu_q, self.new_cu_k, causal=True)
-            for chunk in self.sharded_chunks if self.strategy == "sharded" else self.gather_chunks if self.strategy == "gather" else ():
+            for chunk in self.context_chunks:
                 backend.plan(chunk.cu_seqlens_q, chunk.cu_seqlens_k, causal=False)
 
     @property
     def num_tokens(self) -> int:
         """Tokens this rank computes (its zigzag share of the batch)."""
         return self.local_counts[self.pcp.rank]
-
-    @property
-    def num_context_rows(self) -> int:
-        """Cached rows this rank holds for the batch (its shard)."""
-        return sum(self.shard_lens[self.pcp.rank])
 
     @property
     def comm_bytes_per_layer(self) -> float:
@@ -431,7 +422,7 @@ def context_parallel_attention(
         q_ctx = q_buf.index_select(0, plan.sharded_q_index)
         o_part = q_ctx.new_zeros(q_ctx.shape[0], heads, dv)
         lse_part = torch.full((heads, q_ctx.shape[0]), float("-inf"), device=q.device)
-        attn.attend_context(q_ctx, o_part, lse_part, plan.sharded_chunks, context)
+        attn.attend_context(q_ctx, o_part, lse_part, plan.context_chunks, context)
         packed = _pack(o_part, lse_part).index_select(0, plan.a2a_send_index)
         work, buf = pcp.all_to_all(packed, plan.ctx_counts, [plan.ctx_counts[pcp.rank]] * pcp.size)
         work.wait()
@@ -447,7 +438,7 @@ def context_parallel_attention(
         rows = ctx_buf.index_select(0, plan.gather_context_index)
         sel = plan.gather_q_index
         o_sel, lse_sel = o.index_select(0, sel), lse.index_select(1, sel)
-        attn.attend_context(q.index_select(0, sel), o_sel, lse_sel, plan.gather_chunks, rows)
+        attn.attend_context(q.index_select(0, sel), o_sel, lse_sel, plan.context_chunks, rows)
         o.index_copy_(0, sel, o_sel)
     return attn.output(o), batch_latent
 
