@@ -128,6 +128,7 @@ class PrefillPool:
         self._replicas: list[_Replica] = []
         self._ids = itertools.count()
         self._live: set[str] = set()
+        self._kept: dict[str, PrefillResult] = {}  # results whose KV stays on the workers
         self._lock = threading.Lock()
         self._owns_ray = False
         self._use_gpus = False
@@ -302,14 +303,20 @@ class PrefillPool:
     def release(self, result: PrefillResult) -> None:
         """Free a kept request's KV on its workers (a no-op if its replica restarted since)."""
         replica = self._replica(result.replica)
-        with self._lock:
+        with self._lock:  # one release wins, however many callers race (a KV server and the user, say)
             held = replica.generation == result.generation and result.kv_kept
+            result.kv_kept = False
             self._live.discard(result.request_id)
+            self._kept.pop(result.request_id, None)
         if held:
             ray.get([w.release.remote([result.request_id]) for w in replica.workers])
             with self._lock:
                 replica.free_blocks += self._kv_blocks(result.num_tokens)
-        result.kv_kept = False
+
+    def kept_result(self, request_id: str) -> PrefillResult | None:
+        """The result of a request whose KV is kept on the workers (None if none is)."""
+        with self._lock:
+            return self._kept.get(request_id)
 
     def health(self) -> list[list[dict]]:
         """Per replica, per worker: readiness and KV held."""
@@ -476,6 +483,9 @@ class PrefillPool:
             kv_kept=request.keep_kv,
             generation=replica.generation,
         )
+        if request.keep_kv:
+            with self._lock:
+                self._kept[request.id] = result
         _settle(request.future, result=result)
 
     def _forget(self, request: _Request) -> None:

@@ -1,0 +1,138 @@
+"""Serve a prefill pool's kept KV caches over TCP to decode servers (the frames of ``workers.kv_transfer``).
+
+    with PrefillPool(config).start() as pool, KVServer(pool, token="s3cret") as server:
+        result = pool.prefill(tokens, keep_kv=True)
+        # a decode server: KVReceiver(host, server.port, token="s3cret").fetch(result.request_id)
+
+Binds to 127.0.0.1 unless ``host`` says otherwise; with ``token`` set, a
+receiver must present it (compared in constant time) before anything is sent.
+A request's KV is freed on the workers once the receiver acknowledges it, and
+also when a started transfer fails (an error from the receiver, a lost
+connection, no acknowledgement within ``ack_timeout_s``), so a failed
+receiver never pins GPU memory; the request then has to be prefilled again.
+A receiver that is refused (bad token, unknown request) frees nothing.
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+import socket
+import threading
+
+from cluster.pool import PrefillPool
+from workers.kv_transfer import KVTransferError, expect, paged, read_frame, send_frame, tensor_bytes
+
+logger = logging.getLogger(__name__)
+
+
+class KVServer:
+    def __init__(
+        self,
+        pool: PrefillPool,
+        *,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        token: str | None = None,
+        ack_timeout_s: float = 60.0,
+        io_timeout_s: float = 60.0,
+    ) -> None:
+        self.pool, self.token = pool, token
+        self.ack_timeout_s, self.io_timeout_s = ack_timeout_s, io_timeout_s
+        self._listener = socket.create_server((host, port))
+        self.host, self.port = self._listener.getsockname()[:2]
+        self._busy: set[str] = set()
+        self._lock = threading.Lock()
+        self._closed = False
+        self.transfers = {"completed": 0, "failed": 0, "refused": 0}
+        self._thread = threading.Thread(target=self._accept, name="mlapool-kv-server", daemon=True)
+        self._thread.start()
+
+    def close(self) -> None:
+        self._closed = True
+        self._listener.close()
+        self._thread.join(timeout=10)
+
+    def __enter__(self) -> KVServer:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def _accept(self) -> None:
+        while not self._closed:
+            try:
+                conn, peer = self._listener.accept()
+            except OSError:
+                return  # closed
+            threading.Thread(target=self._serve, args=(conn, peer), name="mlapool-kv-transfer", daemon=True).start()
+
+    def _serve(self, conn: socket.socket, peer) -> None:
+        with conn:
+            conn.settimeout(self.io_timeout_s)
+            try:
+                result = self._admit(conn)
+            except KVTransferError as exc:
+                self._count("refused")
+                logger.warning("KV transfer to %s refused: %s", peer, exc)
+                _try_error(conn, str(exc))
+                return
+            try:
+                self._stream(conn, result)
+                conn.settimeout(self.ack_timeout_s)
+                expect(read_frame(conn, max_payload=0)[0], "ack")
+                self._count("completed")
+            except (KVTransferError, OSError) as exc:
+                self._count("failed")
+                logger.warning("KV transfer of %r to %s failed, its KV is freed: %s", result.request_id, peer, exc)
+                _try_error(conn, str(exc))
+            finally:
+                self.pool.release(result)
+                with self._lock:
+                    self._busy.discard(result.request_id)
+
+    def _admit(self, conn: socket.socket):
+        hello = expect(read_frame(conn, max_payload=0)[0], "hello")
+        if self.token is not None and not hmac.compare_digest(str(hello.get("token") or ""), self.token):
+            raise KVTransferError("the receiver's token does not match this KV server's")
+        request_id = hello.get("request_id")
+        result = self.pool.kept_result(request_id) if isinstance(request_id, str) else None
+        if result is None:
+            raise KVTransferError(f"no kept KV for request {request_id!r} (not prefilled with keep_kv, or already sent)")
+        with self._lock:
+            if request_id in self._busy:
+                raise KVTransferError(f"the KV of request {request_id!r} is already being sent")
+            self._busy.add(request_id)
+        return result
+
+    def _stream(self, conn: socket.socket, result) -> None:
+        pool = self.pool
+        cfg = pool.config
+        kv = pool.fetch_kv(result)  # [layers, tokens, width] in token order
+        send_frame(conn, "begin", {
+            "request_id": result.request_id,
+            "tokens": result.num_tokens,
+            "layers": kv.shape[0],
+            "dtype": str(kv.dtype).removeprefix("torch."),
+            "block_size": cfg.block_size,
+            "width": kv.shape[2],
+            "num_blocks": -(-result.num_tokens // cfg.block_size),
+            "model_fingerprint": pool.model_config.fingerprint(),
+            "shard_map": {"tp": cfg.tp, "pcp": cfg.pcp, "block_size": cfg.block_size,
+                          "layout": "block j of the request was on PCP rank j % pcp; TP ranks hold the same rows"},
+        })  # fmt: skip
+        for layer in range(kv.shape[0]):
+            blocks = paged(kv[layer], cfg.block_size)
+            send_frame(conn, "layer", {"layer": layer, "shape": list(blocks.shape)}, tensor_bytes(blocks))
+        send_frame(conn, "end", {"request_id": result.request_id, "layers": kv.shape[0]})
+
+    def _count(self, outcome: str) -> None:
+        with self._lock:
+            self.transfers[outcome] += 1
+
+
+def _try_error(conn: socket.socket, message: str) -> None:
+    try:
+        send_frame(conn, "error", {"message": message})
+    except OSError:
+        pass  # the receiver is gone

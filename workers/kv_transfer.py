@@ -1,0 +1,213 @@
+"""The KV handoff wire format, and :class:`KVReceiver`, the client a decode server embeds.
+
+Nothing here imports Ray: a decode server needs only torch and msgpack.
+
+Frame (every message, both directions)::
+
+    magic b"MLKV" | version u16 | header_len u32 | payload_len u32 |
+    header (msgpack map with "kind") | payload (raw bytes) | crc32(header + payload) u32
+
+All integers are big-endian. A receiver refuses a frame whose magic, version,
+sizes or checksum it does not accept, with :class:`KVTransferError` naming why.
+
+A transfer, one request per TCP connection::
+
+    receiver -> hello  {request_id, token?, model_fingerprint?}
+    sender   -> begin  {request_id, tokens, layers, dtype, block_size, width, num_blocks,
+                        model_fingerprint, shard_map}          (or error {message})
+    sender   -> layer  {layer, shape} + the layer's rows, vLLM's MLA paged layout
+                        [num_blocks, block_size, width] = [kv_c_normed | k_pe], in token order
+    sender   -> end    {request_id, layers}
+    receiver -> ack    {request_id}                            (or error {message})
+
+The sender frees the request's KV after the ack, or after an error, a
+disconnect or a timeout (see ``cluster.kv_server``).
+"""
+
+from __future__ import annotations
+
+import socket
+import struct
+import zlib
+from dataclasses import dataclass
+from typing import Any
+
+import msgpack
+import torch
+
+MAGIC = b"MLKV"
+VERSION = 1
+PREFIX = struct.Struct("!4sHII")
+CRC = struct.Struct("!I")
+MAX_HEADER_BYTES = 1 << 20
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+class KVTransferError(RuntimeError):
+    """A transfer failed: a bad frame, a refused request, a timeout or a lost connection."""
+
+
+# ---- frames ------------------------------------------------------------------------------------
+def encode_frame(kind: str, header: dict[str, Any] | None = None, payload: bytes = b"") -> bytes:
+    body = msgpack.packb({"kind": kind, **(header or {})}, use_bin_type=True)
+    return PREFIX.pack(MAGIC, VERSION, len(body), len(payload)) + body + payload + CRC.pack(zlib.crc32(payload, zlib.crc32(body)))
+
+
+def send_frame(sock: socket.socket, kind: str, header: dict[str, Any] | None = None, payload: bytes = b"") -> None:
+    sock.sendall(encode_frame(kind, header, payload))
+
+
+def read_frame(sock: socket.socket, *, max_payload: int) -> tuple[dict[str, Any], bytes]:
+    """The next frame's ``(header, payload)``; raises :class:`KVTransferError` for anything malformed."""
+    magic, version, header_len, payload_len = PREFIX.unpack(_read_exact(sock, PREFIX.size))
+    if magic != MAGIC:
+        raise KVTransferError(f"not an mlapool KV frame (magic {magic!r}, expected {MAGIC!r})")
+    if version != VERSION:
+        raise KVTransferError(f"KV frame version {version} is not supported; this side speaks version {VERSION}")
+    if header_len > MAX_HEADER_BYTES:
+        raise KVTransferError(f"KV frame header of {header_len} bytes exceeds the limit of {MAX_HEADER_BYTES}")
+    if payload_len > max_payload:
+        raise KVTransferError(f"KV frame payload of {payload_len} bytes exceeds the limit of {max_payload}")
+    body = _read_exact(sock, header_len)
+    payload = _read_exact(sock, payload_len)
+    (crc,) = CRC.unpack(_read_exact(sock, CRC.size))
+    if crc != zlib.crc32(payload, zlib.crc32(body)):
+        raise KVTransferError("KV frame checksum mismatch: the frame was corrupted in transit")
+    try:
+        header = msgpack.unpackb(body, raw=False)
+    except Exception as exc:  # noqa: BLE001 -- msgpack raises several types for garbage
+        raise KVTransferError(f"KV frame header is not valid msgpack ({type(exc).__name__})") from None
+    if not isinstance(header, dict) or not isinstance(header.get("kind"), str):
+        raise KVTransferError("KV frame header must be a map with a 'kind'")
+    if header["kind"] == "error":
+        raise KVTransferError(f"the other side reported: {header.get('message', 'no reason given')}")
+    return header, payload
+
+
+def expect(header: dict[str, Any], kind: str) -> dict[str, Any]:
+    if header["kind"] != kind:
+        raise KVTransferError(f"expected a {kind!r} frame, got {header['kind']!r}")
+    return header
+
+
+def _read_exact(sock: socket.socket, count: int) -> bytes:
+    buf = bytearray()
+    while len(buf) < count:
+        try:
+            chunk = sock.recv(min(count - len(buf), 1 << 22))
+        except socket.timeout:
+            raise KVTransferError("timed out waiting for the other side") from None
+        except OSError as exc:
+            raise KVTransferError(f"connection lost ({exc})") from None
+        if not chunk:
+            raise KVTransferError(f"connection closed mid-frame ({len(buf)} of {count} bytes read)")
+        buf += chunk
+    return bytes(buf)
+
+
+# ---- tensors on the wire -------------------------------------------------------------------------
+def tensor_bytes(tensor: torch.Tensor) -> bytes:
+    return tensor.contiguous().view(torch.uint8).numpy().tobytes()
+
+
+def tensor_from_bytes(payload: bytes, dtype: torch.dtype, shape: list[int]) -> torch.Tensor:
+    expected = dtype.itemsize
+    for dim in shape:
+        expected *= dim
+    if len(payload) != expected:
+        raise KVTransferError(f"layer payload has {len(payload)} bytes; shape {shape} of {dtype} needs {expected}")
+    return torch.frombuffer(bytearray(payload), dtype=torch.uint8).view(dtype).view(shape)
+
+
+def paged(rows: torch.Tensor, block_size: int) -> torch.Tensor:
+    """Rows ``[tokens, width]`` as vLLM's paged layout ``[num_blocks, block_size, width]`` (zero-padded)."""
+    tokens, width = rows.shape
+    num_blocks = -(-tokens // block_size)
+    out = rows.new_zeros(num_blocks * block_size, width)
+    out[:tokens] = rows
+    return out.view(num_blocks, block_size, width)
+
+
+# ---- the receiver ----------------------------------------------------------------------------------
+@dataclass
+class ReceivedKV:
+    """A request's latent KV as received: metadata and one paged tensor per layer."""
+
+    meta: dict[str, Any]
+    layers: list[torch.Tensor]  # per layer [num_blocks, block_size, width]
+
+    @property
+    def tokens(self) -> int:
+        return self.meta["tokens"]
+
+    def rows(self) -> torch.Tensor:
+        """``[layers, tokens, width]`` in token order."""
+        return torch.stack([layer.reshape(-1, layer.shape[-1])[: self.tokens] for layer in self.layers])
+
+
+class KVReceiver:
+    """Pulls a prefilled request's KV from a prefill tier's KV server (``cluster.kv_server``).
+
+        receiver = KVReceiver("10.0.0.5", 7431, token=..., model_fingerprint=config.fingerprint())
+        kv = receiver.fetch("req-17")       # ReceivedKV; the prefill side frees it once acknowledged
+
+    ``model_fingerprint``, when given, makes the receiver refuse KV of another model.
+    """
+
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        *,
+        token: str | None = None,
+        model_fingerprint: str | None = None,
+        timeout_s: float = 60.0,
+        max_layer_bytes: int = 1 << 36,
+    ) -> None:
+        self.address = (host, port)
+        self.token, self.model_fingerprint = token, model_fingerprint
+        self.timeout_s, self.max_layer_bytes = timeout_s, max_layer_bytes
+
+    def fetch(self, request_id: str) -> ReceivedKV:
+        try:
+            sock = socket.create_connection(self.address, timeout=self.timeout_s)
+        except OSError as exc:
+            raise KVTransferError(f"cannot reach the KV server at {self.address[0]}:{self.address[1]} ({exc})") from None
+        with sock:
+            send_frame(sock, "hello", {"request_id": request_id, "token": self.token, "model_fingerprint": self.model_fingerprint})
+            try:
+                kv = self._receive(sock, request_id)
+            except KVTransferError as exc:
+                _try_send(sock, "error", {"message": str(exc)})
+                raise
+            send_frame(sock, "ack", {"request_id": request_id})
+            return kv
+
+    def _receive(self, sock: socket.socket, request_id: str) -> ReceivedKV:
+        meta = expect(read_frame(sock, max_payload=0)[0], "begin")
+        if meta.get("request_id") != request_id:
+            raise KVTransferError(f"asked for request {request_id!r}, the server sent {meta.get('request_id')!r}")
+        if self.model_fingerprint is not None and meta.get("model_fingerprint") != self.model_fingerprint:
+            raise KVTransferError(
+                f"KV of request {request_id!r} is from model {meta.get('model_fingerprint')!r}; "
+                f"this decode server runs {self.model_fingerprint!r}"
+            )
+        dtype = DTYPES.get(meta.get("dtype"))
+        if dtype is None:
+            raise KVTransferError(f"unknown KV dtype {meta.get('dtype')!r}; valid: {', '.join(DTYPES)}")
+        layers = []
+        for index in range(meta["layers"]):
+            header, payload = read_frame(sock, max_payload=self.max_layer_bytes)
+            header = expect(header, "layer")
+            if header.get("layer") != index:
+                raise KVTransferError(f"expected layer {index}, got layer {header.get('layer')!r}")
+            layers.append(tensor_from_bytes(payload, dtype, header["shape"]))
+        expect(read_frame(sock, max_payload=0)[0], "end")
+        return ReceivedKV(meta, layers)
+
+
+def _try_send(sock: socket.socket, kind: str, header: dict[str, Any]) -> None:
+    try:
+        send_frame(sock, kind, header)
+    except OSError:
+        pass  # the other side is already gone
