@@ -20,7 +20,7 @@ at submit, one that does not fit yet waits for releases. A batch that fails on t
 keeps serving. When a worker dies, the requests of its batch fail with that
 reason, the replica is restarted in place, and its other in-flight requests are
 prefilled again from the start; KV kept on the dead replica is reported lost.
-This module is the only place that calls ``ray.get``/``ray.wait``.
+This module and ``cluster.handoff`` are the only places that call ``ray.get``/``ray.wait``.
 """
 
 from __future__ import annotations
@@ -44,7 +44,8 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from configs.pool import PoolConfig
 from workers.kv_cache import blocks_for
-from workers.pcp import interleave_shards, shard_rows
+from cluster.handoff import KVSource, pull_kv
+from workers.pcp import shard_rows
 from workers.worker import SAFE_NCCL_ENV, ChunkPiece, PrefillWorker, WorkerInfo
 
 logger = logging.getLogger(__name__)
@@ -288,6 +289,10 @@ class PrefillPool:
 
     def fetch_kv(self, result: PrefillResult) -> torch.Tensor:
         """The kept latent KV of a request, ``[layers, tokens, latent]`` on the CPU."""
+        return pull_kv(self.kv_source(result))
+
+    def kv_source(self, result: PrefillResult) -> KVSource:
+        """The workers holding a kept request's KV shards, for a decode actor to pull (``cluster.handoff``)."""
         if not result.kv_kept:
             raise ValueError(f"request {result.request_id!r} was not run with keep_kv=True, or was released")
         replica = self._replica(result.replica)
@@ -297,8 +302,8 @@ class PrefillPool:
                 "and the replica was restarted"
             )
         tp = self.config.tp  # TP ranks hold the same latent: read TP rank 0 of every PCP rank
-        shards = ray.get([replica.workers[p * tp].fetch_kv.remote(result.request_id) for p in range(self.config.pcp)])
-        return shards[0] if len(shards) == 1 else interleave_shards(shards, self.config.block_size)
+        holders = tuple(replica.workers[p * tp] for p in range(self.config.pcp))
+        return KVSource(result.request_id, holders, self.config.block_size, result.num_tokens)
 
     def release(self, result: PrefillResult) -> None:
         """Free a kept request's KV on its workers (a no-op if its replica restarted since)."""
