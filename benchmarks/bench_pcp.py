@@ -153,13 +153,13 @@ def merge_collectives(pcp, tokens: int, device) -> dict:
     """Seconds to exchange the context partials of ``tokens`` queries (all ranks' together) two ways:
     our all-to-all of bf16 o with its float32 LSE packed in, and all-gather of the LSEs followed by a
     reduce-scatter of the rescaled o (in float32, to keep the merge's precision; bf16 shown too)."""
-    from workers.pcp import _median_time, _pack
+    from workers.pcp import median_time, pack_partials
 
     rows = tokens // pcp.size * pcp.size
     o = torch.randn(rows, HEADS, 128, device=device, dtype=torch.bfloat16)
     lse = torch.randn(HEADS, rows, device=device)
     counts = [rows // pcp.size] * pcp.size
-    packed = _pack(o, lse)
+    packed = pack_partials(o, lse)
     lse_out = torch.empty(pcp.size * HEADS, rows, device=device)
 
     def reduce_scatter(dtype):
@@ -170,9 +170,9 @@ def merge_collectives(pcp, tokens: int, device) -> dict:
 
     return {
         "query_rows": rows,
-        "all_to_all_packed_s": _median_time(lambda: pcp.all_to_all(packed, counts, counts)[0].wait(), device),
-        "allgather_lse_reduce_scatter_fp32_s": _median_time(lambda: reduce_scatter(torch.float32), device),
-        "allgather_lse_reduce_scatter_bf16_s": _median_time(lambda: reduce_scatter(torch.bfloat16), device),
+        "all_to_all_packed_s": median_time(lambda: pcp.all_to_all(packed, counts, counts)[0].wait(), device),
+        "allgather_lse_reduce_scatter_fp32_s": median_time(lambda: reduce_scatter(torch.float32), device),
+        "allgather_lse_reduce_scatter_bf16_s": median_time(lambda: reduce_scatter(torch.bfloat16), device),
     }
 
 

@@ -194,16 +194,13 @@ def _verify(config: PoolConfig, model_config, tokens: list[int], logits: torch.T
     from attention.backends.torch_sdpa import TorchSDPAPrefillBackend
     from attention.mla import plan_prefill_batch
     from workers.model import DeepseekPrefillModel
-    from workers.weights import load_checkpoint
+    from workers.weights import load_weights
 
     reference = DeepseekPrefillModel.create(model_config, TorchSDPAPrefillBackend, dtype=torch.float32)
-    if config.checkpoint:
-        load_checkpoint(reference, config.checkpoint)
-    else:
-        draw_on = torch.device(info.device).type
-        if draw_on == "cuda" and not torch.cuda.is_available():
-            raise ValueError("--verify of random weights drawn on GPU workers needs CUDA here; pass --checkpoint instead")
-        reference.init_random_weights(config.seed, draw_device=draw_on)
+    draw_on = torch.device(info.device).type
+    if not config.checkpoint and draw_on == "cuda" and not torch.cuda.is_available():
+        raise ValueError("--verify of random weights drawn on GPU workers needs CUDA here; pass --checkpoint instead")
+    load_weights(reference, config.checkpoint, config.seed, draw_device=draw_on)
     out = reference(torch.tensor(tokens), plan_prefill_batch([len(tokens)], workspace_tokens=config.workspace_tokens))
     ref_kv = torch.stack(out.latents)
     logits_err = (logits.float() - out.logits[0]).abs().max().item()

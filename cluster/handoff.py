@@ -46,13 +46,10 @@ class DecodeActor:
     def __init__(self, config: PoolConfig, device: str = "cpu") -> None:
         from attention.backends.torch_sdpa import TorchSDPAPrefillBackend
         from workers.model import DeepseekPrefillModel
-        from workers.weights import load_checkpoint
+        from workers.weights import load_weights
 
         model = DeepseekPrefillModel.create(config.model_config(), TorchSDPAPrefillBackend, dtype=torch.float32, device=device)
-        if config.checkpoint:
-            load_checkpoint(model, config.checkpoint)
-        else:
-            model.init_random_weights(config.seed)
+        load_weights(model, config.checkpoint, config.seed)
         self.decoder = ReferenceDecoder(model)
         self.states: dict[str, DecodeState] = {}
 

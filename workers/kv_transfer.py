@@ -1,6 +1,6 @@
 """The KV handoff wire format, and :class:`KVReceiver`, the client a decode server embeds.
 
-Nothing here imports Ray: a decode server needs only torch and msgpack.
+Nothing here imports Ray: a decode server needs only torch, msgpack and this package.
 
 Frame (every message, both directions)::
 
@@ -35,12 +35,13 @@ from typing import Any
 import msgpack
 import torch
 
+from configs.model import DTYPES
+
 MAGIC = b"MLKV"
 VERSION = 1
 PREFIX = struct.Struct("!4sHII")
 CRC = struct.Struct("!I")
 MAX_HEADER_BYTES = 1 << 20
-DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
 class KVTransferError(RuntimeError):

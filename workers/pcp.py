@@ -179,8 +179,8 @@ def measure_cost_model(pcp: PCPGroup, world_group, attn: MLAAttention) -> PCPCos
     device = weight.device
     rows = 16384 if device.type == "cuda" else 1024
     latent = torch.randn(rows, attn.config.latent_dim, device=device).to(weight.dtype)
-    comm = _median_time(lambda: pcp.all_gather(latent, rows)[0].wait(), device)
-    up = _median_time(lambda: attn.up_project(latent), device)
+    comm = median_time(lambda: pcp.all_gather(latent, rows)[0].wait(), device)
+    up = median_time(lambda: attn.up_project(latent), device)
     rates = torch.tensor(
         [(pcp.size - 1) * latent.numel() * latent.element_size() / comm, rows / up], dtype=torch.float64, device=device
     )
@@ -190,7 +190,8 @@ def measure_cost_model(pcp: PCPGroup, world_group, attn: MLAAttention) -> PCPCos
     return PCPCostModel(link_bytes_per_s=link, up_projection_rows_per_s=up_rows)
 
 
-def _median_time(fn, device: torch.device, repeats: int = 5) -> float:
+def median_time(fn, device: torch.device, repeats: int = 5) -> float:
+    """Median seconds of ``fn()`` over ``repeats`` runs after one warm-up (synchronizing CUDA)."""
     fn()  # warm-up (connections, kernels)
     times = []
     for _ in range(repeats):
@@ -423,12 +424,12 @@ def context_parallel_attention(
         o_part = q_ctx.new_zeros(q_ctx.shape[0], heads, dv)
         lse_part = torch.full((heads, q_ctx.shape[0]), float("-inf"), device=q.device)
         attn.attend_context(q_ctx, o_part, lse_part, plan.context_chunks, context)
-        packed = _pack(o_part, lse_part).index_select(0, plan.a2a_send_index)
+        packed = pack_partials(o_part, lse_part).index_select(0, plan.a2a_send_index)
         work, buf = pcp.all_to_all(packed, plan.ctx_counts, [plan.ctx_counts[pcp.rank]] * pcp.size)
         work.wait()
         sel = plan.local_ctx_index
         if sel.numel():
-            o_parts, lse_parts = _unpack(buf, pcp.size, heads, dv, o.dtype)
+            o_parts, lse_parts = unpack_partials(buf, pcp.size, heads, dv, o.dtype)
             merged, _ = merge_attn_states_many(
                 torch.cat([o.index_select(0, sel)[None], o_parts]), torch.cat([lse.index_select(1, sel)[None], lse_parts])
             )
@@ -443,14 +444,14 @@ def context_parallel_attention(
     return attn.output(o), batch_latent
 
 
-def _pack(o: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
+def pack_partials(o: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
     """``o [T,N,V]`` and ``lse [N,T]`` float32 as one byte row per token (one all-to-all, not two)."""
     rows = o.shape[0]
     return torch.cat([o.reshape(rows, -1).view(torch.uint8), lse.t().contiguous().view(torch.uint8)], dim=1)
 
 
-def _unpack(buf: torch.Tensor, size: int, heads: int, dv: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """The inverse of :func:`_pack` for ``size`` equal blocks: ``o [size,T,N,V]``, ``lse [size,N,T]``."""
+def unpack_partials(buf: torch.Tensor, size: int, heads: int, dv: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """The inverse of :func:`pack_partials` for ``size`` equal blocks: ``o [size,T,N,V]``, ``lse [size,N,T]``."""
     o_bytes = heads * dv * torch.empty((), dtype=dtype).element_size()
     rows = buf.shape[0] // size
     o = buf[:, :o_bytes].contiguous().view(dtype).view(size, rows, heads, dv)

@@ -76,6 +76,15 @@ def check_checkpoint(model: DeepseekPrefillModel, path: Path) -> dict[Path, list
     return dict(by_file)
 
 
+def load_weights(model: DeepseekPrefillModel, checkpoint: str | Path | None, seed: int, *, draw_device: str | None = None) -> None:
+    """The pool's weights: this rank's shard of ``checkpoint``, or without one the seeded random weights
+    (drawn on ``draw_device``; see :meth:`DeepseekPrefillModel.init_random_weights`)."""
+    if checkpoint:
+        load_checkpoint(model, checkpoint)
+    else:
+        model.init_random_weights(seed, draw_device=draw_device)
+
+
 @torch.no_grad()
 def load_checkpoint(model: DeepseekPrefillModel, path: Path) -> None:
     """Copy this rank's shard of every parameter from the checkpoint at ``path``, after checking it all."""

@@ -40,7 +40,7 @@ from configs.pool import PoolConfig
 from workers.kv_cache import PagedKVCache, blocks_for
 from workers.model import DeepseekPrefillModel, TPShard
 from workers.pcp import PCPCostModel, PCPGroup, PCPPlan, measure_cost_model, shard_rows
-from workers.weights import load_checkpoint
+from workers.weights import load_weights
 
 # NVLink multicast off everywhere (shared hosts: see the project's GPU notes).
 WARMUP_REQUEST = "__mlapool_warmup__"
@@ -142,10 +142,7 @@ class PrefillWorker:
         )
         tp = TPShard(self.tp_rank, config.tp, tp_group)
         self.model = DeepseekPrefillModel.create(model_config, backend_cls, tp=tp, dtype=dtype, device=device)
-        if config.checkpoint:
-            load_checkpoint(self.model, config.checkpoint)
-        else:
-            self.model.init_random_weights(config.seed)
+        load_weights(self.model, config.checkpoint, config.seed)
         if self.pcp.size > 1:
             attn = self.model.model.layers[0].self_attn
             self.cost_model = measure_cost_model(self.pcp, torch.distributed.group.WORLD, attn)
