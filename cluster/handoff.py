@@ -1,19 +1,28 @@
 """KV handoff inside the Ray cluster: a decode actor pulls a request's KV shards straight from the
-prefill workers that hold them, in parallel, as Ray objects.
+prefill workers that hold them, all shards at once.
 
     source = pool.kv_source(result)                     # who holds which shard
-    decoder = ray.remote(DecodeActor).remote(pool.config)
+    decoder = ray.remote(DecodeActor).remote(pool.config, device="cuda")
     ray.get(decoder.receive.remote(source))             # returns once the KV is in the actor (the ack)
     pool.release(result)                                # then the prefill side frees it
     tokens = ray.get(decoder.generate.remote(result.request_id, result.first_token, 8))
 
-Each PCP rank's shard (``[layers, rows_r, width]``, read from its TP rank 0) is
-one object; the decode actor reassembles them in token order. Outside the
-cluster the same KV goes over TCP (``cluster.kv_server``).
+Two transports, chosen per actor (``transport``):
+
+- ``p2p``: a point-to-point link of the actor's own (``workers.kv_link``: NCCL on GPUs, so NVLink
+  inside a node; gloo on CPU) with the holders, opened on first use and kept for later requests.
+  Each holder sends its paged blocks straight from its cache.
+- ``object``: each PCP rank's shard (``[layers, rows_r, width]``, on the CPU) is a Ray object.
+
+``auto`` (the default) is ``p2p`` on a GPU and ``object`` on the CPU. The shards come from TP rank
+0 of every PCP rank; the actor reassembles them in token order. Outside the cluster the same KV
+goes over TCP (``cluster.kv_server``).
 """
 
 from __future__ import annotations
 
+import time
+import uuid
 from dataclasses import dataclass
 
 import ray
@@ -21,7 +30,10 @@ import torch
 
 from configs.pool import PoolConfig
 from workers.decode import DecodeState, ReferenceDecoder
+from workers.kv_link import KVLink, KVLinkError
 from workers.pcp import interleave_shards
+
+TRANSPORTS = ("auto", "p2p", "object")
 
 
 @dataclass(frozen=True)
@@ -35,7 +47,7 @@ class KVSource:
 
 
 def pull_kv(source: KVSource) -> torch.Tensor:
-    """The request's KV ``[layers, tokens, width]`` in token order, every shard fetched at once."""
+    """The request's KV ``[layers, tokens, width]`` in token order, every shard fetched at once as a Ray object."""
     shards = ray.get([holder.fetch_kv.remote(source.request_id) for holder in source.holders])
     return shards[0] if len(shards) == 1 else interleave_shards(shards, source.block_size)
 
@@ -43,24 +55,84 @@ def pull_kv(source: KVSource) -> torch.Tensor:
 class DecodeActor:
     """The reference decoder (``workers.decode``) as a Ray actor, with the pool's model and weights."""
 
-    def __init__(self, config: PoolConfig, device: str = "cpu") -> None:
+    def __init__(self, config: PoolConfig, device: str = "cpu", transport: str = "auto", link_timeout_s: float = 300.0) -> None:
         from attention.backends.torch_sdpa import TorchSDPAPrefillBackend
         from workers.model import DeepseekPrefillModel
         from workers.weights import load_weights
 
+        self.device = torch.device(device)
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+        self.transport = self._transport(transport)
+        self.link_timeout_s = link_timeout_s
         model = DeepseekPrefillModel.create(config.model_config(), TorchSDPAPrefillBackend, dtype=torch.float32, device=device)
         load_weights(model, config.checkpoint, config.seed)
         self.decoder = ReferenceDecoder(model)
         self.states: dict[str, DecodeState] = {}
+        self.links: dict[tuple[str, ...], tuple[str, KVLink]] = {}
 
-    def receive(self, source: KVSource) -> int:
-        """Pull the request's KV into this actor; returns its token count (the acknowledgement)."""
-        kv = pull_kv(source)
+    def receive(self, source: KVSource, transport: str | None = None) -> dict:
+        """Pull the request's KV into this actor, over ``transport`` (default: the actor's). Returns the
+        acknowledgement: tokens, bytes moved, the transport and the seconds the pull took (loading
+        into the decoder excluded)."""
+        transport = self._transport(transport or self.transport)
+        started = time.perf_counter()
+        kv = self._pull_p2p(source) if transport == "p2p" else pull_kv(source)
+        seconds = time.perf_counter() - started
         if kv.shape[1] != source.num_tokens:
             raise RuntimeError(f"request {source.request_id!r}: got {kv.shape[1]} KV rows, expected {source.num_tokens}")
         self.states[source.request_id] = self.decoder.load(kv)
-        return kv.shape[1]
+        return {
+            "request_id": source.request_id,
+            "tokens": kv.shape[1],
+            "bytes": kv.numel() * kv.element_size(),
+            "transport": transport,
+            "seconds": seconds,
+        }
+
+    def _transport(self, name: str) -> str:
+        if name not in TRANSPORTS:
+            raise ValueError(f"transport must be one of {TRANSPORTS}, got {name!r}")
+        return name if name != "auto" else ("p2p" if self.device.type == "cuda" else "object")
 
     def generate(self, request_id: str, first_token: int, steps: int) -> list[int]:
         """Greedy decode of ``steps`` tokens after ``first_token``; the request's cache is then dropped."""
         return self.decoder.greedy(self.states.pop(request_id), first_token, steps)
+
+    def _pull_p2p(self, source: KVSource) -> torch.Tensor:
+        name, link = self._link(source.holders)
+        sends = [holder.send_kv.remote(name, source.request_id) for holder in source.holders]
+        attention = self.decoder.model.config.attention
+        try:
+            shards = link.receive_shards(source.block_size, attention.latent_dim)
+        except Exception as error:
+            self._drop_link(source.holders)  # a link is not reused after a failure
+            if isinstance(error, KVLinkError):
+                ray.get(sends)  # the holders' own errors (an unknown request, say) say more
+            raise
+        ray.get(sends)
+        rows = [shard.row_view() for shard in shards]
+        return rows[0] if len(rows) == 1 else interleave_shards(rows, source.block_size)
+
+    def _link(self, holders: tuple) -> tuple[str, KVLink]:
+        key = tuple(holder._actor_id.hex() for holder in holders)
+        if key not in self.links:
+            name, size, joins = uuid.uuid4().hex, 1 + len(holders), []
+
+            def invite(address: tuple[str, int]) -> None:
+                joins.extend(
+                    holder.join_kv_link.remote(name, address, rank, size, self.link_timeout_s)
+                    for rank, holder in enumerate(holders, start=1)
+                )
+
+            link = KVLink.host(size, self.device, invite, timeout_s=self.link_timeout_s)
+            link.warm_up()
+            ray.get(joins)
+            self.links[key] = (name, link)
+        return self.links[key]
+
+    def _drop_link(self, holders: tuple) -> None:
+        name, _ = self.links.pop(tuple(holder._actor_id.hex() for holder in holders), (None, None))
+        if name is not None:
+            for holder in holders:
+                holder.leave_kv_link.remote(name)

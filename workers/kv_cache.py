@@ -30,6 +30,7 @@ def blocks_for(tokens: int, block_size: int) -> int:
 class _Entry:
     blocks: torch.Tensor  # int64 [n_blocks]: the request's block table
     slots: torch.Tensor  # int64 [capacity]: flat row index of every token of the request
+    first: int | None  # the first block when the table is one ascending run, else None
     length: int = 0  # rows written so far
 
     @property
@@ -79,7 +80,8 @@ class PagedKVCache:
         blocks = torch.tensor(ids, dtype=torch.int64, device=self.blocks.device)
         positions = torch.arange(tokens, device=self.blocks.device)
         slots = blocks[positions // self.block_size] * self.block_size + positions % self.block_size
-        self._requests[request_id] = _Entry(blocks, slots)
+        run = ids == list(range(ids[0], ids[0] + need)) if ids else False
+        self._requests[request_id] = _Entry(blocks, slots, ids[0] if run else None)
 
     def append(self, request_id: str, latents: list[torch.Tensor], rows: slice | torch.Tensor) -> None:
         """Append rows ``rows`` (a slice or an index tensor) of every layer's batch latent ``[T, width]``."""
@@ -99,6 +101,14 @@ class PagedKVCache:
         entry = self._entry(request_id)
         count = entry.length if count is None else count
         return self._rows[layer].index_select(0, entry.slots[:count])
+
+    def block_views(self, request_id: str) -> list[torch.Tensor]:
+        """A request's blocks, ``[n_blocks, block_size, width]`` per layer, in block-table order: views
+        of the cache when the table is one ascending run (no copy), gathered copies otherwise."""
+        entry = self._entry(request_id)
+        if entry.first is not None:
+            return list(self.blocks[:, entry.first : entry.first + len(entry.blocks)])
+        return [layer.index_select(0, entry.blocks) for layer in self.blocks]
 
     def release(self, request_id: str) -> int:
         """Free a request's blocks; returns how many (0 if it held none)."""

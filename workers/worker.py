@@ -38,6 +38,7 @@ from attention.mla import plan_prefill_batch
 from configs.model import DTYPES
 from configs.pool import PoolConfig
 from workers.kv_cache import PagedKVCache, blocks_for
+from workers.kv_link import KVLink
 from workers.model import DeepseekPrefillModel, TPShard
 from workers.pcp import PCPCostModel, PCPGroup, PCPPlan, measure_cost_model, shard_rows
 from workers.weights import load_weights
@@ -110,6 +111,7 @@ class PrefillWorker:
         self.model: DeepseekPrefillModel | None = None
         self.pcp = PCPGroup()
         self.cost_model: PCPCostModel | None = None
+        self.kv_links: dict[str, KVLink] = {}
 
     def rendezvous_address(self) -> tuple[str, int]:
         return rendezvous_address()
@@ -283,6 +285,35 @@ class PrefillWorker:
         """The request's latent rows ``[layers, tokens, latent]`` on the CPU."""
         layers = self._model().config.num_hidden_layers
         return torch.stack([self.kv.rows(request_id, layer) for layer in range(layers)]).cpu()
+
+    def join_kv_link(self, name: str, address: tuple[str, int], rank: int, size: int, timeout_s: float) -> None:
+        """Join a decode actor's point-to-point link (``workers.kv_link``) as ``rank``; returns once
+        the connection to the receiver is open."""
+        link = KVLink.join(address, rank, size, self.kv.blocks.device, timeout_s)
+        link.warm_up()
+        self.kv_links[name] = link
+
+    def send_kv(self, link: str, request_id: str) -> int:
+        """Send this worker's shard of a kept request over the link ``link`` (the paged blocks, no
+        copy when they are consecutive); returns the bytes sent. An unknown request still answers
+        the receiver (with an empty header) before raising."""
+        try:
+            channel = self.kv_links[link]
+        except KeyError:
+            raise KeyError(f"this worker has not joined KV link {link!r}") from None
+        try:
+            blocks = self.kv.block_views(request_id)
+        except KeyError:
+            channel.send_shard(None)
+            raise
+        try:
+            return channel.send_shard(blocks, self.kv.length(request_id))
+        except Exception:
+            self.kv_links.pop(link)  # the receiver is gone or the group broke: never reuse it
+            raise
+
+    def leave_kv_link(self, name: str) -> None:
+        self.kv_links.pop(name, None)
 
     def release(self, request_ids: Sequence[str]) -> int:
         """Free the requests' KV; returns the blocks freed."""

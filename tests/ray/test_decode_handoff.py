@@ -1,6 +1,7 @@
 """End to end on CPU: prefill in a TP=2 x PCP=2 pool, hand the KV to the reference decoder over each
-transport (TCP; Ray objects pulled by a decode actor), decode greedily; the tokens equal a single process
-that prefills and decodes by itself, and transformers' generate."""
+transport (TCP; a decode actor pulling Ray objects or using its point-to-point link), decode
+greedily; the tokens equal a single process that prefills and decodes by itself, and transformers'
+generate."""
 
 import numpy as np
 import pytest
@@ -53,14 +54,18 @@ def test_tcp_handoff_from_the_grid_decodes_the_same_tokens(setup):
     assert all(w["kv_requests"] == 0 for w in pool.health()[0])
 
 
-def test_a_decode_actor_pulls_the_shards_as_ray_objects_and_decodes_the_same_tokens(setup):
+@pytest.mark.parametrize("transport", ["object", "p2p"])
+def test_a_decode_actor_pulls_the_shards_and_decodes_the_same_tokens(setup, transport):
     pool, _, prompt, expected = setup
     result = pool.prefill(prompt, keep_kv=True)
-    decoder = ray.remote(DecodeActor).options(num_cpus=0.25).remote(pool.config)
+    decoder = ray.remote(DecodeActor).options(num_cpus=0.25).remote(pool.config, transport=transport)
     try:
         source = pool.kv_source(result)
         assert len(source.holders) == 2  # one per PCP rank
-        assert ray.get(decoder.receive.remote(source)) == len(prompt)
+        receipt = ray.get(decoder.receive.remote(source))
+        assert receipt["tokens"] == len(prompt) and receipt["transport"] == transport
+        config = pool.model_config
+        assert receipt["bytes"] == config.num_hidden_layers * len(prompt) * config.attention.latent_dim * 4  # fp32
         pool.release(result)  # the actor has it: the prefill side frees it
         assert all(w["kv_requests"] == 0 for w in pool.health()[0])
         assert ray.get(decoder.generate.remote(result.request_id, result.first_token, STEPS)) == expected

@@ -1,13 +1,17 @@
-"""KV handoff over TCP from a PCP pool (gloo, logical GPUs): round trip, refusals, and failures that
-must free the KV on the prefill side and leave the next transfer working."""
+"""KV handoff from a PCP pool (gloo, logical GPUs), over TCP and over a decode actor's point-to-point
+link: round trip, refusals, and failures that must give a clear error, free the KV on the prefill
+side where the transfer had started, and leave the next transfer working."""
 
+import dataclasses
 import socket
 import time
 
 import numpy as np
 import pytest
+import ray
 import torch
 
+from cluster.handoff import DecodeActor
 from cluster.kv_server import KVServer
 from cluster.pool import PrefillPool
 from configs.pool import PoolConfig
@@ -110,3 +114,48 @@ def test_garbage_on_the_port_is_refused_and_the_server_keeps_serving(pool, serve
         with pytest.raises(KVTransferError, match="not an mlapool KV frame"):
             read_frame(sock, max_payload=0)
     assert KVReceiver(server.host, server.port, token=TOKEN).fetch(_kept(pool).request_id).tokens == 130
+
+
+# ---- inside the cluster: a decode actor's point-to-point link (gloo here, NCCL on GPUs) ------------
+def _decoder(**kwargs):
+    return ray.remote(DecodeActor).options(num_cpus=0.25).remote(CONFIG, transport="p2p", **kwargs)
+
+
+def test_p2p_an_unknown_request_fails_on_both_sides_and_the_next_pull_works(pool):
+    decoder = _decoder()
+    try:
+        result = _kept(pool)
+        source = pool.kv_source(result)
+        with pytest.raises(ray.exceptions.RayTaskError, match="no KV cache for request 'nope'"):
+            ray.get(decoder.receive.remote(dataclasses.replace(source, request_id="nope")))
+        receipt = ray.get(decoder.receive.remote(source))
+        assert receipt["tokens"] == 130 and receipt["transport"] == "p2p"
+        kv = ray.get(decoder.__ray_call__.remote(lambda self: torch.stack(self.states[result.request_id].rows)))
+        assert torch.equal(kv, pool.fetch_kv(result))
+        pool.release(result)
+        assert _kv_requests(pool) == 0
+    finally:
+        ray.kill(decoder)
+
+
+def test_p2p_a_dead_decode_actor_fails_the_send_and_the_pool_keeps_serving(pool):
+    decoder = _decoder(link_timeout_s=20.0)
+    first, second = _kept(pool, 40), _kept(pool, 70)
+    ray.get(decoder.receive.remote(pool.kv_source(first)))
+    link = ray.get(decoder.__ray_call__.remote(lambda self: next(iter(self.links.values()))[0]))
+    ray.kill(decoder)
+    holder = pool.kv_source(second).holders[0]
+    with pytest.raises(ray.exceptions.RayTaskError):
+        ray.get(holder.send_kv.remote(link, second.request_id), timeout=60)  # no receiver: an error, not a hang
+    with pytest.raises(ray.exceptions.RayTaskError, match="has not joined KV link"):
+        ray.get(holder.send_kv.remote(link, second.request_id))  # the broken link was dropped
+    assert _kv_requests(pool) == 2 * CONFIG.pcp  # no ack, nothing freed: the KV waits for another receiver
+    replacement = _decoder()
+    try:
+        assert ray.get(replacement.receive.remote(pool.kv_source(second)))["tokens"] == 70
+    finally:
+        ray.kill(replacement)
+    pool.release(first)
+    pool.release(second)
+    assert _kv_requests(pool) == 0
+    assert pool.prefill(np.arange(30)).num_tokens == 30

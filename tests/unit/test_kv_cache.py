@@ -49,3 +49,21 @@ def test_release_returns_blocks_for_reuse_and_full_is_refused():
         cache.rows("zz", 0)
     with pytest.raises(ValueError, match="needs >= 1 block"):
         _cache(num_blocks=0)
+
+
+def test_block_views_are_the_paged_blocks_without_a_copy_when_the_table_is_one_run():
+    cache = _cache()
+    cache.reserve("x", 4)  # block 0
+    cache.reserve("a", 10)  # blocks 1-3: one ascending run
+    latents = [torch.randn(10, 6), torch.randn(10, 6)]
+    cache.append("a", latents, slice(0, 10))
+    views = cache.block_views("a")
+    assert [tuple(v.shape) for v in views] == [(3, 4, 6)] * 2
+    assert views[0].data_ptr() == cache.blocks[0, 1].data_ptr()  # a view into the cache
+    assert torch.equal(views[1].reshape(12, 6)[:10], latents[1])
+    cache.release("x")
+    cache.reserve("b", 9)  # blocks 0, 4, 5: not one run
+    cache.append("b", latents, slice(0, 9))
+    copies = cache.block_views("b")
+    assert copies[0].data_ptr() != cache.blocks[0, 0].data_ptr()
+    assert all(torch.equal(c.reshape(12, 6)[:9], cache.rows("b", layer)) for layer, c in enumerate(copies))
