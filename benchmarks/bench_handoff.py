@@ -96,7 +96,7 @@ def handoff(pool: PrefillPool, decoder, tokens: int, repeats: int, vocab: int) -
     for _ in range(repeats + 1):  # the first opens the link (NCCL connects) and is not counted
         started = time.perf_counter()
         receipt = ray.get(decoder.receive.remote(source))
-        pulls.append((receipt["seconds"], time.perf_counter() - started))
+        pulls.append((receipt["seconds"], time.perf_counter() - started, receipt["stream_s"]))
     p2p = ray.get(decoder.__ray_call__.remote(lambda self: self.states[result.request_id].rows))
     started = time.perf_counter()
     object_receipt = ray.get(decoder.receive.remote(source, transport="object"))
@@ -109,18 +109,21 @@ def handoff(pool: PrefillPool, decoder, tokens: int, repeats: int, vocab: int) -
         started = time.perf_counter()
         kv = receiver.fetch(result.request_id)  # the ack frees the request on the prefill side
         tcp_s = time.perf_counter() - started
-    transfer = statistics.median(p for p, _ in pulls[1:])
-    call = statistics.median(c for _, c in pulls[1:])
+    transfer = statistics.median(p for p, _, _ in pulls[1:])
+    call = statistics.median(c for _, c, _ in pulls[1:])
+    stream = statistics.median(s for _, _, s in pulls[1:])
     row = {
         "tokens": tokens,
         "bytes": size,
         "p2p_equals_object_copy": same,
         "p2p": {
-            "transfer_s": round(transfer, 6),
-            "gib_per_s": round(size / transfer / GIB, 1),
+            "stream_s": round(stream, 6),
+            "stream_gib_per_s": round(size / stream / GIB, 1),
+            "pull_s": round(transfer, 6),
+            "pull_gib_per_s": round(size / transfer / GIB, 1),
             "first_pull_with_link_setup_s": round(pulls[0][0], 4),
             "driver_call_s": round(call, 6),
-            "transfer_runs_s": [round(p, 6) for p, _ in pulls[1:]],
+            "pull_runs_s": [round(p, 6) for p, _, _ in pulls[1:]],
         },
         "object": {"transfer_s": round(object_receipt["seconds"], 4), "gib_per_s": round(size / object_receipt["seconds"] / GIB, 2),
                    "driver_call_s": round(object_s, 4)},  # fmt: skip
@@ -173,7 +176,8 @@ def main() -> None:
     if gpu:
         best = max(v["gib_per_s"] for v in reference.values())
         for row in rows:
-            row["p2p"]["fraction_of_one_way_nccl"] = round(row["p2p"]["gib_per_s"] / best, 3)
+            for what in ("stream", "pull"):
+                row["p2p"][f"{what}_fraction_of_one_way_nccl"] = round(row["p2p"][f"{what}_gib_per_s"] / best, 3)
     text = json.dumps(report, indent=2)
     print(text)
     if args.out:

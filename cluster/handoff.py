@@ -62,6 +62,8 @@ class DecodeActor:
 
         self.device = torch.device(device)
         if self.device.type == "cuda":
+            if self.device.index is None:
+                self.device = torch.device("cuda", torch.cuda.current_device())
             torch.cuda.set_device(self.device)
         self.transport = self._transport(transport)
         self.link_timeout_s = link_timeout_s
@@ -73,8 +75,9 @@ class DecodeActor:
 
     def receive(self, source: KVSource, transport: str | None = None) -> dict:
         """Pull the request's KV into this actor, over ``transport`` (default: the actor's). Returns the
-        acknowledgement: tokens, bytes moved, the transport and the seconds the pull took (loading
-        into the decoder excluded)."""
+        acknowledgement: tokens, bytes moved, the transport, ``seconds`` of the whole pull (asking
+        the holders, moving the data, their confirmation; loading into the decoder excluded) and, for
+        p2p, ``stream_s``: from the shards' headers arriving to the last byte in this actor's memory."""
         transport = self._transport(transport or self.transport)
         started = time.perf_counter()
         kv = self._pull_p2p(source) if transport == "p2p" else pull_kv(source)
@@ -88,6 +91,7 @@ class DecodeActor:
             "bytes": kv.numel() * kv.element_size(),
             "transport": transport,
             "seconds": seconds,
+            **({"stream_s": self.links[_key(source.holders)][1].last_stream_s} if transport == "p2p" else {}),
         }
 
     def _transport(self, name: str) -> str:
@@ -115,7 +119,7 @@ class DecodeActor:
         return rows[0] if len(rows) == 1 else interleave_shards(rows, source.block_size)
 
     def _link(self, holders: tuple) -> tuple[str, KVLink]:
-        key = tuple(holder._actor_id.hex() for holder in holders)
+        key = _key(holders)
         if key not in self.links:
             name, size, joins = uuid.uuid4().hex, 1 + len(holders), []
 
@@ -132,7 +136,12 @@ class DecodeActor:
         return self.links[key]
 
     def _drop_link(self, holders: tuple) -> None:
-        name, _ = self.links.pop(tuple(holder._actor_id.hex() for holder in holders), (None, None))
+        name, _ = self.links.pop(_key(holders), (None, None))
         if name is not None:
             for holder in holders:
                 holder.leave_kv_link.remote(name)
+
+
+def _key(holders: tuple) -> tuple[str, ...]:
+    """A link is kept per set of holder actors (a restarted worker is a new actor: a new link)."""
+    return tuple(holder._actor_id.hex() for holder in holders)

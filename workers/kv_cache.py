@@ -13,6 +13,7 @@ accounting to admit only requests that fit (``cluster.pool``).
 
 from __future__ import annotations
 
+import heapq
 from dataclasses import dataclass
 
 import torch
@@ -47,7 +48,7 @@ class PagedKVCache:
         self.block_size = block_size
         self.blocks = torch.empty(num_layers, num_blocks, block_size, width, dtype=dtype, device=device)
         self._rows = self.blocks.view(num_layers, num_blocks * block_size, width)
-        self._free = list(range(num_blocks - 1, -1, -1))
+        self._free = list(range(num_blocks))  # a min-heap: the lowest free blocks go first, so tables stay runs
         self._requests: dict[str, _Entry] = {}
 
     @staticmethod
@@ -76,7 +77,7 @@ class PagedKVCache:
                 f"request {request_id!r} needs {need} KV blocks of {self.block_size} tokens; "
                 f"{len(self._free)} of {self.num_blocks} are free"
             )
-        ids = [self._free.pop() for _ in range(need)]
+        ids = [heapq.heappop(self._free) for _ in range(need)]
         blocks = torch.tensor(ids, dtype=torch.int64, device=self.blocks.device)
         positions = torch.arange(tokens, device=self.blocks.device)
         slots = blocks[positions // self.block_size] * self.block_size + positions % self.block_size
@@ -115,7 +116,8 @@ class PagedKVCache:
         entry = self._requests.pop(request_id, None)
         if entry is None:
             return 0
-        self._free.extend(entry.blocks.tolist())
+        for block in entry.blocks.tolist():
+            heapq.heappush(self._free, block)
         return len(entry.blocks)
 
     def _entry(self, request_id: str) -> _Entry:

@@ -17,6 +17,7 @@ receiver then posts no data receives, so an unknown request cannot hang the link
 from __future__ import annotations
 
 import socket
+import time
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Callable, Sequence
@@ -51,6 +52,7 @@ class KVLink:
     def __init__(self, store: dist.Store, rank: int, size: int, device: torch.device, timeout_s: float) -> None:
         self.rank, self.size, self.device = rank, size, device
         self.address: tuple[str, int] | None = None  # set on the receiver's end
+        self.last_stream_s = 0.0  # the receiver's last receive_shards: headers in to data in
         self._store = store  # the receiver's store must outlive the group
         timeout = timedelta(seconds=timeout_s)
         if device.type == "cuda":
@@ -118,6 +120,7 @@ class KVLink:
         had nothing to send (after receiving what the others sent, so the link stays usable)."""
         headers = [torch.empty(_HEADER, dtype=torch.int64, device=self.device) for _ in range(1, self.size)]
         self._wait([self.group.recv([h], src, _TAG) for src, h in enumerate(headers, start=1)])
+        started = time.perf_counter()
         shards, works, missing = [], [], []
         for src, header in enumerate(headers, start=1):
             rows, num_blocks, num_layers, dtype_code = header.tolist()
@@ -130,6 +133,7 @@ class KVLink:
             works += [self.group.recv([blocks[layer]], src, _TAG) for layer in range(num_layers)]
             shards.append(KVShard(blocks, rows))
         self._wait(works)
+        self.last_stream_s = time.perf_counter() - started
         if missing:
             raise KVLinkError(f"holders {missing} of the link had no KV to send")
         return shards
