@@ -10,7 +10,9 @@ A request's KV is freed on the workers once the receiver acknowledges it, and
 also when a started transfer fails (an error from the receiver, a lost
 connection, no acknowledgement within ``ack_timeout_s``), so a failed
 receiver never pins GPU memory; the request then has to be prefilled again.
-A receiver that is refused (bad token, unknown request) frees nothing.
+A receiver that is refused (bad token, unknown request) frees nothing. With
+``unclaimed_ttl_s`` set, KV that no receiver has claimed that long after its
+prefill finished is freed too (a client that never comes for its ticket).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import hmac
 import logging
 import socket
 import threading
+import time
 
 from cluster.pool import PrefillPool
 from workers.kv_transfer import KVTransferError, expect, paged, read_frame, send_frame, tensor_bytes
@@ -36,20 +39,26 @@ class KVServer:
         token: str | None = None,
         ack_timeout_s: float = 60.0,
         io_timeout_s: float = 60.0,
+        unclaimed_ttl_s: float | None = None,
     ) -> None:
         self.pool, self.token = pool, token
         self.ack_timeout_s, self.io_timeout_s = ack_timeout_s, io_timeout_s
+        self.unclaimed_ttl_s = unclaimed_ttl_s
         self._listener = socket.create_server((host, port))
         self.host, self.port = self._listener.getsockname()[:2]
         self._busy: set[str] = set()
         self._lock = threading.Lock()
         self._closed = False
-        self.transfers = {"completed": 0, "failed": 0, "refused": 0}
+        self.transfers = {"completed": 0, "failed": 0, "refused": 0, "expired": 0}
         self._thread = threading.Thread(target=self._accept, name="mlapool-kv-server", daemon=True)
         self._thread.start()
+        self._stop = threading.Event()
+        if unclaimed_ttl_s is not None:
+            threading.Thread(target=self._expire, name="mlapool-kv-expiry", daemon=True).start()
 
     def close(self) -> None:
         self._closed = True
+        self._stop.set()
         self._listener.close()
         self._thread.join(timeout=10)
 
@@ -78,10 +87,12 @@ class KVServer:
                 _try_error(conn, str(exc))
                 return
             try:
-                self._stream(conn, result)
+                sent = self._stream(conn, result)
                 conn.settimeout(self.ack_timeout_s)
                 expect(read_frame(conn, max_payload=0)[0], "ack")
                 self._count("completed")
+                if self.pool.metrics is not None:
+                    self.pool.metrics.shipped(sent, "tcp")
             except (KVTransferError, OSError) as exc:
                 self._count("failed")
                 logger.warning("KV transfer of %r to %s failed, its KV is freed: %s", result.request_id, peer, exc)
@@ -90,6 +101,23 @@ class KVServer:
                 self.pool.release(result)
                 with self._lock:
                     self._busy.discard(result.request_id)
+
+    def _expire(self) -> None:
+        """Free kept KV that no receiver claimed within ``unclaimed_ttl_s`` of its prefill."""
+        while not self._stop.wait(min(1.0, self.unclaimed_ttl_s / 4)):
+            deadline = time.monotonic() - self.unclaimed_ttl_s
+            for result in self.pool.kept_results():
+                with self._lock:
+                    if result.finished > deadline or result.request_id in self._busy:
+                        continue
+                    self._busy.add(result.request_id)  # a receiver arriving now is refused, not raced
+                try:
+                    self.pool.release(result)
+                    self._count("expired")
+                    logger.warning("KV of %r was not claimed within %.0f s and is freed", result.request_id, self.unclaimed_ttl_s)
+                finally:
+                    with self._lock:
+                        self._busy.discard(result.request_id)
 
     def _admit(self, conn: socket.socket):
         hello = expect(read_frame(conn, max_payload=0)[0], "hello")
@@ -105,7 +133,8 @@ class KVServer:
             self._busy.add(request_id)
         return result
 
-    def _stream(self, conn: socket.socket, result) -> None:
+    def _stream(self, conn: socket.socket, result) -> int:
+        """Send the request's frames; returns the KV payload bytes."""
         pool = self.pool
         cfg = pool.config
         kv = pool.fetch_kv(result)  # [layers, tokens, width] in token order
@@ -121,10 +150,14 @@ class KVServer:
             "shard_map": {"tp": cfg.tp, "pcp": cfg.pcp, "block_size": cfg.block_size,
                           "layout": "block j of the request was on PCP rank j % pcp; TP ranks hold the same rows"},
         })  # fmt: skip
+        sent = 0
         for layer in range(kv.shape[0]):
             blocks = paged(kv[layer], cfg.block_size)
-            send_frame(conn, "layer", {"layer": layer, "shape": list(blocks.shape)}, tensor_bytes(blocks))
+            payload = tensor_bytes(blocks)
+            send_frame(conn, "layer", {"layer": layer, "shape": list(blocks.shape)}, payload)
+            sent += len(payload)
         send_frame(conn, "end", {"request_id": result.request_id, "layers": kv.shape[0]})
+        return sent
 
     def _count(self, outcome: str) -> None:
         with self._lock:

@@ -45,6 +45,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from configs.pool import PoolConfig
 from workers.kv_cache import blocks_for
 from cluster.handoff import KVSource, pull_kv
+from cluster.metrics import PoolMetrics
 from workers.pcp import shard_rows
 from workers.worker import SAFE_NCCL_ENV, ChunkPiece, PrefillWorker, WorkerInfo
 
@@ -65,6 +66,7 @@ class PrefillResult:
     ttft_s: float
     kv_kept: bool
     generation: int = 0  # the replica's incarnation that holds the KV (it changes when a worker dies)
+    finished: float = field(default_factory=time.monotonic)  # when the prefill finished (time.monotonic)
 
     @property
     def first_token(self) -> int:
@@ -104,7 +106,7 @@ class _Request:
 class _Replica:
     index: int
     workers: list
-    group: object
+    group: object  # the placement group the pool created for it (None: one it was given)
     infos: list[WorkerInfo]
     thread: threading.Thread | None = None
     generation: int = 0
@@ -118,7 +120,31 @@ class _Replica:
 
 
 class PrefillPool:
-    def __init__(self, config: PoolConfig, *, ray_address: str | None = None, start_timeout_s: float = 600.0) -> None:
+    def __init__(
+        self,
+        config: PoolConfig,
+        *,
+        ray_address: str | None = None,
+        start_timeout_s: float = 600.0,
+        placement_group=None,
+        bundle_offset: int = 0,
+        metrics: PoolMetrics | None = None,
+    ) -> None:
+        """``placement_group``: run the (single) replica's workers in this existing group, worker ``r``
+        in bundle ``bundle_offset + r``, instead of creating one (a Ray Serve replica passes its own;
+        it is not removed at shutdown). ``metrics``: record requests, TTFT, tokens and queue depth."""
+        if placement_group is not None:
+            if config.replicas != 1:
+                raise ValueError(f"a pool in a given placement group runs one replica, got replicas={config.replicas}")
+            bundles = len(placement_group.bundle_specs)
+            if bundle_offset < 0 or bundles < bundle_offset + config.workers_per_replica:
+                raise ValueError(
+                    f"the placement group has {bundles} bundles; TP x PCP = {config.workers_per_replica} workers "
+                    f"from bundle {bundle_offset} need {bundle_offset + config.workers_per_replica}"
+                )
+        self._placement_group, self._bundle_offset = placement_group, bundle_offset
+        self.metrics = metrics
+        self._in_flight = 0
         self.config = config
         self.model_config = config.model_config()  # validates the model against TP before any actor starts
         if config.checkpoint:
@@ -141,7 +167,9 @@ class PrefillPool:
         cfg = self.config
         self._owns_ray = _connect_ray(self._ray_address, cfg.replicas * cfg.workers_per_replica * cfg.worker_cpus)
         use_gpus = cfg.use_gpus
-        if use_gpus is None:
+        if self._placement_group is not None:
+            use_gpus = self._placement_group.bundle_specs[self._bundle_offset].get("GPU", 0) > 0
+        elif use_gpus is None:
             use_gpus = ray.cluster_resources().get("GPU", 0) >= cfg.workers_per_replica
         self._use_gpus = use_gpus
         try:
@@ -154,6 +182,8 @@ class PrefillPool:
             replica.thread = threading.Thread(target=self._serve, args=(replica,), name=f"mlapool-replica-{replica.index}", daemon=True)
             replica.thread.start()
         info = self._replicas[0].infos[0]
+        if self.metrics is not None:
+            self.metrics.started(info.backend, info.device, info.dtype)
         logger.info(
             "prefill pool ready: %d replica(s) x TP=%d PCP=%d, %s on %s (%s), warm-up %.1f s%s",
             cfg.replicas, cfg.tp, cfg.pcp, info.backend, info.device, info.dtype, info.warmup_s,
@@ -164,15 +194,20 @@ class PrefillPool:
     def _start_replica(self, index: int, use_gpus: bool) -> _Replica:
         cfg = self.config
         bundle = {"CPU": cfg.worker_cpus, **({"GPU": 1} if use_gpus else {})}
-        group = placement_group([bundle] * cfg.workers_per_replica, strategy=cfg.placement, name=f"mlapool-{uuid.uuid4().hex[:8]}-{index}")
-        if not _fits_now(bundle, cfg.workers_per_replica, cfg.placement):
+        owned = self._placement_group is None
+        if owned:
+            group = placement_group([bundle] * cfg.workers_per_replica, strategy=cfg.placement, name=f"mlapool-{uuid.uuid4().hex[:8]}-{index}")
+        else:
+            group = self._placement_group
+        if owned and not _fits_now(bundle, cfg.workers_per_replica, cfg.placement):
             logger.warning(
                 "replica %d needs %d x %s (%s), more than the cluster's nodes have now; waiting up to %.0f s "
                 "for an autoscaler to add them", index, cfg.workers_per_replica, bundle, cfg.placement, self._start_timeout_s,
             )  # fmt: skip
         ready, _ = ray.wait([group.ready()], timeout=self._start_timeout_s)
         if not ready:
-            remove_placement_group(group)
+            if owned:
+                remove_placement_group(group)
             raise RuntimeError(
                 f"replica {index} needs {cfg.workers_per_replica} x {bundle} ({cfg.placement}); the cluster has "
                 f"{ray.available_resources()} available. Lower tp, pcp or replicas, or add nodes."
@@ -185,7 +220,7 @@ class PrefillPool:
             actor.options(
                 num_cpus=cfg.worker_cpus,
                 num_gpus=1 if use_gpus else 0,
-                scheduling_strategy=PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=rank),
+                scheduling_strategy=PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=self._bundle_offset + rank),
                 runtime_env={"env_vars": env},
             ).remote(cfg, rank)
             for rank in range(cfg.workers_per_replica)
@@ -196,9 +231,10 @@ class PrefillPool:
         except BaseException as exc:
             for worker in workers:
                 ray.kill(worker)
-            remove_placement_group(group)
+            if owned:
+                remove_placement_group(group)
             raise RuntimeError(f"replica {index} failed to start: {_cause(exc)}") from exc
-        replica = _Replica(index, workers, group, infos)
+        replica = _Replica(index, workers, group if owned else None, infos)
         replica.free_blocks = replica.kv_blocks
         return replica
 
@@ -247,6 +283,23 @@ class PrefillPool:
         """
         if self._stopping or not self._replicas:
             raise RuntimeError("the prefill pool is not running: call start() first")
+        try:
+            tokens, kv_blocks, request_id = self._admit(token_ids, request_id)
+        except (TypeError, ValueError):
+            if self.metrics is not None:
+                self.metrics.failed("rejected")
+            raise
+        request = _Request(request_id, tokens, Future(), keep_kv, on_progress, kv_blocks)
+        with self._lock:
+            self._in_flight += 1
+        request.future.add_done_callback(self._finished)
+        if self.metrics is not None:
+            self.metrics.queued(self._in_flight)
+        self._queue.put(request)
+        return request.future
+
+    def _admit(self, token_ids, request_id: str | None) -> tuple[np.ndarray, int, str]:
+        """Validate a prompt and reserve its id: its tokens, KV blocks per worker and id."""
         tokens = self._validate_tokens(token_ids)
         kv_blocks = self._kv_blocks(len(tokens))
         if len(tokens) > self.max_prompt_tokens:
@@ -263,9 +316,27 @@ class PrefillPool:
             if request_id in self._live:
                 raise ValueError(f"request id {request_id!r} is already in flight or holds KV; ids must be unique")
             self._live.add(request_id)
-        request = _Request(request_id, tokens, Future(), keep_kv, on_progress, kv_blocks)
-        self._queue.put(request)
-        return request.future
+        return tokens, kv_blocks, request_id
+
+    def _finished(self, future: Future) -> None:
+        with self._lock:
+            self._in_flight -= 1
+            depth = self._in_flight
+        if self.metrics is None:
+            return
+        self.metrics.queued(depth)
+        error = future.exception()
+        if error is None:
+            result = future.result()
+            self.metrics.completed(result.num_tokens, result.ttft_s)
+        else:
+            self.metrics.failed()
+
+    @property
+    def in_flight(self) -> int:
+        """Requests submitted and not finished (queued, waiting for KV, or prefilling)."""
+        with self._lock:
+            return self._in_flight
 
     @property
     def max_prompt_tokens(self) -> int:
@@ -317,6 +388,11 @@ class PrefillPool:
             ray.get([w.release.remote([result.request_id]) for w in replica.workers])
             with self._lock:
                 replica.free_blocks += self._kv_blocks(result.num_tokens)
+
+    def kept_results(self) -> list[PrefillResult]:
+        """Every result whose KV is kept on the workers."""
+        with self._lock:
+            return list(self._kept.values())
 
     def kept_result(self, request_id: str) -> PrefillResult | None:
         """The result of a request whose KV is kept on the workers (None if none is)."""
@@ -547,7 +623,8 @@ def _gather(refs: list) -> list:
 def _stop_replica(replica: _Replica) -> None:
     for worker in replica.workers:
         ray.kill(worker)
-    remove_placement_group(replica.group)
+    if replica.group is not None:  # None: a group the pool was given, not its own
+        remove_placement_group(replica.group)
 
 
 def _fits_now(bundle: dict, count: int, placement: str) -> bool:

@@ -108,6 +108,15 @@ def test_a_receiver_that_never_acks_times_out_and_the_kv_is_freed(pool, server):
     assert _wait_freed(pool)
 
 
+def test_kv_nobody_claims_is_freed_after_the_ttl_and_a_late_receiver_is_refused(pool):
+    with KVServer(pool, unclaimed_ttl_s=0.5) as server:
+        result = _kept(pool, 60)
+        assert _wait_freed(pool, timeout=10.0) and server.transfers["expired"] == 1
+        with pytest.raises(KVTransferError, match="no kept KV for request"):
+            KVReceiver(server.host, server.port, model_fingerprint=pool.model_config.fingerprint()).fetch(result.request_id)
+    assert pool.prefill(np.arange(20)).num_tokens == 20
+
+
 def test_garbage_on_the_port_is_refused_and_the_server_keeps_serving(pool, server):
     with socket.create_connection((server.host, server.port), timeout=5) as sock:
         sock.sendall(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n" + encode_frame("hello")[:3])

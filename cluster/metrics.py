@@ -1,0 +1,66 @@
+"""Prometheus metrics of a prefill pool, through Ray (``ray.util.metrics``).
+
+Ray exports them on every node's metrics port with the ``ray_`` prefix, next to Ray's own, so
+the Prometheus and Grafana set-up of a Ray cluster picks them up as they are:
+
+    ray_mlapool_ttft_seconds            histogram  time from submit to the last chunk's logits
+    ray_mlapool_prefill_tokens_total    counter    prompt tokens prefilled (rate() = tokens/s)
+    ray_mlapool_prefill_tokens_per_second  gauge   prompt tokens/s over the last ``window_s``
+    ray_mlapool_requests_total          counter    requests by ``status`` (ok, failed, rejected)
+    ray_mlapool_queue_depth             gauge      requests submitted and not finished
+    ray_mlapool_kv_bytes_shipped_total  counter    KV bytes handed off (``transport``: tcp, file)
+    ray_mlapool_backend_info            gauge      1, tagged with the backend, device and dtype in use
+
+Every series carries the ``pool`` tag (the pool's name: a Serve deployment, a job, ...).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+
+from ray.util import metrics
+
+# TTFT buckets (s): from a short prompt of a small model to a 512K-token prompt
+TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
+
+
+class PoolMetrics:
+    def __init__(self, pool: str, window_s: float = 10.0) -> None:
+        self.tags = {"pool": pool}
+        keys = ("pool",)
+        self.ttft = metrics.Histogram("mlapool_ttft_seconds", "Time to first token of a prefill request (s)", TTFT_BUCKETS, keys)
+        self.tokens = metrics.Counter("mlapool_prefill_tokens", "Prompt tokens prefilled", keys)
+        self.tokens_per_s = metrics.Gauge("mlapool_prefill_tokens_per_second", f"Prompt tokens/s over the last {window_s:g} s", keys)
+        self.requests = metrics.Counter("mlapool_requests", "Prefill requests by outcome", (*keys, "status"))
+        self.queue_depth = metrics.Gauge("mlapool_queue_depth", "Prefill requests submitted and not finished", keys)
+        self.kv_bytes = metrics.Counter("mlapool_kv_bytes_shipped", "Latent KV bytes handed off", (*keys, "transport"))
+        self.backend = metrics.Gauge("mlapool_backend_info", "The MLA prefill backend in use (value 1)", (*keys, "backend", "device", "dtype"))
+        self.window_s = window_s
+        self._recent: deque[tuple[float, int]] = deque()
+        self._lock = threading.Lock()
+
+    def started(self, backend: str, device: str, dtype: str) -> None:
+        self.backend.set(1, tags={**self.tags, "backend": backend, "device": device, "dtype": dtype})
+
+    def queued(self, depth: int) -> None:
+        self.queue_depth.set(depth, tags=self.tags)
+
+    def completed(self, tokens: int, ttft_s: float) -> None:
+        self.ttft.observe(ttft_s, tags=self.tags)
+        self.tokens.inc(tokens, tags=self.tags)
+        self.requests.inc(1, tags={**self.tags, "status": "ok"})
+        now = time.monotonic()
+        with self._lock:
+            self._recent.append((now, tokens))
+            while self._recent and self._recent[0][0] < now - self.window_s:
+                self._recent.popleft()
+            recent = sum(t for _, t in self._recent)
+        self.tokens_per_s.set(recent / self.window_s, tags=self.tags)
+
+    def failed(self, status: str = "failed") -> None:
+        self.requests.inc(1, tags={**self.tags, "status": status})
+
+    def shipped(self, nbytes: int, transport: str) -> None:
+        self.kv_bytes.inc(nbytes, tags={**self.tags, "transport": transport})
