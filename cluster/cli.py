@@ -54,25 +54,7 @@ def _parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     prefill = sub.add_parser("prefill", help="prefill one prompt on a pool and write its latent KV cache")
-    model = prefill.add_argument_group("model")
-    model.add_argument("--model", default=DEFAULTS.model, help=f"built-in model ({', '.join(builtin_models())}) or a config.json (default: tiny)")
-    model.add_argument("--checkpoint", type=Path, help="HF checkpoint directory (config.json + safetensors); default: seeded random weights")
-    model.add_argument("--num-layers", type=int, help="run only the first N layers")
-    model.add_argument("--seed", type=int, default=DEFAULTS.seed, help="seed of the random weights and random tokens (default: 0)")
-    pool = prefill.add_argument_group("pool")
-    pool.add_argument("--tp", type=int, default=DEFAULTS.tp, help="tensor-parallel degree: splits the heads (default: 1)")
-    pool.add_argument("--pcp", type=int, default=DEFAULTS.pcp,
-                      help="prefill-context-parallel degree: splits the tokens and the KV cache; a replica has tp x pcp workers (default: 1)")  # fmt: skip
-    pool.add_argument("--pcp-strategy", default=DEFAULTS.pcp_strategy, choices=PCP_STRATEGIES,
-                      help="context attention under PCP: merge partial outputs (sharded), all-gather the KV (gather), or pick per batch by cost (auto, the default)")  # fmt: skip
-    pool.add_argument("--kv-cache-tokens", type=int, help="KV cache capacity per worker in tokens (default: what GPU memory allows; 262144 on CPU)")
-    pool.add_argument("--backend", default="auto", type=str.upper, choices=BACKEND_CHOICES, metavar="NAME",
-                      help=f"MLA prefill backend: auto or one of {', '.join(BACKEND_CHOICES[1:])} (default: auto, which honours ${ENV_BACKEND})")  # fmt: skip
-    pool.add_argument("--dtype", default=DEFAULTS.dtype, choices=["auto", *DTYPES], help="compute dtype (default: the model's on GPU, float32 on CPU)")
-    pool.add_argument("--device", default=DEFAULTS.device, choices=DEVICES, help="worker device (default: cuda when the workers see a GPU)")
-    pool.add_argument("--chunk-tokens", type=int, default=DEFAULTS.chunk_tokens, help=f"prefill the prompt in chunks of this many tokens (default: {DEFAULTS.chunk_tokens})")
-    pool.add_argument("--workspace-tokens", type=int, default=DEFAULT_WORKSPACE_TOKENS,
-                      help=f"bound on cached-context rows up-projected at once (default: {DEFAULT_WORKSPACE_TOKENS})")  # fmt: skip
+    add_pool_arguments(prefill)
     prompt = prefill.add_argument_group("prompt").add_mutually_exclusive_group()
     prompt.add_argument("--random-tokens", type=int, metavar="N", help="prefill N random token ids (default: 1024)")
     prompt.add_argument("--tokens", type=Path, metavar="FILE", help="token ids: a JSON list or whitespace-separated integers")
@@ -87,6 +69,61 @@ def _parser() -> argparse.ArgumentParser:
     backends.add_argument("--device", default="auto", choices=DEVICES)
     backends.set_defaults(run=_backends)
     return parser
+
+
+def add_pool_arguments(parser: argparse.ArgumentParser) -> None:
+    """The model and pool options, shared by ``mlapool prefill`` and the batch job (``cluster.job``)."""
+    model = parser.add_argument_group("model")
+    model.add_argument("--model", default=DEFAULTS.model, help=f"built-in model ({', '.join(builtin_models())}) or a config.json (default: tiny)")
+    model.add_argument("--checkpoint", type=Path, help="HF checkpoint directory (config.json + safetensors); default: seeded random weights")
+    model.add_argument("--num-layers", type=int, help="run only the first N layers")
+    model.add_argument("--seed", type=int, default=DEFAULTS.seed, help="seed of the random weights and random tokens (default: 0)")
+    pool = parser.add_argument_group("pool")
+    pool.add_argument("--tp", type=int, default=DEFAULTS.tp, help="tensor-parallel degree: splits the heads (default: 1)")
+    pool.add_argument("--pcp", type=int, default=DEFAULTS.pcp,
+                      help="prefill-context-parallel degree: splits the tokens and the KV cache; a replica has tp x pcp workers (default: 1)")  # fmt: skip
+    pool.add_argument("--pcp-strategy", default=DEFAULTS.pcp_strategy, choices=PCP_STRATEGIES,
+                      help="context attention under PCP: merge partial outputs (sharded), all-gather the KV (gather), or pick per batch by cost (auto, the default)")  # fmt: skip
+    pool.add_argument("--kv-cache-tokens", type=int, help="KV cache capacity per worker in tokens (default: what GPU memory allows; 262144 on CPU)")
+    pool.add_argument("--backend", default="auto", type=str.upper, choices=BACKEND_CHOICES, metavar="NAME",
+                      help=f"MLA prefill backend: auto or one of {', '.join(BACKEND_CHOICES[1:])} (default: auto, which honours ${ENV_BACKEND})")  # fmt: skip
+    pool.add_argument("--dtype", default=DEFAULTS.dtype, choices=["auto", *DTYPES], help="compute dtype (default: the model's on GPU, float32 on CPU)")
+    pool.add_argument("--device", default=DEFAULTS.device, choices=DEVICES, help="worker device (default: cuda when the workers see a GPU)")
+    pool.add_argument("--chunk-tokens", type=int, default=DEFAULTS.chunk_tokens, help=f"prefill the prompt in chunks of this many tokens (default: {DEFAULTS.chunk_tokens})")
+    pool.add_argument("--workspace-tokens", type=int, default=DEFAULT_WORKSPACE_TOKENS,
+                      help=f"bound on cached-context rows up-projected at once (default: {DEFAULT_WORKSPACE_TOKENS})")  # fmt: skip
+    pool.add_argument("--replicas", type=int, default=DEFAULTS.replicas, help="independent TP x PCP groups serving in parallel (default: 1)")
+
+
+def pool_config(args: argparse.Namespace) -> PoolConfig:
+    """The :class:`PoolConfig` of :func:`add_pool_arguments`' options."""
+    return PoolConfig(
+        model=args.model,
+        checkpoint=str(args.checkpoint) if args.checkpoint else None,
+        num_layers=args.num_layers,
+        tp=args.tp,
+        pcp=args.pcp,
+        pcp_strategy=args.pcp_strategy,
+        replicas=args.replicas,
+        kv_cache_tokens=args.kv_cache_tokens,
+        backend=args.backend,
+        dtype=args.dtype,
+        device=args.device,
+        chunk_tokens=args.chunk_tokens,
+        max_batch_tokens=max(args.chunk_tokens, DEFAULTS.max_batch_tokens),
+        workspace_tokens=args.workspace_tokens,
+        seed=args.seed,
+    )
+
+
+def save_kv(kv: torch.Tensor, path: Path) -> None:
+    """Write a request's KV ``[layers, tokens, width]`` as safetensors ``layers.{i}.latent`` (via a temporary
+    file and a rename, so a reader never sees a partial file)."""
+    from safetensors.torch import save_file
+
+    partial = path.with_name(path.name + ".partial")
+    save_file({f"layers.{i}.latent": kv[i].contiguous() for i in range(kv.shape[0])}, partial)
+    partial.replace(path)
 
 
 def _read_tokens(path: Path) -> list[int]:
@@ -116,26 +153,9 @@ class _ProgressBar:
 
 
 def _prefill(args: argparse.Namespace) -> int:
-    from safetensors.torch import save_file
-
     from cluster.pool import PrefillPool
 
-    config = PoolConfig(
-        model=args.model,
-        checkpoint=str(args.checkpoint) if args.checkpoint else None,
-        num_layers=args.num_layers,
-        tp=args.tp,
-        pcp=args.pcp,
-        pcp_strategy=args.pcp_strategy,
-        kv_cache_tokens=args.kv_cache_tokens,
-        backend=args.backend,
-        dtype=args.dtype,
-        device=args.device,
-        chunk_tokens=args.chunk_tokens,
-        max_batch_tokens=max(args.chunk_tokens, DEFAULTS.max_batch_tokens),
-        workspace_tokens=args.workspace_tokens,
-        seed=args.seed,
-    )
+    config = pool_config(args)
     model_config = config.model_config()
     if args.tokens:
         tokens = _read_tokens(args.tokens)
@@ -158,7 +178,7 @@ def _prefill(args: argparse.Namespace) -> int:
 
     args.output_dir.mkdir(parents=True, exist_ok=True)
     kv_file = args.output_dir / "kv.safetensors"
-    save_file({f"layers.{i}.latent": kv[i].contiguous() for i in range(kv.shape[0])}, kv_file)
+    save_kv(kv, kv_file)
     summary = {
         "model": model_config.name,
         "model_fingerprint": model_config.fingerprint(),
