@@ -51,6 +51,14 @@ from workers.worker import SAFE_NCCL_ENV, ChunkPiece, PrefillWorker, WorkerInfo
 
 logger = logging.getLogger(__name__)
 
+
+class PromptTooLong(ValueError):
+    """A prompt whose KV could never fit in a replica (an HTTP front end answers 413)."""
+
+
+class DuplicateRequest(ValueError):
+    """A request id already in flight or holding KV (an HTTP front end answers 409)."""
+
 _STOP = object()
 
 
@@ -303,7 +311,7 @@ class PrefillPool:
         tokens = self._validate_tokens(token_ids)
         kv_blocks = self._kv_blocks(len(tokens))
         if len(tokens) > self.max_prompt_tokens:
-            raise ValueError(
+            raise PromptTooLong(
                 f"prompt of {len(tokens)} tokens does not fit in the KV cache: it needs {kv_blocks} blocks of "
                 f"{self.config.block_size} tokens on a worker (PCP={self.config.pcp} stripes it), a worker holds "
                 f"{max(r.kv_blocks for r in self._replicas)}, so the longest prompt is {self.max_prompt_tokens} tokens. "
@@ -314,7 +322,7 @@ class PrefillPool:
             if not isinstance(request_id, str) or not request_id:
                 raise TypeError(f"request_id must be a non-empty string, got {request_id!r}")
             if request_id in self._live:
-                raise ValueError(f"request id {request_id!r} is already in flight or holds KV; ids must be unique")
+                raise DuplicateRequest(f"request id {request_id!r} is already in flight or holds KV; ids must be unique")
             self._live.add(request_id)
         return tokens, kv_blocks, request_id
 
@@ -331,6 +339,11 @@ class PrefillPool:
             self.metrics.completed(result.num_tokens, result.ttft_s)
         else:
             self.metrics.failed()
+
+    @property
+    def alive(self) -> bool:
+        """Whether the pool is running with at least one live replica."""
+        return not self._stopping and any(r.alive for r in self._replicas)
 
     @property
     def in_flight(self) -> int:

@@ -1,0 +1,217 @@
+"""The prefill tier as a Ray Serve application.
+
+    serve run deploy/serve.yaml                  # or: serve deploy deploy/serve.yaml on a running cluster
+    curl -X POST localhost:8000/prefill -H 'content-type: application/json' -d '{"token_ids": [1, 2, 3]}'
+
+Each Serve replica is one placement group (``configs.serve.ServeConfig.deployment_options``):
+bundle 0 holds the replica actor, the next ``tp * pcp`` bundles the pool's workers, so Serve (and
+the cluster autoscaler) place and scale whole TP x PCP groups. Every replica runs a
+:class:`~cluster.pool.PrefillPool` in its group and a :class:`~cluster.kv_server.KVServer`.
+
+HTTP API (JSON, or msgpack with ``content-type: application/msgpack``; the answer uses the same):
+
+``POST /prefill`` ``{"token_ids": [int, ...], "request_id": str?, "handoff": bool?, "return_logits": bool?}``
+    200 ``{"request_id", "num_tokens", "first_token", "ttft_s", "logits"?, "ticket"?}``: ``logits``
+    are the last token's float32 logits (a list in JSON, little-endian bytes in msgpack), unless
+    ``return_logits`` is false. With ``handoff`` the KV stays on the replica and ``ticket`` says
+    where a decode server fetches it (``workers.kv_transfer.KVReceiver(host, port, token,
+    model_fingerprint).fetch(request_id)``) within ``expires_in_s``; without it the KV is freed.
+``GET /`` the model, layout, backend and limits of this replica.
+
+Errors are ``{"error": message}`` with 400 (not JSON/msgpack), 404/405 (path, method), 409 (request
+id in use), 413 (body over ``max_body_bytes``, prompt longer than the cache holds), 415 (content
+type), 422 (wrong keys, types or token ids outside the vocabulary), 503 (the pool is down); a bad
+request never reaches the workers, and a failed prefill fails only its own request (500).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from typing import Any
+
+import msgpack
+import numpy as np
+import ray
+from ray import serve
+from ray.util import get_current_placement_group
+from starlette.requests import Request
+from starlette.responses import Response
+
+from cluster.kv_server import KVServer
+from cluster.metrics import PoolMetrics
+from cluster.pool import DuplicateRequest, PrefillPool, PromptTooLong
+from configs.serve import ServeConfig
+
+logger = logging.getLogger("ray.serve")
+MSGPACK = ("application/msgpack", "application/x-msgpack")
+KEYS = {"token_ids", "request_id", "handoff", "return_logits"}
+
+
+class HTTPError(Exception):
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+def parse_prefill(body: bytes, content_type: str) -> dict[str, Any]:
+    """A prefill request from its body, checked; ``HTTPError`` (400, 415 or 422) names what is wrong."""
+    if content_type in MSGPACK:
+        try:
+            payload = msgpack.unpackb(body, raw=False, strict_map_key=False)
+        except Exception as exc:  # noqa: BLE001 -- msgpack raises several types for bad input
+            raise HTTPError(400, f"body is not valid msgpack ({type(exc).__name__})") from None
+    elif content_type in ("", "application/json"):
+        try:
+            payload = json.loads(body)
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise HTTPError(400, f"body is not valid JSON ({exc})") from None
+    else:
+        raise HTTPError(415, f"content type {content_type!r} is not supported; valid: application/json, application/msgpack")
+    if not isinstance(payload, dict):
+        raise HTTPError(422, f"body must be an object with token_ids, got {type(payload).__name__}")
+    unknown = set(payload) - KEYS
+    if unknown:
+        raise HTTPError(422, f"unknown keys {sorted(map(str, unknown))}; valid: {sorted(KEYS)}")
+    tokens = payload.get("token_ids")
+    if not isinstance(tokens, list) or not tokens or not all(type(t) is int for t in tokens):
+        raise HTTPError(422, "token_ids must be a non-empty list of integers")
+    request_id = payload.get("request_id")
+    if request_id is not None and (not isinstance(request_id, str) or not 0 < len(request_id) <= 128):
+        raise HTTPError(422, "request_id must be a string of 1-128 characters")
+    for flag in ("handoff", "return_logits"):
+        if not isinstance(payload.get(flag, False), bool):
+            raise HTTPError(422, f"{flag} must be true or false, got {payload[flag]!r}")
+    return {
+        "tokens": tokens,
+        "request_id": request_id,
+        "handoff": payload.get("handoff", False),
+        "return_logits": payload.get("return_logits", True),
+    }
+
+
+class PrefillServer:
+    """One Serve replica: a prefill pool in the replica's placement group, and its KV server."""
+
+    def __init__(self, config: ServeConfig) -> None:
+        self.config = config
+        self.pool = PrefillPool(config.pool, placement_group=get_current_placement_group(), bundle_offset=1, metrics=PoolMetrics(config.name))
+        self.pool.start()
+        self.kv = KVServer(self.pool, host=config.kv_host, port=config.kv_port, token=config.kv_token, unclaimed_ttl_s=config.kv_ttl_s)
+        self.ticket_host = ray.util.get_node_ip_address() if config.kv_host in ("0.0.0.0", "::") else self.kv.host
+        self.fingerprint = self.pool.model_config.fingerprint()
+
+    async def __call__(self, request: Request) -> Response:
+        content_type = request.headers.get("content-type", "").split(";")[0].strip().lower()
+        reply = "msgpack" if content_type in MSGPACK else "json"
+        try:
+            path = request.url.path.rstrip("/").rsplit("/", 1)[-1]
+            if path == "prefill":
+                if request.method != "POST":
+                    raise HTTPError(405, f"{request.method} /prefill: use POST")
+                answer = await self._prefill(parse_prefill(await self._body(request), content_type))
+            elif path == "":
+                if request.method != "GET":
+                    raise HTTPError(405, f"{request.method} /: use GET")
+                answer = self.info()
+            else:
+                raise HTTPError(404, f"no endpoint {request.url.path!r}; valid: POST /prefill, GET /")
+            return _response(200, answer, reply)
+        except HTTPError as exc:
+            return _response(exc.status, {"error": str(exc)}, reply)
+
+    def info(self) -> dict[str, Any]:
+        cfg, info = self.config.pool, self.pool.worker_infos[0][0]
+        return {
+            "model": self.pool.model_config.name,
+            "model_fingerprint": self.fingerprint,
+            "tp": cfg.tp,
+            "pcp": cfg.pcp,
+            "backend": info.backend,
+            "device": info.device,
+            "dtype": info.dtype,
+            "max_prompt_tokens": self.pool.max_prompt_tokens,
+            "vocab_size": self.pool.model_config.vocab_size,
+            "in_flight": self.pool.in_flight,
+        }
+
+    def check_health(self) -> None:
+        """Serve's health check: a replica whose pool is gone is replaced."""
+        if not self.pool.alive:
+            raise RuntimeError("the prefill pool of this replica is down")
+
+    def __del__(self) -> None:  # Serve calls it when it stops the replica
+        if hasattr(self, "kv"):
+            self.kv.close()
+        self.pool.shutdown()
+
+    async def _body(self, request: Request) -> bytes:
+        limit = self.config.max_body_bytes
+        declared = request.headers.get("content-length")
+        if declared is not None and declared.isdigit() and int(declared) > limit:
+            raise HTTPError(413, f"body of {declared} bytes is over the limit of {limit}")
+        body = bytearray()
+        async for chunk in request.stream():
+            body += chunk
+            if len(body) > limit:
+                raise HTTPError(413, f"body is over the limit of {limit} bytes")
+        return bytes(body)
+
+    async def _prefill(self, req: dict[str, Any]) -> dict[str, Any]:
+        if not self.pool.alive:
+            raise HTTPError(503, "the prefill pool of this replica is down")
+        try:
+            future = self.pool.submit(req["tokens"], request_id=req["request_id"], keep_kv=req["handoff"])
+        except PromptTooLong as exc:
+            raise HTTPError(413, str(exc)) from None
+        except DuplicateRequest as exc:
+            raise HTTPError(409, str(exc)) from None
+        except (TypeError, ValueError) as exc:
+            raise HTTPError(422, str(exc)) from None
+        try:
+            result = await asyncio.wrap_future(future)
+        except Exception as exc:  # noqa: BLE001 -- a failed prefill fails this request alone
+            logger.warning("prefill failed", extra={"mlapool_request_id": req["request_id"], "error": str(exc)})
+            raise HTTPError(500, f"prefill failed: {exc}") from None
+        logger.info("prefilled", extra={"mlapool_request_id": result.request_id, "tokens": result.num_tokens, "ttft_s": round(result.ttft_s, 4)})
+        answer: dict[str, Any] = {
+            "request_id": result.request_id,
+            "num_tokens": result.num_tokens,
+            "first_token": result.first_token,
+            "ttft_s": round(result.ttft_s, 6),
+        }
+        if req["return_logits"]:
+            answer["logits"] = result.logits.float().numpy()
+        if req["handoff"]:
+            answer["ticket"] = {
+                "request_id": result.request_id,
+                "host": self.ticket_host,
+                "port": self.kv.port,
+                "token_required": self.config.kv_token is not None,
+                "model_fingerprint": self.fingerprint,
+                "expires_in_s": self.config.kv_ttl_s,
+            }
+        return answer
+
+
+def _response(status: int, answer: dict[str, Any], form: str) -> Response:
+    logits = answer.get("logits")
+    if form == "msgpack":
+        if isinstance(logits, np.ndarray):
+            answer = {**answer, "logits": logits.astype("<f4").tobytes(), "logits_dtype": "float32"}
+        return Response(msgpack.packb(answer, use_bin_type=True), status_code=status, media_type="application/msgpack")
+    if isinstance(logits, np.ndarray):
+        answer = {**answer, "logits": logits.tolist()}
+    return Response(json.dumps(answer), status_code=status, media_type="application/json")
+
+
+def build_app(config: ServeConfig) -> serve.Application:
+    """The Serve application of ``config``: one autoscaled deployment of :class:`PrefillServer`."""
+    return serve.deployment(PrefillServer).options(**config.deployment_options()).bind(config)
+
+
+def app(args: dict[str, Any]) -> serve.Application:
+    """Application builder for Serve config files: ``import_path: cluster.serve:app``, ``args`` the
+    fields of :class:`~configs.serve.ServeConfig` (``pool``: a mapping of PoolConfig fields)."""
+    return build_app(ServeConfig.from_dict(args or {}))

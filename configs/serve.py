@@ -1,0 +1,110 @@
+"""Configuration of the prefill tier as a Ray Serve application (``cluster.serve``), validated on creation.
+
+A :class:`ServeConfig` holds the pool each replica runs (:class:`~configs.pool.PoolConfig`) and
+what Serve needs around it: autoscaling bounds and delays, request limits and the KV handoff
+endpoint. :meth:`ServeConfig.deployment_options` turns both into the options of ``serve.deployment``:
+each Serve replica is one placement group, ``[replica actor] + tp * pcp`` worker bundles.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+from configs.pool import PoolConfig
+
+
+@dataclass(frozen=True, kw_only=True)
+class ServeConfig:
+    """The prefill tier on Ray Serve.
+
+    pool                     the pool of every replica (its ``replicas`` must be 1: Serve adds replicas)
+    name                     deployment name, also the ``pool`` tag of the metrics
+    min_replicas, max_replicas   autoscaling bounds (equal: a fixed number of replicas)
+    target_ongoing_requests  requests per replica the autoscaler aims at
+    upscale_delay_s, downscale_delay_s   how long demand must stay above / below target first
+    look_back_period_s       the window over which replicas' load is averaged (how often they report it
+                             is Ray's RAY_SERVE_REPLICA_AUTOSCALING_METRIC_PUSH_INTERVAL_S, default 10 s)
+    max_ongoing_requests     requests one replica takes at once (more wait in Serve's queue)
+    max_body_bytes           larger request bodies get 413
+    replica_cpus             CPUs of the replica actor itself (HTTP, scheduling; not the workers)
+    kv_host, kv_port         where each replica's KV server listens (127.0.0.1: this node only;
+                             0.0.0.0: tickets then name the node's address); port 0 = any free one
+    kv_token                 shared secret a decode server must present (None: none)
+    kv_ttl_s                 KV that no decode server claims within this long is freed
+    """
+
+    pool: PoolConfig = field(default_factory=PoolConfig)
+    name: str = "mlapool-prefill"
+    min_replicas: int = 1
+    max_replicas: int = 1
+    target_ongoing_requests: float = 4.0
+    upscale_delay_s: float = 30.0
+    downscale_delay_s: float = 600.0
+    look_back_period_s: float = 30.0
+    max_ongoing_requests: int = 32
+    max_body_bytes: int = 16 << 20
+    replica_cpus: float = 1.0
+    kv_host: str = "127.0.0.1"
+    kv_port: int = 0
+    kv_token: str | None = None
+    kv_ttl_s: float = 300.0
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.pool, PoolConfig):
+            raise TypeError(f"serve config: pool must be a PoolConfig, got {type(self.pool).__name__}")
+        if self.pool.replicas != 1:
+            raise ValueError(f"serve config: pool.replicas must be 1 (Serve scales replicas), got {self.pool.replicas}")
+        if not 0 <= self.min_replicas <= self.max_replicas or self.max_replicas < 1:
+            raise ValueError(f"serve config: need 0 <= min_replicas <= max_replicas >= 1, got {self.min_replicas}, {self.max_replicas}")
+        positive = ("target_ongoing_requests", "look_back_period_s", "max_ongoing_requests", "max_body_bytes", "replica_cpus", "kv_ttl_s")
+        for name in positive:
+            if not getattr(self, name) > 0:
+                raise ValueError(f"serve config: {name} must be positive, got {getattr(self, name)!r}")
+        for name in ("upscale_delay_s", "downscale_delay_s"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"serve config: {name} must be >= 0, got {getattr(self, name)!r}")
+        if not 0 <= self.kv_port <= 65535:
+            raise ValueError(f"serve config: kv_port must be in [0, 65535], got {self.kv_port}")
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any]) -> ServeConfig:
+        """From the ``args`` of a Serve config file: these fields, with ``pool`` a dict of PoolConfig fields."""
+        if not isinstance(raw, dict):
+            raise TypeError(f"serve config: expected a mapping, got {type(raw).__name__}")
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = set(raw) - known
+        if unknown:
+            raise ValueError(f"serve config: unknown keys {sorted(unknown)}; valid: {sorted(known)}")
+        pool = raw.get("pool", {})
+        pool_fields = {f.name for f in dataclasses.fields(PoolConfig)}
+        if not isinstance(pool, dict) or set(pool) - pool_fields:
+            bad = sorted(set(pool) - pool_fields) if isinstance(pool, dict) else pool
+            raise ValueError(f"serve config: pool has unknown keys {bad}; valid: {sorted(pool_fields)}")
+        return cls(**{**raw, "pool": PoolConfig(**pool)})
+
+    @property
+    def uses_gpus(self) -> bool:
+        """Whether worker bundles hold a GPU: ``pool.use_gpus``, or when unset, unless the device is the CPU."""
+        return self.pool.use_gpus if self.pool.use_gpus is not None else self.pool.device != "cpu"
+
+    def deployment_options(self) -> dict[str, Any]:
+        """Options of ``serve.deployment``: autoscaling, limits and the replica's placement group."""
+        worker = {"CPU": self.pool.worker_cpus, **({"GPU": 1} if self.uses_gpus else {})}
+        return {
+            "name": self.name,
+            "max_ongoing_requests": self.max_ongoing_requests,
+            "autoscaling_config": {
+                "min_replicas": self.min_replicas,
+                "initial_replicas": max(self.min_replicas, 1),
+                "max_replicas": self.max_replicas,
+                "target_ongoing_requests": self.target_ongoing_requests,
+                "upscale_delay_s": self.upscale_delay_s,
+                "downscale_delay_s": self.downscale_delay_s,
+                "look_back_period_s": self.look_back_period_s,
+            },
+            "ray_actor_options": {"num_cpus": self.replica_cpus},
+            "placement_group_bundles": [{"CPU": self.replica_cpus}] + [worker] * self.pool.workers_per_replica,
+            "placement_group_strategy": self.pool.placement,
+        }
