@@ -29,6 +29,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import uuid
 from typing import Any
 
 import msgpack
@@ -162,7 +163,8 @@ class PrefillServer:
         if not self.pool.alive:
             raise HTTPError(503, "the prefill pool of this replica is down")
         try:
-            future = self.pool.submit(req["tokens"], request_id=req["request_id"], keep_kv=req["handoff"])
+            request_id = req["request_id"] or uuid.uuid4().hex  # unique across replicas: tickets and logs name it
+            future = self.pool.submit(req["tokens"], request_id=request_id, keep_kv=req["handoff"])
         except PromptTooLong as exc:
             raise HTTPError(413, str(exc)) from None
         except DuplicateRequest as exc:
@@ -172,7 +174,7 @@ class PrefillServer:
         try:
             result = await asyncio.wrap_future(future)
         except Exception as exc:  # noqa: BLE001 -- a failed prefill fails this request alone
-            logger.warning("prefill failed", extra={"mlapool_request_id": req["request_id"], "error": str(exc)})
+            logger.warning("prefill failed", extra={"mlapool_request_id": request_id, "error": str(exc)})
             raise HTTPError(500, f"prefill failed: {exc}") from None
         logger.info("prefilled", extra={"mlapool_request_id": result.request_id, "tokens": result.num_tokens, "ttft_s": round(result.ttft_s, 4)})
         answer: dict[str, Any] = {

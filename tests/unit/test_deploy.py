@@ -1,0 +1,95 @@
+"""Every YAML under deploy/ parses and has what its tool requires: the cluster launcher's file is
+valid against Ray's own JSON schema, Serve config files (also the one inside the RayService) load
+with Serve's schema and their args build a valid ServeConfig, the KubeRay manifests carry the keys
+the CRDs require."""
+
+import json
+from pathlib import Path
+
+import jsonschema
+import pytest
+import ray.autoscaler
+import yaml
+from ray.serve.schema import ServeDeploySchema
+
+from configs.serve import ServeConfig
+
+DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
+KUBERAY = DEPLOY / "kuberay"
+
+
+def _load(path):
+    return yaml.safe_load(path.read_text())
+
+
+def test_every_yaml_parses_and_each_is_checked_here():
+    files = sorted(p.relative_to(DEPLOY).as_posix() for p in DEPLOY.rglob("*.yaml"))
+    assert files == ["cluster.yaml", "kuberay/raycluster.yaml", "kuberay/rayjob.yaml", "kuberay/rayservice.yaml",
+                     "serve-tiny.yaml", "serve.yaml"]  # fmt: skip
+    for name in files:
+        assert isinstance(_load(DEPLOY / name), dict), name
+
+
+def test_the_cluster_launcher_yaml_is_valid_against_rays_schema():
+    schema = json.loads((Path(ray.autoscaler.__file__).parent / "ray-schema.json").read_text())
+    config = _load(DEPLOY / "cluster.yaml")
+    jsonschema.validate(config, schema)
+    types = config["available_node_types"]
+    assert config["head_node_type"] in types
+    gpu = [name for name, spec in types.items() if name != config["head_node_type"]]
+    assert gpu and all(types[name]["max_workers"] > types[name]["min_workers"] for name in gpu)  # autoscaled
+    assert config["idle_timeout_minutes"] > 0 and config["max_workers"] >= sum(types[n]["max_workers"] for n in gpu)
+
+
+def _serve_configs():
+    service = _load(KUBERAY / "rayservice.yaml")
+    return {
+        "serve.yaml": _load(DEPLOY / "serve.yaml"),
+        "serve-tiny.yaml": _load(DEPLOY / "serve-tiny.yaml"),
+        "rayservice.yaml serveConfigV2": yaml.safe_load(service["spec"]["serveConfigV2"]),
+    }
+
+
+@pytest.mark.parametrize("name", list(_serve_configs()))
+def test_serve_configs_load_with_serves_schema_and_build_a_valid_serve_config(name):
+    raw = _serve_configs()[name]
+    schema = ServeDeploySchema.model_validate(raw)
+    (application,) = schema.applications
+    assert application.import_path == "cluster.serve:app"
+    config = ServeConfig.from_dict(application.args)
+    options = config.deployment_options()
+    assert options["autoscaling_config"]["max_replicas"] >= options["autoscaling_config"]["min_replicas"] >= 1
+    assert len(options["placement_group_bundles"]) == 1 + config.pool.workers_per_replica
+    config.pool.model_config()  # the model exists and fits the TP degree
+
+
+def _check_ray_cluster_spec(spec, autoscaled):
+    assert spec["rayVersion"] == ray.__version__
+    head = spec["headGroupSpec"]
+    assert "rayStartParams" in head and head["template"]["spec"]["containers"][0]["image"]
+    for group in spec["workerGroupSpecs"]:
+        assert group["groupName"] and "rayStartParams" in group
+        assert group["minReplicas"] <= group["replicas"] <= group["maxReplicas"]
+        container = group["template"]["spec"]["containers"][0]
+        assert int(container["resources"]["limits"]["nvidia.com/gpu"]) > 0
+    if autoscaled:
+        assert spec["enableInTreeAutoscaling"] is True
+        assert any(g["maxReplicas"] > g["minReplicas"] for g in spec["workerGroupSpecs"])
+
+
+@pytest.mark.parametrize(("file", "kind"), [("raycluster.yaml", "RayCluster"), ("rayjob.yaml", "RayJob"), ("rayservice.yaml", "RayService")])
+def test_kuberay_manifests_have_the_keys_their_crds_require(file, kind):
+    manifest = _load(KUBERAY / file)
+    assert manifest["apiVersion"] == "ray.io/v1" and manifest["kind"] == kind and manifest["metadata"]["name"]
+    spec = manifest["spec"]
+    if kind == "RayCluster":
+        _check_ray_cluster_spec(spec, autoscaled=True)
+    elif kind == "RayJob":
+        assert spec["entrypoint"].startswith("python -m cluster.job ") and spec["shutdownAfterJobFinishes"] is True
+        from cluster.job import parser
+
+        parser().parse_args(spec["entrypoint"].split()[3:])  # the job accepts the entrypoint's options
+        _check_ray_cluster_spec(spec["rayClusterSpec"], autoscaled=False)
+    else:
+        assert "serveConfigV2" in spec
+        _check_ray_cluster_spec(spec["rayClusterConfig"], autoscaled=True)
