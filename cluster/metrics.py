@@ -40,24 +40,47 @@ class PoolMetrics:
         self.window_s = window_s
         self._recent: deque[tuple[float, int]] = deque()
         self._lock = threading.Lock()
+        self._depth = 0
+        self._backend_tags: dict[str, str] | None = None
+        self._closed = threading.Event()
 
     def started(self, backend: str, device: str, dtype: str) -> None:
-        self.backend.set(1, tags={**self.tags, "backend": backend, "device": device, "dtype": dtype})
+        """Record the backend in use and start re-reporting the gauges every ``window_s / 5`` s, so they
+        stay exported while the pool is idle (Ray's metrics agent evicts gauge series that are not
+        refreshed) and the tokens/s gauge falls to 0 when no work arrives."""
+        self._backend_tags = {**self.tags, "backend": backend, "device": device, "dtype": dtype}
+        threading.Thread(target=self._report, name="mlapool-metrics", daemon=True).start()
+        self._set_gauges()
+
+    def close(self) -> None:
+        self._closed.set()
 
     def queued(self, depth: int) -> None:
+        self._depth = depth
         self.queue_depth.set(depth, tags=self.tags)
 
     def completed(self, tokens: int, ttft_s: float) -> None:
         self.ttft.observe(ttft_s, tags=self.tags)
         self.tokens.inc(tokens, tags=self.tags)
         self.requests.inc(1, tags={**self.tags, "status": "ok"})
+        with self._lock:
+            self._recent.append((time.monotonic(), tokens))
+        self._set_gauges()
+
+    def _set_gauges(self) -> None:
         now = time.monotonic()
         with self._lock:
-            self._recent.append((now, tokens))
             while self._recent and self._recent[0][0] < now - self.window_s:
                 self._recent.popleft()
             recent = sum(t for _, t in self._recent)
         self.tokens_per_s.set(recent / self.window_s, tags=self.tags)
+        self.queue_depth.set(self._depth, tags=self.tags)
+        if self._backend_tags is not None:
+            self.backend.set(1, tags=self._backend_tags)
+
+    def _report(self) -> None:
+        while not self._closed.wait(self.window_s / 5):
+            self._set_gauges()
 
     def failed(self, status: str = "failed") -> None:
         self.requests.inc(1, tags={**self.tags, "status": status})

@@ -264,6 +264,8 @@ class PrefillPool:
         for replica in self._replicas:
             _stop_replica(replica)
         self._replicas.clear()
+        if self.metrics is not None:
+            self.metrics.close()
         if self._owns_ray and ray.is_initialized():
             ray.shutdown()
             self._owns_ray = False
