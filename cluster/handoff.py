@@ -7,7 +7,7 @@ prefill workers that hold them, all shards at once.
     pool.release(result)                                # then the prefill side frees it
     tokens = ray.get(decoder.generate.remote(result.request_id, result.first_token, 8))
 
-Two transports, chosen per actor (``transport``):
+Two transports, chosen per actor (``transport``) or per ``receive`` call:
 
 - ``p2p``: a point-to-point link of the actor's own (``workers.kv_link``: NCCL on GPUs, so NVLink
   inside a node; gloo on CPU) with the holders, opened on first use and kept for later requests.

@@ -19,7 +19,7 @@ HTTP API (JSON, or msgpack with ``content-type: application/msgpack``; the answe
 ``GET /`` the model, layout, backend and limits of this replica.
 
 Errors are ``{"error": message}`` with 400 (not JSON/msgpack), 404/405 (path, method), 409 (request
-id in use), 413 (body over ``max_body_bytes``, prompt longer than the cache holds), 415 (content
+id in use on this replica: ids are unique per replica), 413 (body over ``max_body_bytes``, prompt longer than the cache holds), 415 (content
 type), 422 (wrong keys, types or token ids outside the vocabulary), 503 (the pool is down); a bad
 request never reaches the workers, and a failed prefill fails only its own request (500).
 """

@@ -5,6 +5,7 @@ import json
 
 import numpy as np
 import pytest
+import tokenizers
 import torch
 from safetensors.torch import load_file
 
@@ -88,7 +89,6 @@ def test_prompts_the_pool_refuses_are_recorded_and_the_others_finish(ray_cluster
 
 
 def test_text_lines_are_tokenized_with_the_given_tokenizer(ray_cluster, tmp_path, reference):
-    tokenizers = pytest.importorskip("tokenizers")
     vocab = {"[UNK]": 0, **{w: i + 1 for i, w in enumerate("the cat sat on a mat".split())}}
     tok = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="[UNK]"))
     tok.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()

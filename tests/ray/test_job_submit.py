@@ -5,7 +5,6 @@ submitted with ``ray job submit --working-dir``, its outputs checked, a second s
 import json
 import os
 import secrets
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -13,14 +12,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from workers.worker import rendezvous_address
+
 REPO = Path(__file__).resolve().parents[2]
 RAY = [sys.executable, "-m", "ray.scripts.scripts"]
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -28,7 +23,7 @@ def head(tmp_path_factory):
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
     # token authentication, as a production cluster should run: the head and the CLI share the token
     env.update(OMP_NUM_THREADS="1", RAY_USAGE_STATS_ENABLED="0", RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=secrets.token_hex(16))
-    gcs, dashboard = _free_port(), _free_port()
+    gcs, dashboard = rendezvous_address()[1], rendezvous_address()[1]
     subprocess.run(
         [*RAY, "start", "--head", f"--port={gcs}", "--dashboard-host=127.0.0.1", f"--dashboard-port={dashboard}",
          "--include-dashboard=true", "--num-cpus=2", "--num-gpus=2", "--disable-usage-stats"],

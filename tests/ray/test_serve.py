@@ -5,7 +5,6 @@ serving, the handoff ticket works, and the metrics reach Ray's Prometheus endpoi
 
 import json
 import os
-import socket
 import threading
 import time
 import urllib.error
@@ -27,6 +26,7 @@ from configs.serve import ServeConfig
 from workers.kv_transfer import KVReceiver
 from workers.model import DeepseekPrefillModel
 from workers.weights import load_weights
+from workers.worker import rendezvous_address
 
 # replicas report their load every 0.5 s instead of 10 (read by Serve's processes: set before Ray starts)
 os.environ["RAY_SERVE_REPLICA_AUTOSCALING_METRIC_PUSH_INTERVAL_S"] = "0.5"
@@ -39,15 +39,9 @@ CONFIG = ServeConfig(
 )  # fmt: skip
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def url(ray_cluster):
-    port = _free_port()
+    port = rendezvous_address()[1]
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     serve.run(build_app(CONFIG), name="prefill", route_prefix="/")
     yield f"http://127.0.0.1:{port}"
@@ -101,6 +95,13 @@ def _replicas():
     return status.replica_states.get("RUNNING", 0)
 
 
+def _wait_for_one_replica(timeout_s=120.0):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and _replicas() > 1:
+        time.sleep(0.5)
+    return _replicas() == 1
+
+
 def test_concurrent_requests_are_answered_like_the_single_process_model(url, reference):
     prompts = _prompts(12, seed=0)
     with ThreadPoolExecutor(6) as pool:
@@ -136,10 +137,7 @@ def test_it_scales_up_under_load_and_down_when_idle_losing_and_duplicating_nothi
     for thread in threads:
         thread.join()
     assert peak == 2, "did not scale to 2 replicas under load"
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline and _replicas() > 1:
-        time.sleep(0.5)
-    assert _replicas() == 1, "did not scale back to 1 replica when idle"
+    assert _wait_for_one_replica(), "did not scale back to 1 replica when idle"
     assert sorted(a[0] for a in answers) == sorted(s[0] for s in sent)  # each request answered exactly once
     tokens = dict(sent)
     for request_id, status, answer in answers:
@@ -190,6 +188,7 @@ def test_wrong_paths_methods_and_duplicate_ids_get_4xx(url):
         except urllib.error.HTTPError as exc:
             code = exc.code
         assert code == status, (path, method)
+    assert _wait_for_one_replica()  # request ids are unique per replica: both must reach the same one
     info = json.loads(urllib.request.urlopen(f"{url}/").read())
     assert info["max_prompt_tokens"] == 2048 and info["backend"] == "TORCH_SDPA"
     first = post(url, {"token_ids": [1, 2], "request_id": "dup", "handoff": True})
