@@ -49,7 +49,7 @@ class KVSource:
 def pull_kv(source: KVSource) -> torch.Tensor:
     """The request's KV ``[layers, tokens, width]`` in token order, every shard fetched at once as a Ray object."""
     shards = ray.get([holder.fetch_kv.remote(source.request_id) for holder in source.holders])
-    return shards[0] if len(shards) == 1 else interleave_shards(shards, source.block_size)
+    return interleave_shards(shards, source.block_size)
 
 
 class DecodeActor:
@@ -80,7 +80,7 @@ class DecodeActor:
         p2p, ``stream_s``: from the shards' headers arriving to the last byte in this actor's memory."""
         transport = self._transport(transport or self.transport)
         started = time.perf_counter()
-        kv = self._pull_p2p(source) if transport == "p2p" else pull_kv(source)
+        kv, timings = self._pull_p2p(source) if transport == "p2p" else (pull_kv(source), {})
         seconds = time.perf_counter() - started
         if kv.shape[1] != source.num_tokens:
             raise RuntimeError(f"request {source.request_id!r}: got {kv.shape[1]} KV rows, expected {source.num_tokens}")
@@ -91,7 +91,7 @@ class DecodeActor:
             "bytes": kv.numel() * kv.element_size(),
             "transport": transport,
             "seconds": seconds,
-            **({"stream_s": self.links[_key(source.holders)][1].last_stream_s} if transport == "p2p" else {}),
+            **timings,
         }
 
     def _transport(self, name: str) -> str:
@@ -103,20 +103,19 @@ class DecodeActor:
         """Greedy decode of ``steps`` tokens after ``first_token``; the request's cache is then dropped."""
         return self.decoder.greedy(self.states.pop(request_id), first_token, steps)
 
-    def _pull_p2p(self, source: KVSource) -> torch.Tensor:
+    def _pull_p2p(self, source: KVSource) -> tuple[torch.Tensor, dict]:
         name, link = self._link(source.holders)
         sends = [holder.send_kv.remote(name, source.request_id) for holder in source.holders]
         attention = self.decoder.model.config.attention
         try:
-            shards = link.receive_shards(source.block_size, attention.latent_dim)
+            shards, stream_s = link.receive_shards(source.block_size, attention.latent_dim)
         except Exception as error:
             self._drop_link(source.holders)  # a link is not reused after a failure
             if isinstance(error, KVLinkError):
                 ray.get(sends)  # the holders' own errors (an unknown request, say) say more
             raise
         ray.get(sends)
-        rows = [shard.row_view() for shard in shards]
-        return rows[0] if len(rows) == 1 else interleave_shards(rows, source.block_size)
+        return interleave_shards([shard.row_view() for shard in shards], source.block_size), {"stream_s": stream_s}
 
     def _link(self, holders: tuple) -> tuple[str, KVLink]:
         key = _key(holders)

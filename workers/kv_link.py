@@ -8,7 +8,7 @@ vLLM's paged MLA layout ``[num_blocks, block_size, width]``:
 
     receiver:  link = KVLink.host(1 + len(holders), device, invite)  # invite(address): holders join
     holder r:  KVLink.join(address, r, size, device).send_shard(layer_views, rows)
-    receiver:  shards = link.receive_shards(block_size, width)
+    receiver:  shards, stream_s = link.receive_shards(block_size, width)
 
 The header says how many blocks and rows follow, or that the holder has nothing to send (the
 receiver then posts no data receives, so an unknown request cannot hang the link).
@@ -52,7 +52,6 @@ class KVLink:
     def __init__(self, store: dist.Store, rank: int, size: int, device: torch.device, timeout_s: float) -> None:
         self.rank, self.size, self.device = rank, size, device
         self.address: tuple[str, int] | None = None  # set on the receiver's end
-        self.last_stream_s = 0.0  # the receiver's last receive_shards: headers in to data in
         self._store = store  # the receiver's store must outlive the group
         timeout = timedelta(seconds=timeout_s)
         if device.type == "cuda":
@@ -115,9 +114,11 @@ class KVLink:
         self._wait(works)
         return sum(layer.numel() * layer.element_size() for layer in layers or ())
 
-    def receive_shards(self, block_size: int, width: int) -> list[KVShard]:
-        """Every holder's shard, in holder order. Raises :class:`KVLinkError` naming each holder that
-        had nothing to send (after receiving what the others sent, so the link stays usable)."""
+    def receive_shards(self, block_size: int, width: int) -> tuple[list[KVShard], float]:
+        """Every holder's shard, in holder order, and the seconds from the headers' arrival to the last
+        byte (the streaming time, without the holders' start-up). Raises :class:`KVLinkError` naming
+        each holder that had nothing to send (after receiving what the others sent, so the link stays
+        usable)."""
         headers = [torch.empty(_HEADER, dtype=torch.int64, device=self.device) for _ in range(1, self.size)]
         self._wait([self.group.recv([h], src, _TAG) for src, h in enumerate(headers, start=1)])
         started = time.perf_counter()
@@ -133,10 +134,10 @@ class KVLink:
             works += [self.group.recv([blocks[layer]], src, _TAG) for layer in range(num_layers)]
             shards.append(KVShard(blocks, rows))
         self._wait(works)
-        self.last_stream_s = time.perf_counter() - started
+        stream_s = time.perf_counter() - started
         if missing:
             raise KVLinkError(f"holders {missing} of the link had no KV to send")
-        return shards
+        return shards, stream_s
 
     def _wait(self, works) -> None:
         for work in works:

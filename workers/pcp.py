@@ -107,7 +107,9 @@ def shard_positions(num_tokens: int, rank: int, size: int, block_size: int) -> t
 
 def interleave_shards(shards: list[torch.Tensor], block_size: int) -> torch.Tensor:
     """Reassemble a request's KV from its PCP shards ``[layers, rows_r, W]`` (rank order) into
-    ``[layers, tokens, W]`` in token order."""
+    ``[layers, tokens, W]`` in token order (a single shard is already in order: returned as is)."""
+    if len(shards) == 1:
+        return shards[0]
     size = len(shards)
     tokens = sum(shard.shape[1] for shard in shards)
     out = shards[0].new_empty(shards[0].shape[0], tokens, shards[0].shape[2])
