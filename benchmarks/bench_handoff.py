@@ -2,8 +2,12 @@
 
 A one-GPU prefill pool (TP = PCP = 1, GPU 0) prefills prompts of DeepSeek-V3 MLA shape; a
 ``DecodeActor`` on GPU 1 pulls each kept request ``--repeats`` times over its NCCL point-to-point
-link (``p2p``), and once as Ray objects (``object``); then the TCP path (``KVServer`` to
-``KVReceiver`` on this host's loopback) sends it once. The p2p copy is checked equal to the object
+link (``p2p``), once more while the pool prefills another prompt of the same length on GPU 0 (the
+holder's link thread answers without waiting for the batch), and once as Ray objects
+(``object``); then the TCP path (``KVServer`` to ``KVReceiver`` on this host's loopback) sends it
+once. ``pull_s`` is the whole pull as the decode actor sees it: from asking the holders (a key in
+the link's store) to the KV reassembled in its memory; ``stream_s`` is its part from the shards'
+headers arriving to the last byte. The p2p copy is checked equal to the object
 copy. Before Ray starts, two plain processes measure the one-way NCCL bandwidth between the same
 GPUs (one 1 GiB message, as in DESIGN.md, and the handoff's own per-layer messages), the figure
 the p2p rate is compared against.
@@ -97,6 +101,12 @@ def handoff(pool: PrefillPool, decoder, tokens: int, repeats: int, vocab: int) -
         started = time.perf_counter()
         receipt = ray.get(decoder.receive.remote(source))
         pulls.append((receipt["seconds"], time.perf_counter() - started, receipt["stream_s"]))
+    busy = pool.submit(prompt[::-1].copy())  # another prompt keeps GPU 0 busy while the decoder pulls
+    while not any(w["kv_requests"] > 1 for w in pool.health()[0]):
+        time.sleep(0.001)
+    during = ray.get(decoder.receive.remote(source))
+    still_running = not busy.done()
+    busy.result()
     p2p = ray.get(decoder.__ray_call__.remote(lambda self: self.states[result.request_id].rows))
     started = time.perf_counter()
     object_receipt = ray.get(decoder.receive.remote(source, transport="object"))
@@ -124,6 +134,9 @@ def handoff(pool: PrefillPool, decoder, tokens: int, repeats: int, vocab: int) -
             "first_pull_with_link_setup_s": round(pulls[0][0], 4),
             "driver_call_s": round(call, 6),
             "pull_runs_s": [round(p, 6) for p, _, _ in pulls[1:]],
+            "pull_during_a_prefill_s": round(during["seconds"], 6),
+            "pull_during_a_prefill_gib_per_s": round(size / during["seconds"] / GIB, 1),
+            "prefill_still_running_after_that_pull": still_running,
         },
         "object": {"transfer_s": round(object_receipt["seconds"], 4), "gib_per_s": round(size / object_receipt["seconds"] / GIB, 2),
                    "driver_call_s": round(object_s, 4)},  # fmt: skip
@@ -176,7 +189,7 @@ def main() -> None:
     if gpu:
         best = max(v["gib_per_s"] for v in reference.values())
         for row in rows:
-            for what in ("stream", "pull"):
+            for what in ("stream", "pull", "pull_during_a_prefill"):
                 row["p2p"][f"{what}_fraction_of_one_way_nccl"] = round(row["p2p"][f"{what}_gib_per_s"] / best, 3)
     text = json.dumps(report, indent=2)
     print(text)

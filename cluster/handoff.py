@@ -11,8 +11,10 @@ Two transports, chosen per actor (``transport``) or per ``receive`` call:
 
 - ``p2p``: a point-to-point link of the actor's own (``workers.kv_link``: NCCL on GPUs, so NVLink
   inside a node; gloo on CPU) with the holders, opened on first use and kept for later requests.
-  Each holder sends its paged blocks straight from its cache.
-- ``object``: each PCP rank's shard (``[layers, rows_r, width]``, on the CPU) is a Ray object.
+  A pull is asked for through the link's store, not a Ray call, and each holder's link thread
+  sends its paged blocks straight from its cache, even while the holder runs prefill batches.
+- ``object``: each PCP rank's shard (``[layers, rows_r, width]``, on the CPU) is a Ray object
+  (a numpy array, which Ray's object store moves without pickling).
 
 ``auto`` (the default) is ``p2p`` on a GPU and ``object`` on the CPU. The shards come from TP rank
 0 of every PCP rank; the actor reassembles them in token order. Outside the cluster the same KV
@@ -21,6 +23,7 @@ goes over TCP (``cluster.kv_server``).
 
 from __future__ import annotations
 
+import contextlib
 import time
 import uuid
 from dataclasses import dataclass
@@ -49,7 +52,7 @@ class KVSource:
 def pull_kv(source: KVSource) -> torch.Tensor:
     """The request's KV ``[layers, tokens, width]`` in token order, every shard fetched at once as a Ray object."""
     shards = ray.get([holder.fetch_kv.remote(source.request_id) for holder in source.holders])
-    return interleave_shards(shards, source.block_size)
+    return interleave_shards([shard.tensor() for shard in shards], source.block_size)
 
 
 class DecodeActor:
@@ -71,13 +74,13 @@ class DecodeActor:
         load_weights(model, config.checkpoint, config.seed)
         self.decoder = ReferenceDecoder(model)
         self.states: dict[str, DecodeState] = {}
-        self.links: dict[tuple[str, ...], tuple[str, KVLink]] = {}
+        self.links: dict[tuple[str, ...], KVLink] = {}
 
     def receive(self, source: KVSource, transport: str | None = None) -> dict:
         """Pull the request's KV into this actor, over ``transport`` (default: the actor's). Returns the
         acknowledgement: tokens, bytes moved, the transport, ``seconds`` of the whole pull (asking
-        the holders, moving the data, their confirmation; loading into the decoder excluded) and, for
-        p2p, ``stream_s``: from the shards' headers arriving to the last byte in this actor's memory."""
+        the holders, moving the data, reassembly; loading into the decoder excluded) and, for p2p,
+        ``stream_s``: from the shards' headers arriving to the last byte in this actor's memory."""
         transport = self._transport(transport or self.transport)
         started = time.perf_counter()
         kv, timings = self._pull_p2p(source) if transport == "p2p" else (pull_kv(source), {})
@@ -104,20 +107,18 @@ class DecodeActor:
         return self.decoder.greedy(self.states.pop(request_id), first_token, steps)
 
     def _pull_p2p(self, source: KVSource) -> tuple[torch.Tensor, dict]:
-        name, link = self._link(source.holders)
-        sends = [holder.send_kv.remote(name, source.request_id) for holder in source.holders]
+        link = self._link(source.holders)
         attention = self.decoder.model.config.attention
         try:
-            shards, stream_s = link.receive_shards(source.block_size, attention.latent_dim)
-        except Exception as error:
-            self._drop_link(source.holders)  # a link is not reused after a failure
-            if isinstance(error, KVLinkError):
-                ray.get(sends)  # the holders' own errors (an unknown request, say) say more
+            shards, stream_s = link.pull(source.request_id, source.block_size, attention.latent_dim)
+        except KVLinkError:
+            raise  # refused (an unknown request, say): every holder answered, the link stays usable
+        except Exception:
+            self._drop_link(source.holders)  # a link is not reused after any other failure
             raise
-        ray.get(sends)
         return interleave_shards([shard.row_view() for shard in shards], source.block_size), {"stream_s": stream_s}
 
-    def _link(self, holders: tuple) -> tuple[str, KVLink]:
+    def _link(self, holders: tuple) -> KVLink:
         key = _key(holders)
         if key not in self.links:
             name, size, joins = uuid.uuid4().hex, 1 + len(holders), []
@@ -131,14 +132,14 @@ class DecodeActor:
             link = KVLink.host(size, self.device, invite, timeout_s=self.link_timeout_s)
             link.warm_up()
             ray.get(joins)
-            self.links[key] = (name, link)
+            self.links[key] = link
         return self.links[key]
 
     def _drop_link(self, holders: tuple) -> None:
-        name, _ = self.links.pop(_key(holders), (None, None))
-        if name is not None:
-            for holder in holders:
-                holder.leave_kv_link.remote(name)
+        link = self.links.pop(_key(holders), None)
+        if link is not None:
+            with contextlib.suppress(Exception):  # a broken store: the holders see it and end their side
+                link.close()
 
 
 def _key(holders: tuple) -> tuple[str, ...]:

@@ -24,7 +24,7 @@ import threading
 import time
 
 from cluster.pool import PrefillPool
-from workers.kv_transfer import KVTransferError, expect, paged, read_frame, send_frame, tensor_bytes
+from workers.kv_transfer import KVTransferError, expect, paged, read_frame, send_frame, tensor_buffer
 
 logger = logging.getLogger(__name__)
 
@@ -153,9 +153,9 @@ class KVServer:
         sent = 0
         for layer in range(kv.shape[0]):
             blocks = paged(kv[layer], cfg.block_size)
-            payload = tensor_bytes(blocks)
+            payload = tensor_buffer(blocks)
             send_frame(conn, "layer", {"layer": layer, "shape": list(blocks.shape)}, payload)
-            sent += len(payload)
+            sent += payload.nbytes
         send_frame(conn, "end", {"request_id": result.request_id, "layers": kv.shape[0]})
         return sent
 

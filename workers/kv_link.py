@@ -3,36 +3,54 @@
 
 It is independent of the pool's process group (its own ``TCPStore``, hosted by the receiver), so a
 decode server can join and leave without touching the grid. NCCL between GPUs (NVLink when the
-GPUs share a node), gloo on CPU. Every shard goes as a small header, then one tensor per layer in
-vLLM's paged MLA layout ``[num_blocks, block_size, width]``:
+GPUs share a node), gloo on CPU:
 
     receiver:  link = KVLink.host(1 + len(holders), device, invite)  # invite(address): holders join
-    holder r:  KVLink.join(address, r, size, device).send_shard(layer_views, rows)
-    receiver:  shards, stream_s = link.receive_shards(block_size, width)
+    holder r:  KVLink.join(address, r, size, device).serve(shard)    # a thread answers every pull
+    receiver:  shards, stream_s = link.pull(request_id, block_size, width)
 
-The header says how many blocks and rows follow, or that the holder has nothing to send (the
-receiver then posts no data receives, so an unknown request cannot hang the link).
+A pull is asked for through the link's store: the receiver writes ``pull/<n>`` and every holder's
+serving thread, blocked on that key, wakes up (a store round trip, about 0.1 ms, instead of a Ray
+call each way). The thread sends from a CUDA stream of its own, so a pull does not queue behind the
+holder's prefill batches; it waits only for the request's own KV (``shard`` arranges that).
+
+Each holder sends a small header, then one tensor per layer in vLLM's paged MLA layout
+``[num_blocks, block_size, width]``. The header says how many blocks and rows follow, or that the
+holder has nothing to send; it then leaves its reason in the store, the receiver posts no data
+receives, and the link stays usable. The receiver's :meth:`close` ends every holder's thread; a
+holder whose receiver is gone, or whose send fails, ends its own.
 """
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import socket
+import threading
 import time
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Callable, Sequence
+from typing import Callable, ContextManager, Sequence
 
 import torch
 import torch.distributed as dist
+
+logger = logging.getLogger(__name__)
 
 # dtype codes of the header; a receiver rejects codes it does not know
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _HEADER = 4  # rows (-1: nothing to send), blocks, layers, dtype code
 _TAG = 0
+_CLOSE = b""  # the value of a pull key that closes the link
+_IDLE = timedelta(hours=1)  # a holder's wait for the next pull (it loops; close() wakes it at once)
+
+# what a holder serves: request id -> a context holding (layer views, rows written) while they are
+# sent; KeyError(reason) when it has no such request
+ShardSource = Callable[[str], ContextManager[tuple[Sequence[torch.Tensor], int]]]
 
 
 class KVLinkError(RuntimeError):
-    """A shard could not be received: the holder had nothing to send, or the shapes disagree."""
+    """A pull was refused: a holder had no such request. The link stays usable."""
 
 
 @dataclass(frozen=True)
@@ -53,6 +71,8 @@ class KVLink:
         self.rank, self.size, self.device = rank, size, device
         self.address: tuple[str, int] | None = None  # set on the receiver's end
         self._store = store  # the receiver's store must outlive the group
+        self._pulls = 0  # the next pull's number, on every end
+        self._closed = threading.Event()
         timeout = timedelta(seconds=timeout_s)
         if device.type == "cuda":
             options = dist.ProcessGroupNCCL.Options()
@@ -91,6 +111,10 @@ class KVLink:
         store = dist.TCPStore(address[0], address[1], size, False, timeout=timedelta(seconds=timeout_s))
         return cls(store, rank, size, device, timeout_s)
 
+    @property
+    def closed(self) -> bool:
+        return self._closed.is_set()
+
     def warm_up(self) -> None:
         """Open the receiver-holder connections now (NCCL creates them on first use): every holder
         sends one element. Holders and the receiver all call it."""
@@ -100,10 +124,51 @@ class KVLink:
         else:
             self._wait([self.group.send([torch.ones(1, device=self.device)], 0, _TAG)])
 
-    def send_shard(self, layers: Sequence[torch.Tensor] | None, rows: int = 0) -> int:
-        """Send this holder's shard to the receiver: ``layers`` are ``[num_blocks, block_size, width]``
-        each (views of the paged cache are fine), of which the first ``rows`` rows are written; ``None``
-        tells the receiver there is nothing (the caller then raises its own error). Returns the bytes."""
+    # ---- the holder's end ------------------------------------------------------------------------
+    def serve(self, shard: ShardSource, on_close: Callable[[], None] = lambda: None) -> threading.Thread:
+        """Answer every pull from a thread of this holder until the link closes; ``on_close`` is
+        called then (the receiver closed it, or is gone, or a send failed)."""
+        if self.rank == 0:
+            raise RuntimeError("the receiver's end pulls; only holders serve")
+        thread = threading.Thread(target=self._serve, args=(shard, on_close), name=f"kv-link-holder-{self.rank}", daemon=True)
+        thread.start()
+        return thread
+
+    def _serve(self, shard: ShardSource, on_close: Callable[[], None]) -> None:
+        stream = contextlib.nullcontext()
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+            stream = torch.cuda.stream(torch.cuda.Stream(self.device))
+        try:
+            with stream:
+                while not self.closed:
+                    key = f"pull/{self._pulls}"
+                    try:
+                        self._store.wait([key], _IDLE)
+                    except dist.DistStoreError:  # an idle hour: wait again
+                        continue
+                    request_id = self._store.get(key)
+                    if request_id == _CLOSE:
+                        break
+                    self._send(shard, request_id.decode())
+                    self._pulls += 1
+        except Exception as error:  # the receiver is gone, or a send failed: the link is dead
+            if not self.closed:
+                logger.warning("KV link holder %d: closing after %s: %s", self.rank, type(error).__name__, error)
+        finally:
+            self._closed.set()
+            on_close()
+
+    def _send(self, shard: ShardSource, request_id: str) -> None:
+        try:
+            with shard(request_id) as (layers, rows):
+                self._send_shard(layers, rows)
+        except KeyError as refusal:  # nothing to send: say why, then an empty header
+            reason = refusal.args[0] if refusal.args else f"no KV for request {request_id!r}"
+            self._store.set(f"refused/{self._pulls}/{self.rank}", str(reason))
+            self._send_shard(None)
+
+    def _send_shard(self, layers: Sequence[torch.Tensor] | None, rows: int = 0) -> None:
         header = torch.full((_HEADER,), -1, dtype=torch.int64)
         if layers is not None:
             dtype = layers[0].dtype
@@ -112,33 +177,60 @@ class KVLink:
         for layer in layers or ():
             works.append(self.group.send([layer.contiguous()], 0, _TAG))
         self._wait(works)
-        return sum(layer.numel() * layer.element_size() for layer in layers or ())
 
-    def receive_shards(self, block_size: int, width: int) -> tuple[list[KVShard], float]:
-        """Every holder's shard, in holder order, and the seconds from the headers' arrival to the last
-        byte (the streaming time, without the holders' start-up). Raises :class:`KVLinkError` naming
-        each holder that had nothing to send (after receiving what the others sent, so the link stays
-        usable)."""
+    # ---- the receiver's end ----------------------------------------------------------------------
+    def pull(self, request_id: str, block_size: int, width: int) -> tuple[list[KVShard], float]:
+        """Every holder's shard of ``request_id``, in holder order, and the seconds from the headers'
+        arrival to the last byte (the streaming time). Raises :class:`KVLinkError` with each
+        refusing holder's reason, after receiving what the others sent, so the link stays usable."""
+        if self.rank != 0:
+            raise RuntimeError("only the receiver's end (rank 0) pulls")
+        if self.closed:
+            raise RuntimeError("this KV link is closed")
+        if not request_id:
+            raise ValueError("a pull needs a request id")
+        number = self._pulls
+        self._store.set(f"pull/{number}", request_id)
+        self._pulls += 1
+        shards, stream_s, refused = self._receive_shards(block_size, width)
+        self._store.delete_key(f"pull/{number}")
+        if refused:
+            reasons = []
+            for rank in refused:
+                key = f"refused/{number}/{rank}"
+                reasons.append(f"holder {rank}: {self._store.get(key).decode()}")
+                self._store.delete_key(key)
+            raise KVLinkError("; ".join(reasons))
+        return shards, stream_s
+
+    def _receive_shards(self, block_size: int, width: int) -> tuple[list[KVShard], float, list[int]]:
         headers = [torch.empty(_HEADER, dtype=torch.int64, device=self.device) for _ in range(1, self.size)]
         self._wait([self.group.recv([h], src, _TAG) for src, h in enumerate(headers, start=1)])
         started = time.perf_counter()
-        shards, works, missing = [], [], []
+        shards, works, refused = [], [], []
         for src, header in enumerate(headers, start=1):
             rows, num_blocks, num_layers, dtype_code = header.tolist()
             if rows < 0:
-                missing.append(src)
+                refused.append(src)
                 continue
             if not 0 <= dtype_code < len(_DTYPES) or rows > num_blocks * block_size:
-                raise KVLinkError(f"holder {src} sent a malformed header {header.tolist()}")
+                raise RuntimeError(f"holder {src} sent a malformed header {header.tolist()}")
             blocks = torch.empty(num_layers, num_blocks, block_size, width, dtype=_DTYPES[dtype_code], device=self.device)
             works += [self.group.recv([blocks[layer]], src, _TAG) for layer in range(num_layers)]
             shards.append(KVShard(blocks, rows))
         self._wait(works)
-        stream_s = time.perf_counter() - started
-        if missing:
-            raise KVLinkError(f"holders {missing} of the link had no KV to send")
-        return shards, stream_s
+        return shards, time.perf_counter() - started, refused
 
+    def close(self) -> None:
+        """End the link from the receiver's end: every holder's serving thread stops at once (it is
+        blocked on the next pull's key, which now says so)."""
+        if self.rank != 0:
+            raise RuntimeError("a link is closed by its receiver; a holder's end closes when the receiver goes")
+        if not self.closed:
+            self._closed.set()
+            self._store.set(f"pull/{self._pulls}", _CLOSE)
+
+    # ---- both ends -------------------------------------------------------------------------------
     def _wait(self, works) -> None:
         for work in works:
             work.wait()

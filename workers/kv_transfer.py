@@ -33,6 +33,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import msgpack
+import numpy as np
 import torch
 
 from configs.model import DTYPES
@@ -49,20 +50,37 @@ class KVTransferError(RuntimeError):
 
 
 # ---- frames ------------------------------------------------------------------------------------
-def encode_frame(kind: str, header: dict[str, Any] | None = None, payload: bytes = b"") -> bytes:
+Payload = bytes | bytearray | memoryview | np.ndarray  # any C-contiguous buffer; sent without a copy
+
+
+def encode_frame(kind: str, header: dict[str, Any] | None = None, payload: Payload = b"") -> bytes:
+    head, view, crc = _frame_parts(kind, header, payload)
+    return head + bytes(view) + crc
+
+
+def send_frame(sock: socket.socket, kind: str, header: dict[str, Any] | None = None, payload: Payload = b"") -> None:
+    head, view, crc = _frame_parts(kind, header, payload)
+    if view.nbytes:
+        sock.sendall(head)
+        sock.sendall(view)
+        sock.sendall(crc)
+    else:
+        sock.sendall(head + crc)
+
+
+def _frame_parts(kind: str, header: dict[str, Any] | None, payload: Payload) -> tuple[bytes, memoryview, bytes]:
     body = msgpack.packb({"kind": kind, **(header or {})}, use_bin_type=True)
-    return PREFIX.pack(MAGIC, VERSION, len(body), len(payload)) + body + payload + CRC.pack(zlib.crc32(payload, zlib.crc32(body)))
+    view = memoryview(payload).cast("B")
+    return PREFIX.pack(MAGIC, VERSION, len(body), view.nbytes) + body, view, CRC.pack(zlib.crc32(view, zlib.crc32(body)))
 
 
-def send_frame(sock: socket.socket, kind: str, header: dict[str, Any] | None = None, payload: bytes = b"") -> None:
-    sock.sendall(encode_frame(kind, header, payload))
-
-
-def read_frame(sock: socket.socket, *, max_payload: int) -> tuple[dict[str, Any], bytes]:
-    """The next frame's ``(header, payload)``; raises :class:`KVTransferError` for anything malformed."""
+def read_frame(sock: socket.socket, *, max_payload: int) -> tuple[dict[str, Any], bytearray]:
+    """The next frame's ``(header, payload)``; raises :class:`KVTransferError` for anything malformed.
+    The payload is read straight into one buffer of its announced size, so ``max_payload`` also
+    bounds what a frame can make this side allocate."""
     magic, version, header_len, payload_len = PREFIX.unpack(_read_exact(sock, PREFIX.size))
     if magic != MAGIC:
-        raise KVTransferError(f"not an mlapool KV frame (magic {magic!r}, expected {MAGIC!r})")
+        raise KVTransferError(f"not an mlapool KV frame (magic {bytes(magic)!r}, expected {MAGIC!r})")
     if version != VERSION:
         raise KVTransferError(f"KV frame version {version} is not supported; this side speaks version {VERSION}")
     if header_len > MAX_HEADER_BYTES:
@@ -91,33 +109,59 @@ def expect(header: dict[str, Any], kind: str) -> dict[str, Any]:
     return header
 
 
-def _read_exact(sock: socket.socket, count: int) -> bytes:
-    buf = bytearray()
-    while len(buf) < count:
+def _read_exact(sock: socket.socket, count: int) -> bytearray:
+    buf = bytearray(count)
+    view, got = memoryview(buf), 0
+    while got < count:
         try:
-            chunk = sock.recv(min(count - len(buf), 1 << 22))
+            n = sock.recv_into(view[got:], min(count - got, 1 << 24))
         except socket.timeout:
             raise KVTransferError("timed out waiting for the other side") from None
         except OSError as exc:
             raise KVTransferError(f"connection lost ({exc})") from None
-        if not chunk:
-            raise KVTransferError(f"connection closed mid-frame ({len(buf)} of {count} bytes read)")
-        buf += chunk
-    return bytes(buf)
+        if not n:
+            raise KVTransferError(f"connection closed mid-frame ({got} of {count} bytes read)")
+        got += n
+    return buf
 
 
-# ---- tensors on the wire -------------------------------------------------------------------------
-def tensor_bytes(tensor: torch.Tensor) -> bytes:
-    return tensor.contiguous().view(torch.uint8).numpy().tobytes()
+# ---- tensors on the wire and in Ray's object store ----------------------------------------------
+def tensor_buffer(tensor: torch.Tensor) -> np.ndarray:
+    """A CPU tensor's bytes as a numpy array that shares its memory (no copy when contiguous)."""
+    return tensor.contiguous().view(torch.uint8).numpy()
 
 
-def tensor_from_bytes(payload: bytes, dtype: torch.dtype, shape: list[int]) -> torch.Tensor:
+def tensor_from_bytes(payload: bytearray, dtype: torch.dtype, shape: list[int]) -> torch.Tensor:
+    """A tensor over ``payload`` (shared, not copied: it must be writable, as ``read_frame``'s is)."""
     expected = dtype.itemsize
     for dim in shape:
         expected *= dim
     if len(payload) != expected:
         raise KVTransferError(f"layer payload has {len(payload)} bytes; shape {shape} of {dtype} needs {expected}")
-    return torch.frombuffer(bytearray(payload), dtype=torch.uint8).view(dtype).view(shape)
+    if not expected:
+        return torch.empty(shape, dtype=dtype)
+    return torch.frombuffer(payload, dtype=torch.uint8).view(dtype).view(shape)
+
+
+@dataclass
+class HostKV:
+    """Latent rows on the host as a numpy array of their bytes: Ray moves numpy arrays through its
+    object store without pickling them (a torch tensor is pickled, tens of times slower)."""
+
+    data: np.ndarray  # uint8 [..., width * itemsize]
+    dtype: str
+
+    @classmethod
+    def of(cls, tensor: torch.Tensor) -> "HostKV":
+        return cls(tensor_buffer(tensor.cpu()), str(tensor.dtype).removeprefix("torch."))
+
+    def tensor(self) -> torch.Tensor:
+        """The rows as a tensor of their dtype (a copy when the array is read-only, as Ray's are)."""
+        dtype = DTYPES[self.dtype]
+        if not self.data.size:  # numpy gives empty arrays strides a byte view cannot take
+            return torch.empty(*self.data.shape[:-1], self.data.shape[-1] // dtype.itemsize, dtype=dtype)
+        data = self.data if self.data.flags.writeable else self.data.copy()
+        return torch.from_numpy(data).view(dtype)
 
 
 def paged(rows: torch.Tensor, block_size: int) -> torch.Tensor:
@@ -196,13 +240,20 @@ class KVReceiver:
         dtype = DTYPES.get(meta.get("dtype"))
         if dtype is None:
             raise KVTransferError(f"unknown KV dtype {meta.get('dtype')!r}; valid: {', '.join(DTYPES)}")
+        sizes = {key: meta.get(key) for key in ("layers", "num_blocks", "block_size", "width")}
+        if not all(type(value) is int and value >= 0 for value in sizes.values()):
+            raise KVTransferError(f"the begin frame's sizes are not counts: {sizes}")
+        shape = [sizes["num_blocks"], sizes["block_size"], sizes["width"]]
+        layer_bytes = shape[0] * shape[1] * shape[2] * dtype.itemsize
+        if layer_bytes > self.max_layer_bytes:
+            raise KVTransferError(f"a layer of {shape} {meta['dtype']} is {layer_bytes} bytes, over max_layer_bytes={self.max_layer_bytes}")
         layers = []
-        for index in range(meta["layers"]):
-            header, payload = read_frame(sock, max_payload=self.max_layer_bytes)
+        for index in range(sizes["layers"]):
+            header, payload = read_frame(sock, max_payload=layer_bytes)
             header = expect(header, "layer")
-            if header.get("layer") != index:
-                raise KVTransferError(f"expected layer {index}, got layer {header.get('layer')!r}")
-            layers.append(tensor_from_bytes(payload, dtype, header["shape"]))
+            if header.get("layer") != index or header.get("shape") != shape:
+                raise KVTransferError(f"expected layer {index} of shape {shape}, got layer {header.get('layer')!r} of {header.get('shape')!r}")
+            layers.append(tensor_from_bytes(payload, dtype, shape))
         expect(read_frame(sock, max_payload=0)[0], "end")
         return ReceivedKV(meta, layers)
 

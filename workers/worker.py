@@ -22,10 +22,13 @@ Nothing here imports Ray: the worker is plain Python and testable in-process.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
+import threading
 import time
-from collections.abc import Sequence
+from collections import Counter
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -39,6 +42,7 @@ from configs.model import DTYPES
 from configs.pool import PoolConfig
 from workers.kv_cache import PagedKVCache, blocks_for
 from workers.kv_link import KVLink
+from workers.kv_transfer import HostKV
 from workers.model import DeepseekPrefillModel, TPShard
 from workers.pcp import PCPCostModel, PCPGroup, PCPPlan, measure_cost_model, shard_rows
 from workers.weights import load_weights
@@ -112,6 +116,13 @@ class PrefillWorker:
         self.pcp = PCPGroup()
         self.cost_model: PCPCostModel | None = None
         self.kv_links: dict[str, KVLink] = {}
+        # KV links' threads read the cache while prefill runs: the block tables change under this
+        # lock, a request being sent is freed only when its sends finish, and a finished request's
+        # KV is marked by a CUDA event that a send waits for
+        self._kv_lock = threading.Lock()
+        self._kv_sending: Counter[str] = Counter()
+        self._kv_free_after_send: set[str] = set()
+        self._kv_ready: dict[str, torch.cuda.Event] = {}
 
     def rendezvous_address(self) -> tuple[str, int]:
         return rendezvous_address()
@@ -191,9 +202,10 @@ class PrefillWorker:
         device = model.lm_head.weight.device
         for piece in pieces:  # identical on every rank, so all ranks fail together
             self._check_piece(piece)
-        for piece in pieces:
-            if piece.context_len == 0:
-                self.kv.reserve(piece.request_id, self._rows(piece.total_len))
+        with self._kv_lock:
+            for piece in pieces:
+                if piece.context_len == 0:
+                    self.kv.reserve(piece.request_id, self._rows(piece.total_len))
         seq_lens, context_lens = [len(p.token_ids) for p in pieces], [p.context_len for p in pieces]
         token_ids = torch.from_numpy(np.concatenate([p.token_ids for p in pieces]).astype(np.int64)).to(device)
         if self.pcp.size > 1:
@@ -226,6 +238,9 @@ class PrefillWorker:
             else:
                 self.kv.append(piece.request_id, out.latents, slice(start, start + len(piece.token_ids)))
             start += len(piece.token_ids)
+            if piece.is_last and device.type == "cuda":
+                self._kv_ready[piece.request_id] = torch.cuda.Event()
+                self._kv_ready[piece.request_id].record()
         if self.rank != 0:
             return None
         results = [
@@ -274,50 +289,60 @@ class PrefillWorker:
         step = -(-tokens // chunks)
         for start in range(0, tokens, step):
             self.prefill([ChunkPiece(WARMUP_REQUEST, ids[start : start + step], start, tokens)])
-        self.kv.release(WARMUP_REQUEST)
+        self.release([WARMUP_REQUEST])
 
     def _warm_up(self) -> None:
         """Prefill a dummy prompt in two chunks (new tokens, then new tokens over cached context),
         so kernels are JIT-compiled and planned before the first request, not during it."""
         self._prefill_dummy(32, chunks=2)
 
-    def fetch_kv(self, request_id: str) -> torch.Tensor:
-        """The request's latent rows ``[layers, tokens, latent]`` on the CPU."""
+    def fetch_kv(self, request_id: str) -> HostKV:
+        """This worker's latent rows of a request, ``[layers, rows, latent]`` on the host."""
         layers = self._model().config.num_hidden_layers
-        return torch.stack([self.kv.rows(request_id, layer) for layer in range(layers)]).cpu()
+        return HostKV.of(torch.stack([self.kv.rows(request_id, layer) for layer in range(layers)]))
 
     def join_kv_link(self, name: str, address: tuple[str, int], rank: int, size: int, timeout_s: float) -> None:
-        """Join a decode actor's point-to-point link (``workers.kv_link``) as ``rank``; returns once
-        the connection to the receiver is open."""
+        """Join a decode actor's point-to-point link (``workers.kv_link``) as ``rank``. Returns once
+        the connection to the receiver is open; a thread then answers the receiver's pulls until
+        the link closes."""
         link = KVLink.join(address, rank, size, self.kv.blocks.device, timeout_s)
         link.warm_up()
         self.kv_links[name] = link
+        link.serve(self._kv_shard, on_close=lambda: self.kv_links.pop(name, None))
 
-    def send_kv(self, link: str, request_id: str) -> int:
-        """Send this worker's shard of a kept request over the link ``link`` (the paged blocks, no
-        copy when they are consecutive); returns the bytes sent. An unknown request still answers
-        the receiver (with an empty header) before raising."""
+    @contextlib.contextmanager
+    def _kv_shard(self, request_id: str) -> Iterator[tuple[list[torch.Tensor], int]]:
+        """A kept request's paged blocks per layer and its rows, for a link's thread to send: the
+        request cannot be freed meanwhile, and the thread's stream first waits for its KV."""
+        with self._kv_lock:
+            ready = self._kv_ready.get(request_id)
+            if ready is not None:
+                torch.cuda.current_stream().wait_event(ready)
+            blocks, rows = self.kv.block_views(request_id), self.kv.length(request_id)
+            self._kv_sending[request_id] += 1
         try:
-            channel = self.kv_links[link]
-        except KeyError:
-            raise KeyError(f"this worker has not joined KV link {link!r}") from None
-        try:
-            blocks = self.kv.block_views(request_id)
-        except KeyError:
-            channel.send_shard(None)
-            raise
-        try:
-            return channel.send_shard(blocks, self.kv.length(request_id))
-        except Exception:
-            self.kv_links.pop(link)  # the receiver is gone or the group broke: never reuse it
-            raise
-
-    def leave_kv_link(self, name: str) -> None:
-        self.kv_links.pop(name, None)
+            yield blocks, rows
+        finally:
+            with self._kv_lock:
+                self._kv_sending[request_id] -= 1
+                if not self._kv_sending[request_id]:
+                    del self._kv_sending[request_id]
+                    if request_id in self._kv_free_after_send:
+                        self._kv_free_after_send.discard(request_id)
+                        self.kv.release(request_id)
 
     def release(self, request_ids: Sequence[str]) -> int:
-        """Free the requests' KV; returns the blocks freed."""
-        return sum(self.kv.release(request_id) for request_id in request_ids)
+        """Free the requests' KV; returns the blocks freed (a request a link is sending is freed
+        when the send ends, and not counted)."""
+        freed = 0
+        with self._kv_lock:
+            for request_id in request_ids:
+                self._kv_ready.pop(request_id, None)
+                if self._kv_sending[request_id]:
+                    self._kv_free_after_send.add(request_id)
+                else:
+                    freed += self.kv.release(request_id)
+        return freed
 
     def health(self) -> dict:
         info = {"rank": self.rank, "ready": self.model is not None, "kv_requests": 0, "kv_free_blocks": 0}

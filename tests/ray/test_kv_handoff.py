@@ -130,15 +130,24 @@ def _decoder(**kwargs):
     return ray.remote(DecodeActor).options(num_cpus=0.25).remote(CONFIG, transport="p2p", **kwargs)
 
 
-def test_p2p_an_unknown_request_fails_on_both_sides_and_the_next_pull_works(pool):
+def _links(decoder):
+    return ray.get(decoder.__ray_call__.remote(lambda self: len(self.links)))
+
+
+def _holder_links(holder):
+    return ray.get(holder.__ray_call__.remote(lambda self: len(self.kv_links)))
+
+
+def test_p2p_an_unknown_request_is_refused_with_the_holders_reason_and_the_link_stays_in_use(pool):
     decoder = _decoder()
     try:
         result = _kept(pool)
         source = pool.kv_source(result)
-        with pytest.raises(ray.exceptions.RayTaskError, match="no KV cache for request 'nope'"):
+        with pytest.raises(ray.exceptions.RayTaskError, match="holder 1: no KV cache for request 'nope'"):
             ray.get(decoder.receive.remote(dataclasses.replace(source, request_id="nope")))
         receipt = ray.get(decoder.receive.remote(source))
         assert receipt["tokens"] == 130 and receipt["transport"] == "p2p"
+        assert _links(decoder) == 1 and all(_holder_links(holder) == 1 for holder in source.holders)
         kv = ray.get(decoder.__ray_call__.remote(lambda self: torch.stack(self.states[result.request_id].rows)))
         assert torch.equal(kv, pool.fetch_kv(result))
         pool.release(result)
@@ -147,17 +156,36 @@ def test_p2p_an_unknown_request_fails_on_both_sides_and_the_next_pull_works(pool
         ray.kill(decoder)
 
 
-def test_p2p_a_dead_decode_actor_fails_the_send_and_the_pool_keeps_serving(pool):
+def test_p2p_a_pull_is_answered_while_the_holders_run_a_prefill(pool):
+    decoder = _decoder()
+    try:
+        kept = _kept(pool, 90)
+        ray.get(decoder.receive.remote(pool.kv_source(kept)))  # the link is open
+        busy = pool.submit(np.arange(2000) * 5 % 512)  # 42 chunks of 48: the holders are busy
+        while not any(w["kv_requests"] > 1 for w in pool.health()[0]):
+            time.sleep(0.01)
+        receipt = ray.get(decoder.receive.remote(pool.kv_source(kept)))
+        assert not busy.done(), "the pull should not have waited for the busy prefill to finish"
+        assert receipt["tokens"] == 90
+        kv = ray.get(decoder.__ray_call__.remote(lambda self: torch.stack(self.states[kept.request_id].rows)))
+        assert torch.equal(kv, pool.fetch_kv(kept))
+        assert busy.result(timeout=120).num_tokens == 2000
+        pool.release(kept)
+    finally:
+        ray.kill(decoder)
+
+
+def test_p2p_a_dead_decode_actor_ends_the_holders_side_and_another_pulls_the_kv(pool):
     decoder = _decoder(link_timeout_s=20.0)
     first, second = _kept(pool, 40), _kept(pool, 70)
     ray.get(decoder.receive.remote(pool.kv_source(first)))
-    link = ray.get(decoder.__ray_call__.remote(lambda self: next(iter(self.links.values()))[0]))
+    holders = pool.kv_source(second).holders
+    assert all(_holder_links(holder) == 1 for holder in holders)
     ray.kill(decoder)
-    holder = pool.kv_source(second).holders[0]
-    with pytest.raises(ray.exceptions.RayTaskError):
-        ray.get(holder.send_kv.remote(link, second.request_id), timeout=60)  # no receiver: an error, not a hang
-    with pytest.raises(ray.exceptions.RayTaskError, match="has not joined KV link"):
-        ray.get(holder.send_kv.remote(link, second.request_id))  # the broken link was dropped
+    deadline = time.monotonic() + 30
+    while any(_holder_links(holder) for holder in holders) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not any(_holder_links(holder) for holder in holders), "the holders kept a link whose receiver is gone"
     assert _kv_requests(pool) == 2 * CONFIG.pcp  # no ack, nothing freed: the KV waits for another receiver
     replacement = _decoder()
     try:

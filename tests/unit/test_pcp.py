@@ -116,7 +116,7 @@ def _run_rank(rank, config, port, prompts, chunk, results):
         if out is not None:
             strategies.append(out.pcp_strategy)
             logits.update({r.request_id: r.logits.numpy() for r in out.results})
-    kv = {f"r{i}": worker.fetch_kv(f"r{i}").numpy() for i in range(len(prompts))}
+    kv = {f"r{i}": worker.fetch_kv(f"r{i}").tensor().numpy() for i in range(len(prompts))}
     results.put((rank, logits, kv, strategies))
     torch.distributed.barrier()
     torch.distributed.destroy_process_group()
