@@ -100,7 +100,7 @@ def handoff(pool: PrefillPool, decoder, tokens: int, repeats: int, vocab: int) -
     for _ in range(repeats + 1):  # the first opens the link (NCCL connects) and is not counted
         started = time.perf_counter()
         receipt = ray.get(decoder.receive.remote(source))
-        pulls.append((receipt["seconds"], time.perf_counter() - started, receipt["stream_s"]))
+        pulls.append({**receipt, "driver_call_s": time.perf_counter() - started})
     busy = pool.submit(prompt[::-1].copy())  # another prompt keeps GPU 0 busy while the decoder pulls
     while not any(w["kv_requests"] > 1 for w in pool.health()[0]):
         time.sleep(0.001)
@@ -119,9 +119,9 @@ def handoff(pool: PrefillPool, decoder, tokens: int, repeats: int, vocab: int) -
         started = time.perf_counter()
         kv = receiver.fetch(result.request_id)  # the ack frees the request on the prefill side
         tcp_s = time.perf_counter() - started
-    transfer = statistics.median(p for p, _, _ in pulls[1:])
-    call = statistics.median(c for _, c, _ in pulls[1:])
-    stream = statistics.median(s for _, _, s in pulls[1:])
+    transfer, call, stream, ask, headers = (
+        statistics.median(pull[key] for pull in pulls[1:]) for key in ("seconds", "driver_call_s", "stream_s", "ask_s", "headers_s")
+    )
     row = {
         "tokens": tokens,
         "bytes": size,
@@ -131,9 +131,11 @@ def handoff(pool: PrefillPool, decoder, tokens: int, repeats: int, vocab: int) -
             "stream_gib_per_s": round(size / stream / GIB, 1),
             "pull_s": round(transfer, 6),
             "pull_gib_per_s": round(size / transfer / GIB, 1),
-            "first_pull_with_link_setup_s": round(pulls[0][0], 4),
+            "pull_ask_s": round(ask, 6),
+            "pull_headers_s": round(headers, 6),
+            "first_pull_with_link_setup_s": round(pulls[0]["seconds"], 4),
             "driver_call_s": round(call, 6),
-            "pull_runs_s": [round(p, 6) for p, _, _ in pulls[1:]],
+            "pull_runs_s": [round(pull["seconds"], 6) for pull in pulls[1:]],
             "pull_during_a_prefill_s": round(during["seconds"], 6),
             "pull_during_a_prefill_gib_per_s": round(size / during["seconds"] / GIB, 1),
             "prefill_still_running_after_that_pull": still_running,

@@ -80,7 +80,8 @@ class DecodeActor:
         """Pull the request's KV into this actor, over ``transport`` (default: the actor's). Returns the
         acknowledgement: tokens, bytes moved, the transport, ``seconds`` of the whole pull (asking
         the holders, moving the data, reassembly; loading into the decoder excluded) and, for p2p,
-        ``stream_s``: from the shards' headers arriving to the last byte in this actor's memory."""
+        its parts (``KVLink.pull``): ``ask_s``, ``headers_s``, and ``stream_s`` from the shards'
+        headers arriving to the last byte in this actor's memory."""
         transport = self._transport(transport or self.transport)
         started = time.perf_counter()
         kv, timings = self._pull_p2p(source) if transport == "p2p" else (pull_kv(source), {})
@@ -110,13 +111,13 @@ class DecodeActor:
         link = self._link(source.holders)
         attention = self.decoder.model.config.attention
         try:
-            shards, stream_s = link.pull(source.request_id, source.block_size, attention.latent_dim)
+            shards, timings = link.pull(source.request_id, source.block_size, attention.latent_dim)
         except KVLinkError:
             raise  # refused (an unknown request, say): every holder answered, the link stays usable
         except Exception:
             self._drop_link(source.holders)  # a link is not reused after any other failure
             raise
-        return interleave_shards([shard.row_view() for shard in shards], source.block_size), {"stream_s": stream_s}
+        return interleave_shards([shard.row_view() for shard in shards], source.block_size), timings
 
     def _link(self, holders: tuple) -> KVLink:
         key = _key(holders)

@@ -7,11 +7,11 @@ GPUs share a node), gloo on CPU:
 
     receiver:  link = KVLink.host(1 + len(holders), device, invite)  # invite(address): holders join
     holder r:  KVLink.join(address, r, size, device).serve(shard)    # a thread answers every pull
-    receiver:  shards, stream_s = link.pull(request_id, block_size, width)
+    receiver:  shards, timings = link.pull(request_id, block_size, width)
 
 A pull is asked for through the link's store: the receiver writes ``pull/<n>`` and every holder's
-serving thread, blocked on that key, wakes up (a store round trip, about 0.1 ms, instead of a Ray
-call each way). The thread sends from a CUDA stream of its own, so a pull does not queue behind the
+serving thread, blocked reading that key, wakes up (a store round trip, well under a millisecond,
+instead of a Ray call each way). The thread sends from a CUDA stream of its own, so a pull does not queue behind the
 holder's prefill batches; it waits only for the request's own KV (``shard`` arranges that).
 
 Each holder sends a small header, then one tensor per layer in vLLM's paged MLA layout
@@ -140,17 +140,21 @@ class KVLink:
             torch.cuda.set_device(self.device)
             stream = torch.cuda.stream(torch.cuda.Stream(self.device))
         try:
+            self._store.set_timeout(_IDLE)  # a get blocks until the key is set
             with stream:
                 while not self.closed:
                     key = f"pull/{self._pulls}"
                     try:
-                        self._store.wait([key], _IDLE)
+                        request_id = self._store.get(key)
                     except dist.DistStoreError:  # an idle hour: wait again
                         continue
-                    request_id = self._store.get(key)
                     if request_id == _CLOSE:
                         break
                     self._send(shard, request_id.decode())
+                    # after the send, off the receiver's path: the last holder to answer clears the key
+                    if self._store.add(f"answered/{self._pulls}", 1) == self.size - 1:
+                        self._store.delete_key(key)
+                        self._store.delete_key(f"answered/{self._pulls}")
                     self._pulls += 1
         except Exception as error:  # the receiver is gone, or a send failed: the link is dead
             if not self.closed:
@@ -179,10 +183,11 @@ class KVLink:
         self._wait(works)
 
     # ---- the receiver's end ----------------------------------------------------------------------
-    def pull(self, request_id: str, block_size: int, width: int) -> tuple[list[KVShard], float]:
-        """Every holder's shard of ``request_id``, in holder order, and the seconds from the headers'
-        arrival to the last byte (the streaming time). Raises :class:`KVLinkError` with each
-        refusing holder's reason, after receiving what the others sent, so the link stays usable."""
+    def pull(self, request_id: str, block_size: int, width: int) -> tuple[list[KVShard], dict[str, float]]:
+        """Every holder's shard of ``request_id``, in holder order, and where the time went:
+        ``ask_s`` (writing the pull's key), ``headers_s`` (until every holder's header is in) and
+        ``stream_s`` (from there to the last byte). Raises :class:`KVLinkError` with each refusing
+        holder's reason, after receiving what the others sent, so the link stays usable."""
         if self.rank != 0:
             raise RuntimeError("only the receiver's end (rank 0) pulls")
         if self.closed:
@@ -190,10 +195,12 @@ class KVLink:
         if not request_id:
             raise ValueError("a pull needs a request id")
         number = self._pulls
+        started = time.perf_counter()
         self._store.set(f"pull/{number}", request_id)
         self._pulls += 1
-        shards, stream_s, refused = self._receive_shards(block_size, width)
-        self._store.delete_key(f"pull/{number}")
+        asked = time.perf_counter()
+        shards, headers_in, refused = self._receive_shards(block_size, width)
+        timings = {"ask_s": asked - started, "headers_s": headers_in - asked, "stream_s": time.perf_counter() - headers_in}
         if refused:
             reasons = []
             for rank in refused:
@@ -201,9 +208,10 @@ class KVLink:
                 reasons.append(f"holder {rank}: {self._store.get(key).decode()}")
                 self._store.delete_key(key)
             raise KVLinkError("; ".join(reasons))
-        return shards, stream_s
+        return shards, timings
 
     def _receive_shards(self, block_size: int, width: int) -> tuple[list[KVShard], float, list[int]]:
+        """The shards, when the last header came in (``perf_counter``), and the holders that refused."""
         headers = [torch.empty(_HEADER, dtype=torch.int64, device=self.device) for _ in range(1, self.size)]
         self._wait([self.group.recv([h], src, _TAG) for src, h in enumerate(headers, start=1)])
         started = time.perf_counter()
@@ -219,7 +227,7 @@ class KVLink:
             works += [self.group.recv([blocks[layer]], src, _TAG) for layer in range(num_layers)]
             shards.append(KVShard(blocks, rows))
         self._wait(works)
-        return shards, time.perf_counter() - started, refused
+        return shards, started, refused
 
     def close(self) -> None:
         """End the link from the receiver's end: every holder's serving thread stops at once (it is

@@ -58,10 +58,13 @@ def test_pulls_get_the_paged_kv_and_a_refusal_names_the_request_and_keeps_the_li
     link = _link(worker)
     try:
         width = worker.kv.blocks.shape[-1]
+        keys = link._store.num_keys()
         for request_id in ("a", "b", "a"):
-            (shard,), stream_s = link.pull(request_id, CONFIG.block_size, width)
+            (shard,), timings = link.pull(request_id, CONFIG.block_size, width)
             assert shard.blocks.shape[:3] == (2, -(-worker.kv.length(request_id) // 16), 16)
-            assert torch.equal(shard.row_view(), worker.fetch_kv(request_id).tensor()) and stream_s >= 0
+            assert torch.equal(shard.row_view(), worker.fetch_kv(request_id).tensor())
+            assert set(timings) == {"ask_s", "headers_s", "stream_s"} and min(timings.values()) >= 0
+        assert _wait(lambda: link._store.num_keys() == keys), "pull keys were left in the link's store"
         with pytest.raises(KVLinkError, match="holder 1: no KV cache for request 'nope' on this worker"):
             link.pull("nope", CONFIG.block_size, width)
         (shard,), _ = link.pull("b", CONFIG.block_size, width)  # the same link, still in step
