@@ -1,14 +1,15 @@
 """KV handoff benchmark: how fast a prefilled request's latent KV reaches a decode actor.
 
 A one-GPU prefill pool (TP = PCP = 1, GPU 0) prefills prompts of DeepSeek-V3 MLA shape; a
-``DecodeActor`` on GPU 1 pulls each kept request ``--repeats`` times over its NCCL point-to-point
-link (``p2p``), once more while the pool prefills another prompt of the same length on GPU 0 (the
+``DecodeActor`` on GPU 1 pulls each kept request over its NCCL point-to-point link (``p2p``),
+three times uncounted (the first opens the link), then ``--repeats`` times (the median is
+reported), once more while the pool prefills another prompt of the same length on GPU 0 (the
 holder's link thread answers without waiting for the batch), and once as Ray objects
 (``object``); then the TCP path (``KVServer`` to ``KVReceiver`` on this host's loopback) sends it
 once. ``pull_s`` is the whole pull as the decode actor sees it: from asking the holders (a key in
-the link's store) to the KV reassembled in its memory; ``stream_s`` is its part from the shards'
-headers arriving to the last byte. The p2p copy is checked equal to the object
-copy. Before Ray starts, two plain processes measure the one-way NCCL bandwidth between the same
+the link's store, ``pull_ask_s``) to the KV reassembled in its memory; ``pull_transfer_s`` is its
+part after the ask, to the last byte in. The p2p copy is checked equal to the object copy.
+Before Ray starts, two plain processes measure the one-way NCCL bandwidth between the same
 GPUs (one 1 GiB message, as in DESIGN.md, and the handoff's own per-layer messages), the figure
 the p2p rate is compared against.
 
@@ -47,6 +48,7 @@ from workers.kv_transfer import KVReceiver
 from workers.worker import SAFE_NCCL_ENV
 
 GIB = 1 << 30
+WARMUP_PULLS = 3  # not counted: the first opens the link, the next allocate buffers and raise the clocks
 
 
 def _one_way(rank: int, port: int, sizes: list[tuple[int, int]], repeats: int, results) -> None:
@@ -97,10 +99,11 @@ def handoff(pool: PrefillPool, decoder, tokens: int, repeats: int, vocab: int) -
     result = pool.prefill(prompt, keep_kv=True)
     source = pool.kv_source(result)
     pulls = []
-    for _ in range(repeats + 1):  # the first opens the link (NCCL connects) and is not counted
+    for _ in range(WARMUP_PULLS + repeats):
         started = time.perf_counter()
         receipt = ray.get(decoder.receive.remote(source))
         pulls.append({**receipt, "driver_call_s": time.perf_counter() - started})
+    first, pulls = pulls[0], pulls[WARMUP_PULLS:]
     busy = pool.submit(prompt[::-1].copy())  # another prompt keeps GPU 0 busy while the decoder pulls
     while not any(w["kv_requests"] > 1 for w in pool.health()[0]):
         time.sleep(0.001)
@@ -119,23 +122,22 @@ def handoff(pool: PrefillPool, decoder, tokens: int, repeats: int, vocab: int) -
         started = time.perf_counter()
         kv = receiver.fetch(result.request_id)  # the ack frees the request on the prefill side
         tcp_s = time.perf_counter() - started
-    transfer, call, stream, ask, headers = (
-        statistics.median(pull[key] for pull in pulls[1:]) for key in ("seconds", "driver_call_s", "stream_s", "ask_s", "headers_s")
+    pull_s, call, ask, transfer = (
+        statistics.median(pull[key] for pull in pulls) for key in ("seconds", "driver_call_s", "ask_s", "transfer_s")
     )
     row = {
         "tokens": tokens,
         "bytes": size,
         "p2p_equals_object_copy": same,
         "p2p": {
-            "stream_s": round(stream, 6),
-            "stream_gib_per_s": round(size / stream / GIB, 1),
-            "pull_s": round(transfer, 6),
-            "pull_gib_per_s": round(size / transfer / GIB, 1),
+            "pull_s": round(pull_s, 6),
+            "pull_gib_per_s": round(size / pull_s / GIB, 1),
             "pull_ask_s": round(ask, 6),
-            "pull_headers_s": round(headers, 6),
-            "first_pull_with_link_setup_s": round(pulls[0]["seconds"], 4),
+            "pull_transfer_s": round(transfer, 6),
+            "pull_transfer_gib_per_s": round(size / transfer / GIB, 1),
+            "first_pull_with_link_setup_s": round(first["seconds"], 4),
             "driver_call_s": round(call, 6),
-            "pull_runs_s": [round(pull["seconds"], 6) for pull in pulls[1:]],
+            "pull_runs_s": [round(pull["seconds"], 6) for pull in pulls],
             "pull_during_a_prefill_s": round(during["seconds"], 6),
             "pull_during_a_prefill_gib_per_s": round(size / during["seconds"] / GIB, 1),
             "prefill_still_running_after_that_pull": still_running,
@@ -191,7 +193,7 @@ def main() -> None:
     if gpu:
         best = max(v["gib_per_s"] for v in reference.values())
         for row in rows:
-            for what in ("stream", "pull", "pull_during_a_prefill"):
+            for what in ("pull", "pull_transfer", "pull_during_a_prefill"):
                 row["p2p"][f"{what}_fraction_of_one_way_nccl"] = round(row["p2p"][f"{what}_gib_per_s"] / best, 3)
     text = json.dumps(report, indent=2)
     print(text)

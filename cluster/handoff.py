@@ -31,10 +31,11 @@ from dataclasses import dataclass
 import ray
 import torch
 
+from configs.model import DTYPES
 from configs.pool import PoolConfig
 from workers.decode import DecodeState, ReferenceDecoder
 from workers.kv_link import KVLink, KVLinkError
-from workers.pcp import interleave_shards
+from workers.pcp import interleave_shards, shard_rows
 
 TRANSPORTS = ("auto", "p2p", "object")
 
@@ -47,6 +48,7 @@ class KVSource:
     holders: tuple
     block_size: int
     num_tokens: int
+    dtype: str  # of the KV cache
 
 
 def pull_kv(source: KVSource) -> torch.Tensor:
@@ -80,8 +82,8 @@ class DecodeActor:
         """Pull the request's KV into this actor, over ``transport`` (default: the actor's). Returns the
         acknowledgement: tokens, bytes moved, the transport, ``seconds`` of the whole pull (asking
         the holders, moving the data, reassembly; loading into the decoder excluded) and, for p2p,
-        its parts (``KVLink.pull``): ``ask_s``, ``headers_s``, and ``stream_s`` from the shards'
-        headers arriving to the last byte in this actor's memory."""
+        its parts (``KVLink.pull``): ``ask_s`` (asking the holders) and ``transfer_s`` (from there
+        to the last byte in this actor's memory)."""
         transport = self._transport(transport or self.transport)
         started = time.perf_counter()
         kv, timings = self._pull_p2p(source) if transport == "p2p" else (pull_kv(source), {})
@@ -109,9 +111,13 @@ class DecodeActor:
 
     def _pull_p2p(self, source: KVSource) -> tuple[torch.Tensor, dict]:
         link = self._link(source.holders)
-        attention = self.decoder.model.config.attention
+        config = self.decoder.model.config
+        pcp = len(source.holders)
+        rows = [shard_rows(source.num_tokens, rank, pcp, source.block_size) for rank in range(pcp)]
         try:
-            shards, timings = link.pull(source.request_id, source.block_size, attention.latent_dim)
+            shards, timings = link.pull(
+                source.request_id, rows, config.num_hidden_layers, DTYPES[source.dtype], source.block_size, config.attention.latent_dim
+            )
         except KVLinkError:
             raise  # refused (an unknown request, say): every holder answered, the link stays usable
         except Exception:

@@ -389,7 +389,7 @@ class PrefillPool:
             )
         tp = self.config.tp  # TP ranks hold the same latent: read TP rank 0 of every PCP rank
         holders = tuple(replica.workers[p * tp] for p in range(self.config.pcp))
-        return KVSource(result.request_id, holders, self.config.block_size, result.num_tokens)
+        return KVSource(result.request_id, holders, self.config.block_size, result.num_tokens, replica.infos[0].dtype)
 
     def release(self, result: PrefillResult) -> None:
         """Free a kept request's KV on its workers (a no-op if its replica restarted since)."""

@@ -7,17 +7,21 @@ GPUs share a node), gloo on CPU:
 
     receiver:  link = KVLink.host(1 + len(holders), device, invite)  # invite(address): holders join
     holder r:  KVLink.join(address, r, size, device).serve(shard)    # a thread answers every pull
-    receiver:  shards, timings = link.pull(request_id, block_size, width)
+    receiver:  shards, timings = link.pull(request_id, rows, layers, dtype, block_size, width)
 
-A pull is asked for through the link's store: the receiver writes ``pull/<n>`` and every holder's
-serving thread, blocked reading that key, wakes up (a store round trip, well under a millisecond,
-instead of a Ray call each way). The thread sends from a CUDA stream of its own, so a pull does not queue behind the
-holder's prefill batches; it waits only for the request's own KV (``shard`` arranges that).
+Every holder also keeps a control connection to the receiver (TCP, no Nagle delay). A pull is
+one small message on each: the request and the shard sizes the receiver expects. The holder's
+serving thread, blocked reading its connection, wakes up at once (tens of microseconds, where a
+Ray call costs milliseconds and a store key half of one) and sends from a CUDA stream of its own,
+so a pull does not queue behind the holder's prefill batches; it waits only for the request's own
+KV (``shard`` arranges that).
 
-Each holder sends a small header, then one tensor per layer in vLLM's paged MLA layout
-``[num_blocks, block_size, width]``. The header says how many blocks and rows follow, or that the
-holder has nothing to send; it then leaves its reason in the store, the receiver posts no data
-receives, and the link stays usable. The receiver's :meth:`close` ends every holder's thread; a
+The receiver knows every shard's size in advance (the pool's PCP split), so it posts all its
+receives at once instead of waiting for a header. Each holder sends a status, then one tensor per
+layer in vLLM's paged MLA layout ``[num_blocks, block_size, width]``, as one NCCL group. A holder
+without that shard sends its reason on the control connection, then zeros of the expected sizes
+with status 0: the receiver raises :class:`KVLinkError` and the link stays usable. The
+receiver's :meth:`close` closes the control connections, which ends every holder's thread; a
 holder whose receiver is gone, or whose send fails, ends its own.
 """
 
@@ -26,23 +30,23 @@ from __future__ import annotations
 import contextlib
 import logging
 import socket
+import struct
 import threading
 import time
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Callable, ContextManager, Sequence
 
+import msgpack
 import torch
 import torch.distributed as dist
 
+from configs.model import DTYPES
+from workers.kv_cache import blocks_for
+
 logger = logging.getLogger(__name__)
 
-# dtype codes of the header; a receiver rejects codes it does not know
-_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-_HEADER = 4  # rows (-1: nothing to send), blocks, layers, dtype code
 _TAG = 0
-_CLOSE = b""  # the value of a pull key that closes the link
-_IDLE = timedelta(hours=1)  # a holder's wait for the next pull (it loops; close() wakes it at once)
 
 # what a holder serves: request id -> a context holding (layer views, rows written) while they are
 # sent; KeyError(reason) when it has no such request
@@ -69,14 +73,15 @@ class KVShard:
 class KVLink:
     def __init__(self, store: dist.Store, rank: int, size: int, device: torch.device, timeout_s: float) -> None:
         self.rank, self.size, self.device = rank, size, device
-        self.address: tuple[str, int] | None = None  # set on the receiver's end
+        self.address: tuple[str, int, int] | None = None  # set on the receiver's end
         self._store = store  # the receiver's store must outlive the group
-        self._pulls = 0  # the next pull's number, on every end
+        self._control: dict[int, socket.socket] = {}  # the receiver's socket per holder rank; a holder's to the receiver (0)
         self._closed = threading.Event()
         timeout = timedelta(seconds=timeout_s)
         if device.type == "cuda":
             options = dist.ProcessGroupNCCL.Options()
             options._timeout = timeout
+            options.is_high_priority_stream = True  # a holder's sends get SMs ahead of its prefill kernels
             self.group = dist.ProcessGroupNCCL(store, rank, size, options)
         else:
             self.group = dist.ProcessGroupGloo(store, rank, size, timeout)
@@ -86,30 +91,46 @@ class KVLink:
         cls,
         size: int,
         device: torch.device,
-        invite: Callable[[tuple[str, int]], None],
+        invite: Callable[[tuple[str, int, int]], None],
         host: str | None = None,
         timeout_s: float = 300.0,
     ) -> "KVLink":
-        """The receiver's end (rank 0). It hosts the store on a free port of ``host`` (default: this
-        node's address) and calls ``invite(address)``, which must get every holder to :meth:`join`
-        without waiting for it (the group forms once all have joined)."""
+        """The receiver's end (rank 0). It hosts the store and a control port on free ports of
+        ``host`` (default: this node's address) and calls ``invite(address)``, which must get every
+        holder to :meth:`join` without waiting for it (the group forms once all have joined)."""
         if size < 2:
             raise ValueError(f"a KV link needs the receiver and at least one holder, got size={size}")
         host = host or socket.gethostbyname(socket.gethostname())
         store = dist.TCPStore(host, 0, size, True, timeout=timedelta(seconds=timeout_s), wait_for_workers=False)
-        address = (host, store.port)
-        invite(address)
-        link = cls(store, 0, size, device, timeout_s)
+        with socket.create_server((host, 0)) as listener:
+            listener.settimeout(timeout_s)
+            address = (host, store.port, listener.getsockname()[1])
+            invite(address)
+            link = cls(store, 0, size, device, timeout_s)
+            for _ in range(1, size):
+                conn, _ = listener.accept()
+                conn.settimeout(timeout_s)
+                (rank,) = _RANK.unpack(_read(conn, _RANK.size))
+                _fast(conn).settimeout(None)
+                link._control[rank] = conn
+        if sorted(link._control) != list(range(1, size)):
+            raise RuntimeError(f"KV link holders connected as ranks {sorted(link._control)}, expected 1..{size - 1}")
         link.address = address
         return link
 
     @classmethod
-    def join(cls, address: tuple[str, int], rank: int, size: int, device: torch.device, timeout_s: float = 300.0) -> "KVLink":
+    def join(cls, address: tuple[str, int, int], rank: int, size: int, device: torch.device, timeout_s: float = 300.0) -> "KVLink":
         """A holder's end (rank >= 1) of the link hosted at ``address``."""
         if not 1 <= rank < size:
             raise ValueError(f"a holder's rank must be in [1, {size}), got {rank}")
-        store = dist.TCPStore(address[0], address[1], size, False, timeout=timedelta(seconds=timeout_s))
-        return cls(store, rank, size, device, timeout_s)
+        host, store_port, control_port = address
+        control = _fast(socket.create_connection((host, control_port), timeout=timeout_s))
+        control.sendall(_RANK.pack(rank))
+        store = dist.TCPStore(host, store_port, size, False, timeout=timedelta(seconds=timeout_s))
+        link = cls(store, rank, size, device, timeout_s)
+        control.settimeout(None)
+        link._control[0] = control
+        return link
 
     @property
     def closed(self) -> bool:
@@ -140,107 +161,139 @@ class KVLink:
             torch.cuda.set_device(self.device)
             stream = torch.cuda.stream(torch.cuda.Stream(self.device))
         try:
-            self._store.set_timeout(_IDLE)  # a get blocks until the key is set
             with stream:
-                while not self.closed:
-                    key = f"pull/{self._pulls}"
-                    try:
-                        request_id = self._store.get(key)
-                    except dist.DistStoreError:  # an idle hour: wait again
-                        continue
-                    if request_id == _CLOSE:
-                        break
-                    self._send(shard, request_id.decode())
-                    # after the send, off the receiver's path: the last holder to answer clears the key
-                    if self._store.add(f"answered/{self._pulls}", 1) == self.size - 1:
-                        self._store.delete_key(key)
-                        self._store.delete_key(f"answered/{self._pulls}")
-                    self._pulls += 1
+                statuses = torch.tensor([0, 1], device=self.device)  # made once: no copy to the GPU per pull
+                while (ask := _receive_message(self._control[0])) is not None:  # None: the receiver closed
+                    self._answer(shard, ask, statuses)
         except Exception as error:  # the receiver is gone, or a send failed: the link is dead
-            if not self.closed:
-                logger.warning("KV link holder %d: closing after %s: %s", self.rank, type(error).__name__, error)
+            logger.warning("KV link holder %d: closing after %s: %s", self.rank, type(error).__name__, error)
         finally:
             self._closed.set()
+            self._control[0].close()
             on_close()
 
-    def _send(self, shard: ShardSource, request_id: str) -> None:
+    def _answer(self, shard: ShardSource, ask: dict, statuses: torch.Tensor) -> None:
+        """Send what the receiver asked for: a status (1: the shard, 0: refused) and, per layer,
+        ``[blocks, block_size, width]``. The receiver posted those receives before it could know
+        whether this holder has the shard, so a refusal still sends their sizes (zeros), after
+        telling the receiver why."""
+        request_id, rows, layers = ask["request_id"], ask["rows"][self.rank - 1], ask["layers"]
+        shape = (blocks_for(rows, ask["block_size"]), ask["block_size"], ask["width"])
+        dtype = DTYPES[ask["dtype"]]
         try:
-            with shard(request_id) as (layers, rows):
-                self._send_shard(layers, rows)
-        except KeyError as refusal:  # nothing to send: say why, then an empty header
-            reason = refusal.args[0] if refusal.args else f"no KV for request {request_id!r}"
-            self._store.set(f"refused/{self._pulls}/{self.rank}", str(reason))
-            self._send_shard(None)
-
-    def _send_shard(self, layers: Sequence[torch.Tensor] | None, rows: int = 0) -> None:
-        header = torch.full((_HEADER,), -1, dtype=torch.int64)
-        if layers is not None:
-            dtype = layers[0].dtype
-            header = torch.tensor([rows, layers[0].shape[0], len(layers), _DTYPES.index(dtype)], dtype=torch.int64)
-        works = [self.group.send([header.to(self.device)], 0, _TAG)]
-        for layer in layers or ():
-            works.append(self.group.send([layer.contiguous()], 0, _TAG))
-        self._wait(works)
+            with shard(request_id) as (views, held):
+                if held == rows and len(views) == layers and views[0].shape == shape and views[0].dtype == dtype:
+                    return self._wait(self._batch(self.group.send, [statuses[1:], *views], 0))
+                reason = (
+                    f"request {request_id!r} here has {held} rows, {len(views)} layers of {tuple(views[0].shape)} "
+                    f"{views[0].dtype}; the receiver expects {rows} rows, {layers} layers of {shape} {dtype}"
+                )
+        except KeyError as refusal:
+            reason = str(refusal.args[0]) if refusal.args else f"no KV for request {request_id!r}"
+        _send_message(self._control[0], {"refused": reason})
+        zeros = torch.zeros(shape, dtype=dtype, device=self.device)
+        self._wait(self._batch(self.group.send, [statuses[:1], *[zeros] * layers], 0))
 
     # ---- the receiver's end ----------------------------------------------------------------------
-    def pull(self, request_id: str, block_size: int, width: int) -> tuple[list[KVShard], dict[str, float]]:
-        """Every holder's shard of ``request_id``, in holder order, and where the time went:
-        ``ask_s`` (writing the pull's key), ``headers_s`` (until every holder's header is in) and
-        ``stream_s`` (from there to the last byte). Raises :class:`KVLinkError` with each refusing
-        holder's reason, after receiving what the others sent, so the link stays usable."""
+    def pull(
+        self, request_id: str, rows: Sequence[int], layers: int, dtype: torch.dtype, block_size: int, width: int
+    ) -> tuple[list[KVShard], dict[str, float]]:
+        """Every holder's shard of ``request_id``: holder ``r`` (1-based) is expected to hold
+        ``rows[r - 1]`` rows in ``layers`` layers of ``dtype``, so every receive is posted at once,
+        without waiting for a header. Returns the shards in holder order, and where the time went:
+        ``ask_s`` (sending the ask to every holder) and ``transfer_s`` (from there to the last
+        byte in). Raises :class:`KVLinkError` with each refusing holder's reason (the link stays
+        usable)."""
         if self.rank != 0:
             raise RuntimeError("only the receiver's end (rank 0) pulls")
         if self.closed:
             raise RuntimeError("this KV link is closed")
         if not request_id:
             raise ValueError("a pull needs a request id")
-        number = self._pulls
+        if len(rows) != self.size - 1:
+            raise ValueError(f"this link has {self.size - 1} holders; got row counts for {len(rows)}")
+        dtype_name = str(dtype).removeprefix("torch.")
+        if dtype_name not in DTYPES:
+            raise ValueError(f"KV dtype {dtype} is not one of {sorted(DTYPES)}")
+        ask = {"request_id": request_id, "rows": list(rows), "layers": layers, "dtype": dtype_name, "block_size": block_size, "width": width}
         started = time.perf_counter()
-        self._store.set(f"pull/{number}", request_id)
-        self._pulls += 1
+        for rank in range(1, self.size):
+            _send_message(self._control[rank], ask)
         asked = time.perf_counter()
-        shards, headers_in, refused = self._receive_shards(block_size, width)
-        timings = {"ask_s": asked - started, "headers_s": headers_in - asked, "stream_s": time.perf_counter() - headers_in}
+        statuses = torch.empty(self.size - 1, dtype=torch.int64, device=self.device)
+        shards, works = [], []
+        for src, count in enumerate(rows, start=1):  # the holders send in this order: status, then layers
+            blocks = torch.empty(layers, blocks_for(count, block_size), block_size, width, dtype=dtype, device=self.device)
+            works += self._batch(self.group.recv, [statuses[src - 1 : src], *blocks], src)
+            shards.append(KVShard(blocks, count))
+        self._wait(works)
+        timings = {"ask_s": asked - started, "transfer_s": time.perf_counter() - asked}
+        refused = [src for src, status in enumerate(statuses.tolist(), start=1) if status != 1]
         if refused:
             reasons = []
             for rank in refused:
-                key = f"refused/{number}/{rank}"
-                reasons.append(f"holder {rank}: {self._store.get(key).decode()}")
-                self._store.delete_key(key)
+                message = _receive_message(self._control[rank]) or {}
+                reasons.append(f"holder {rank}: {message.get('refused', 'closed its end')}")
             raise KVLinkError("; ".join(reasons))
         return shards, timings
 
-    def _receive_shards(self, block_size: int, width: int) -> tuple[list[KVShard], float, list[int]]:
-        """The shards, when the last header came in (``perf_counter``), and the holders that refused."""
-        headers = [torch.empty(_HEADER, dtype=torch.int64, device=self.device) for _ in range(1, self.size)]
-        self._wait([self.group.recv([h], src, _TAG) for src, h in enumerate(headers, start=1)])
-        started = time.perf_counter()
-        shards, works, refused = [], [], []
-        for src, header in enumerate(headers, start=1):
-            rows, num_blocks, num_layers, dtype_code = header.tolist()
-            if rows < 0:
-                refused.append(src)
-                continue
-            if not 0 <= dtype_code < len(_DTYPES) or rows > num_blocks * block_size:
-                raise RuntimeError(f"holder {src} sent a malformed header {header.tolist()}")
-            blocks = torch.empty(num_layers, num_blocks, block_size, width, dtype=_DTYPES[dtype_code], device=self.device)
-            works += [self.group.recv([blocks[layer]], src, _TAG) for layer in range(num_layers)]
-            shards.append(KVShard(blocks, rows))
-        self._wait(works)
-        return shards, started, refused
-
     def close(self) -> None:
-        """End the link from the receiver's end: every holder's serving thread stops at once (it is
-        blocked on the next pull's key, which now says so)."""
+        """End the link from the receiver's end: every holder's serving thread stops at once (its
+        control connection closes)."""
         if self.rank != 0:
             raise RuntimeError("a link is closed by its receiver; a holder's end closes when the receiver goes")
         if not self.closed:
             self._closed.set()
-            self._store.set(f"pull/{self._pulls}", _CLOSE)
+            for conn in self._control.values():
+                conn.close()
 
     # ---- both ends -------------------------------------------------------------------------------
+    def _batch(self, op: Callable, tensors: Sequence[torch.Tensor], peer: int) -> list:
+        """``op`` (the group's send or recv) on every tensor with ``peer``, in order. On NCCL the
+        operations are issued as one group (one launch, one work), not one by one."""
+        if self.device.type != "cuda":
+            return [op([tensor], peer, _TAG) for tensor in tensors]
+        self.group._start_coalescing()
+        for tensor in tensors:
+            op([tensor], peer, _TAG)
+        return [self.group._end_coalescing()]
+
     def _wait(self, works) -> None:
         for work in works:
             work.wait()
         if self.device.type == "cuda":
             torch.cuda.current_stream(self.device).synchronize()  # NCCL's wait only orders the stream
+
+
+# ---- the control connection: length-prefixed msgpack messages ------------------------------------
+_RANK = struct.Struct("!I")
+_LENGTH = struct.Struct("!I")
+
+
+def _fast(sock: socket.socket) -> socket.socket:
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # an ask is one small message: send it now
+    return sock
+
+
+def _send_message(sock: socket.socket, message: dict) -> None:
+    body = msgpack.packb(message)
+    sock.sendall(_LENGTH.pack(len(body)) + body)
+
+
+def _receive_message(sock: socket.socket) -> dict | None:
+    """The next message, or None when the other end closed the connection."""
+    try:
+        head = _read(sock, _LENGTH.size)
+    except ConnectionError:
+        return None
+    return msgpack.unpackb(_read(sock, _LENGTH.unpack(head)[0]))
+
+
+def _read(sock: socket.socket, count: int) -> bytes:
+    data = b""
+    while len(data) < count:
+        chunk = sock.recv(count - len(data))
+        if not chunk:
+            raise ConnectionError(f"the KV link's control connection closed ({len(data)} of {count} bytes read)")
+        data += chunk
+    return data

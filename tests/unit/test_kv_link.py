@@ -15,6 +15,7 @@ from workers.worker import ChunkPiece, PrefillWorker
 
 CONFIG = PoolConfig(model="tiny", num_layers=2, chunk_tokens=48, block_size=16, seed=3, device="cpu")
 CPU = torch.device("cpu")
+WIDTH = CONFIG.model_config().attention.latent_dim  # 80 for the tiny model
 
 
 @pytest.fixture(scope="module")
@@ -45,6 +46,10 @@ def _link(worker, name="link"):
     return link
 
 
+def _pull(link, request_id, rows, dtype=torch.float32):
+    return link.pull(request_id, [rows], 2, dtype, CONFIG.block_size, WIDTH)
+
+
 def _wait(condition, timeout=10.0):
     deadline = time.monotonic() + timeout
     while not condition() and time.monotonic() < deadline:
@@ -57,23 +62,24 @@ def test_pulls_get_the_paged_kv_and_a_refusal_names_the_request_and_keeps_the_li
     _prefill(worker, "b", 20)
     link = _link(worker)
     try:
-        width = worker.kv.blocks.shape[-1]
-        keys = link._store.num_keys()
-        for request_id in ("a", "b", "a"):
-            (shard,), timings = link.pull(request_id, CONFIG.block_size, width)
-            assert shard.blocks.shape[:3] == (2, -(-worker.kv.length(request_id) // 16), 16)
+        for request_id, rows in (("a", 70), ("b", 20), ("a", 70)):
+            (shard,), timings = _pull(link, request_id, rows)
+            assert shard.blocks.shape[:3] == (2, -(-rows // 16), 16)
             assert torch.equal(shard.row_view(), worker.fetch_kv(request_id).tensor())
-            assert set(timings) == {"ask_s", "headers_s", "stream_s"} and min(timings.values()) >= 0
-        assert _wait(lambda: link._store.num_keys() == keys), "pull keys were left in the link's store"
+            assert set(timings) == {"ask_s", "transfer_s"} and min(timings.values()) >= 0
         with pytest.raises(KVLinkError, match="holder 1: no KV cache for request 'nope' on this worker"):
-            link.pull("nope", CONFIG.block_size, width)
-        (shard,), _ = link.pull("b", CONFIG.block_size, width)  # the same link, still in step
+            _pull(link, "nope", 20)
+        with pytest.raises(KVLinkError, match="holder 1: request 'a' here has 70 rows, 2 layers of \\(5, 16, 80\\)"):
+            _pull(link, "a", 20)  # a stale or wrong expectation: refused, not misread
+        with pytest.raises(KVLinkError, match="the receiver expects 70 rows, 2 layers of \\(5, 16, 80\\) torch.float16"):
+            _pull(link, "a", 70, dtype=torch.float16)
+        (shard,), _ = _pull(link, "b", 20)  # the same link, still in step
         assert torch.equal(shard.row_view(), worker.fetch_kv("b").tensor())
     finally:
         link.close()
     assert _wait(lambda: not worker.kv_links), "the holder's side did not end when the receiver closed the link"
     with pytest.raises(RuntimeError, match="closed"):
-        link.pull("a", CONFIG.block_size, 0)
+        _pull(link, "a", 70)
     worker.release(["a", "b"])
     assert worker.health()["kv_requests"] == 0
 
