@@ -6,9 +6,9 @@ three times uncounted (the first opens the link), then ``--repeats`` times (the 
 reported), once more while the pool prefills another prompt of the same length on GPU 0 (the
 holder's link thread answers without waiting for the batch), and once as Ray objects
 (``object``); then the TCP path (``KVServer`` to ``KVReceiver`` on this host's loopback) sends it
-once. ``pull_s`` is the whole pull as the decode actor sees it: from asking the holders (a key in
-the link's store, ``pull_ask_s``) to the KV reassembled in its memory; ``pull_transfer_s`` is its
-part after the ask, to the last byte in. The p2p copy is checked equal to the object copy.
+once. ``pull_s`` is the whole pull as the decode actor sees it: from asking the holders (a
+message on each holder's control connection, ``pull_ask_s``) to the KV reassembled in its
+memory; ``pull_transfer_s`` is its part after the ask, to the last byte in. The p2p copy is checked equal to the object copy.
 Before Ray starts, two plain processes measure the one-way NCCL bandwidth between the same
 GPUs (one 1 GiB message, as in DESIGN.md, and the handoff's own per-layer messages), the figure
 the p2p rate is compared against.

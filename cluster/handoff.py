@@ -11,8 +11,9 @@ Two transports, chosen per actor (``transport``) or per ``receive`` call:
 
 - ``p2p``: a point-to-point link of the actor's own (``workers.kv_link``: NCCL on GPUs, so NVLink
   inside a node; gloo on CPU) with the holders, opened on first use and kept for later requests.
-  A pull is asked for through the link's store, not a Ray call, and each holder's link thread
-  sends its paged blocks straight from its cache, even while the holder runs prefill batches.
+  A pull is one message on the link's control connection to each holder, not a Ray call; each
+  holder's link thread sends its paged blocks straight from its cache, even while the holder
+  runs prefill batches.
 - ``object``: each PCP rank's shard (``[layers, rows_r, width]``, on the CPU) is a Ray object
   (a numpy array, which Ray's object store moves without pickling).
 
@@ -145,7 +146,7 @@ class DecodeActor:
     def _drop_link(self, holders: tuple) -> None:
         link = self.links.pop(_key(holders), None)
         if link is not None:
-            with contextlib.suppress(Exception):  # a broken store: the holders see it and end their side
+            with contextlib.suppress(OSError):  # a broken connection: the holders see it and end their side
                 link.close()
 
 
