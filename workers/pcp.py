@@ -22,7 +22,8 @@ Per layer, for the batch (two strategies for the cached context):
 
     q_r, latent_r = project(hidden_r)                 this rank's tokens
     latent        = all-gather(latent_r)              [T, W]: the chunk's keys, and the rows to store
-    o, lse        = causal attention of q_r over their chunk prefixes (bottom-right)
+    o, lse        = causal attention of each segment over itself (keys: latent_r, no wait)
+    (o, lse)      = merge(o, attention of each segment over the new tokens before it)
 
     sharded (the design card's): the context stays where it is
         q        = all-gather(q_r)                    queries of requests with context
@@ -276,19 +277,31 @@ class PCPPlan:
             slots = torch.arange(r * self.padded, r * self.padded + self.local_counts[r], device=device)
             self.gathered_to_batch[_ranges(local_ranges[r], device)] = slots
 
-        # Causal new-token attention: one query sequence per non-empty local segment, its keys the
-        # request's new tokens up to the segment's end (bottom-right causal).
-        q_lens, k_lens, key_ranges = [], [], []
+        # Causal new-token attention of each non-empty local segment [a, b) of a request, in two
+        # parts merged by LSE: the diagonal block (its own tokens, causal: the keys are this rank's
+        # own latent rows, up-projected before the gather lands) and, when a > 0, the prefix
+        # [0, a) of the request's new tokens (non-causal, keys from the gathered latent). Two
+        # well-shaped kernels beat one ragged bottom-right causal call by ~6% at 128K tokens.
+        q_lens, prefix_q, prefix_lens, prefix_keys = [], [], [], []
+        local = 0
         for s, n in zip(starts, self.seq_lens):
             for a, b in rank_segments(n, rank, size):
                 if b > a:
                     q_lens.append(b - a)
-                    k_lens.append(b)
-                    key_ranges.append((s, s + b))
+                    if a > 0:
+                        prefix_q.append((local, local + b - a))
+                        prefix_lens.append(a)
+                        prefix_keys.append((s, s + a))
+                    local += b - a
         self.new_cu_q = torch.tensor(offsets(q_lens), dtype=torch.int32, device=device)
-        self.new_cu_k = torch.tensor(offsets(k_lens), dtype=torch.int32, device=device)
-        self.new_max_q, self.new_max_k = max(q_lens, default=0), max(k_lens, default=0)
-        self.new_key_index = _ranges(key_ranges, device)
+        self.new_max_q = max(q_lens, default=0)
+        self.prefix_q_index = _ranges(prefix_q, device)
+        self.prefix_key_index = _ranges(prefix_keys, device)
+        # one chunk: the new tokens' keys are up-projected at once, as without PCP (the workspace
+        # bound is for cached context)
+        self.prefix_chunks = plan_context_chunks(
+            [b - a for a, b in prefix_q], prefix_lens, workspace_tokens=None, device=device
+        )
 
         # Logits: every request's last token ends rank 0's share of that request (its tail segment).
         local_start = offsets(piece_counts[rank])
@@ -364,8 +377,8 @@ class PCPPlan:
         if backend is not None:
             backend.clear_plans()
             if self.local_counts[rank]:
-                backend.plan(self.new_cu_q, self.new_cu_k, causal=True)
-            for chunk in self.context_chunks:
+                backend.plan(self.new_cu_q, self.new_cu_q, causal=True)
+            for chunk in self.prefix_chunks + self.context_chunks:
                 backend.plan(chunk.cu_seqlens_q, chunk.cu_seqlens_k, causal=False)
 
     @property
@@ -409,16 +422,18 @@ def context_parallel_attention(
     elif plan.strategy == "gather":
         ctx_work, ctx_buf = pcp.all_gather(context, plan.padded_shard)
 
-    latent_work.wait()
-    batch_latent = latent_buf.index_select(0, plan.gathered_to_batch)
-    if plan.num_tokens:  # runs while the query (or context) gather is in flight
-        k, v = attn.up_project(batch_latent.index_select(0, plan.new_key_index))
+    if plan.num_tokens:  # the diagonal blocks, while the gathers are in flight
+        k, v = attn.up_project(latent)
         o, lse = backend.run_prefill_new_tokens(
-            q, k, v, plan.new_cu_q, plan.new_max_q, True, cu_seqlens_k=plan.new_cu_k, max_seqlen_k=plan.new_max_k
+            q, k, v, plan.new_cu_q, plan.new_max_q, True, cu_seqlens_k=plan.new_cu_q, max_seqlen_k=plan.new_max_q
         )
     else:
         o = q.new_zeros(0, heads, dv)
         lse = torch.empty(heads, 0, device=q.device)
+    latent_work.wait()
+    batch_latent = latent_buf.index_select(0, plan.gathered_to_batch)
+    if plan.prefix_chunks:  # each segment's queries over the request's new tokens before it
+        _attend_subset(attn, q, o, lse, plan.prefix_q_index, plan.prefix_chunks, batch_latent.index_select(0, plan.prefix_key_index))
 
     if plan.strategy == "sharded":
         q_work.wait()
@@ -439,11 +454,20 @@ def context_parallel_attention(
     elif plan.strategy == "gather":
         ctx_work.wait()
         rows = ctx_buf.index_select(0, plan.gather_context_index)
-        sel = plan.gather_q_index
-        o_sel, lse_sel = o.index_select(0, sel), lse.index_select(1, sel)
-        attn.attend_context(q.index_select(0, sel), o_sel, lse_sel, plan.context_chunks, rows)
-        o.index_copy_(0, sel, o_sel)
+        _attend_subset(attn, q, o, lse, plan.gather_q_index, plan.context_chunks, rows)
     return attn.output(o), batch_latent
+
+
+def _attend_subset(attn: MLAAttention, q, o, lse, index: torch.Tensor, chunks, keys: torch.Tensor) -> None:
+    """Fold non-causal attention of the queries ``q[index]`` over ``keys`` (latent rows, per
+    ``chunks``) into ``o``/``lse`` in place (no gather and scatter when ``index`` is every row)."""
+    if index.numel() == q.shape[0]:  # indices are ascending and unique: every row, in order
+        attn.attend_context(q, o, lse, chunks, keys)
+        return
+    o_sel, lse_sel = o.index_select(0, index), lse.index_select(1, index)
+    attn.attend_context(q.index_select(0, index), o_sel, lse_sel, chunks, keys)
+    o.index_copy_(0, index, o_sel)
+    lse.index_copy_(1, index, lse_sel)
 
 
 def pack_partials(o: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
