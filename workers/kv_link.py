@@ -9,12 +9,12 @@ GPUs share a node), gloo on CPU:
     holder r:  KVLink.join(address, r, size, device).serve(shard)    # a thread answers every pull
     receiver:  shards, timings = link.pull(request_id, rows, layers, dtype, block_size, width)
 
-Every holder also keeps a control connection to the receiver (TCP, no Nagle delay). A pull is
-one small message on each: the request and the shard sizes the receiver expects. The holder's
-serving thread, blocked reading its connection, wakes up at once (tens of microseconds, where a
-Ray call costs milliseconds and a store key half of one) and sends from a CUDA stream of its own,
-so a pull does not queue behind the holder's prefill batches; it waits only for the request's own
-KV (``shard`` arranges that).
+Every holder also keeps a control connection to the receiver (TCP, no Nagle delay, frames of
+``workers.kv_transfer``). A pull is one small frame on each: the request and the shard sizes the
+receiver expects. The holder's serving thread, blocked reading its connection, wakes up at once
+(tens of microseconds, where a Ray call costs milliseconds and a store key half of one) and sends
+from a CUDA stream of its own, so a pull does not queue behind the holder's prefill batches; it
+waits only for the request's own KV (``shard`` arranges that).
 
 The receiver knows every shard's size in advance (the pool's PCP split), so it posts all its
 receives at once instead of waiting for a header. Each holder sends a status, then one tensor per
@@ -30,19 +30,18 @@ from __future__ import annotations
 import contextlib
 import logging
 import socket
-import struct
 import threading
 import time
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Callable, ContextManager, Sequence
 
-import msgpack
 import torch
 import torch.distributed as dist
 
 from configs.model import DTYPES
 from workers.kv_cache import blocks_for
+from workers.kv_transfer import expect, read_frame, send_frame
 
 logger = logging.getLogger(__name__)
 
@@ -110,7 +109,7 @@ class KVLink:
             for _ in range(1, size):
                 conn, _ = listener.accept()
                 conn.settimeout(timeout_s)
-                (rank,) = _RANK.unpack(_read(conn, _RANK.size))
+                rank = expect(read_frame(conn, max_payload=0)[0], "hello").get("rank")
                 _fast(conn).settimeout(None)
                 link._control[rank] = conn
         if sorted(link._control) != list(range(1, size)):
@@ -125,7 +124,7 @@ class KVLink:
             raise ValueError(f"a holder's rank must be in [1, {size}), got {rank}")
         host, store_port, control_port = address
         control = _fast(socket.create_connection((host, control_port), timeout=timeout_s))
-        control.sendall(_RANK.pack(rank))
+        send_frame(control, "hello", {"rank": rank})
         store = dist.TCPStore(host, store_port, size, False, timeout=timedelta(seconds=timeout_s))
         link = cls(store, rank, size, device, timeout_s)
         control.settimeout(None)
@@ -163,8 +162,9 @@ class KVLink:
         try:
             with stream:
                 statuses = torch.tensor([0, 1], device=self.device)  # made once: no copy to the GPU per pull
-                while (ask := _receive_message(self._control[0])) is not None:  # None: the receiver closed
+                while (ask := read_frame(self._control[0], max_payload=0)[0])["kind"] == "pull":
                     self._answer(shard, ask, statuses)
+                expect(ask, "close")
         except Exception as error:  # the receiver is gone, or a send failed: the link is dead
             logger.warning("KV link holder %d: closing after %s: %s", self.rank, type(error).__name__, error)
         finally:
@@ -190,7 +190,7 @@ class KVLink:
                 )
         except KeyError as refusal:
             reason = str(refusal.args[0]) if refusal.args else f"no KV for request {request_id!r}"
-        _send_message(self._control[0], {"refused": reason})
+        send_frame(self._control[0], "refused", {"reason": reason})
         zeros = torch.zeros(shape, dtype=dtype, device=self.device)
         self._wait(self._batch(self.group.send, [statuses[:1], *[zeros] * layers], 0))
 
@@ -218,7 +218,7 @@ class KVLink:
         ask = {"request_id": request_id, "rows": list(rows), "layers": layers, "dtype": dtype_name, "block_size": block_size, "width": width}
         started = time.perf_counter()
         for rank in range(1, self.size):
-            _send_message(self._control[rank], ask)
+            send_frame(self._control[rank], "pull", ask)
         asked = time.perf_counter()
         statuses = torch.empty(self.size - 1, dtype=torch.int64, device=self.device)
         shards, works = [], []
@@ -232,8 +232,8 @@ class KVLink:
         if refused:
             reasons = []
             for rank in refused:
-                message = _receive_message(self._control[rank]) or {}
-                reasons.append(f"holder {rank}: {message.get('refused', 'closed its end')}")
+                refusal = expect(read_frame(self._control[rank], max_payload=0)[0], "refused")
+                reasons.append(f"holder {rank}: {refusal.get('reason')}")
             raise KVLinkError("; ".join(reasons))
         return shards, timings
 
@@ -245,6 +245,8 @@ class KVLink:
         if not self.closed:
             self._closed.set()
             for conn in self._control.values():
+                with contextlib.suppress(OSError):  # a holder already gone
+                    send_frame(conn, "close")
                 conn.close()
 
     # ---- both ends -------------------------------------------------------------------------------
@@ -265,35 +267,7 @@ class KVLink:
             torch.cuda.current_stream(self.device).synchronize()  # NCCL's wait only orders the stream
 
 
-# ---- the control connection: length-prefixed msgpack messages ------------------------------------
-_RANK = struct.Struct("!I")
-_LENGTH = struct.Struct("!I")
-
-
+# ---- the control connection: kv_transfer frames ("hello", "pull", "refused", "close") ---------------
 def _fast(sock: socket.socket) -> socket.socket:
-    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # an ask is one small message: send it now
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # an ask is one small frame: send it now
     return sock
-
-
-def _send_message(sock: socket.socket, message: dict) -> None:
-    body = msgpack.packb(message)
-    sock.sendall(_LENGTH.pack(len(body)) + body)
-
-
-def _receive_message(sock: socket.socket) -> dict | None:
-    """The next message, or None when the other end closed the connection."""
-    try:
-        head = _read(sock, _LENGTH.size)
-    except ConnectionError:
-        return None
-    return msgpack.unpackb(_read(sock, _LENGTH.unpack(head)[0]))
-
-
-def _read(sock: socket.socket, count: int) -> bytes:
-    data = b""
-    while len(data) < count:
-        chunk = sock.recv(count - len(data))
-        if not chunk:
-            raise ConnectionError(f"the KV link's control connection closed ({len(data)} of {count} bytes read)")
-        data += chunk
-    return data
