@@ -72,10 +72,9 @@ class KVShard:
 class KVLink:
     def __init__(self, store: dist.Store, rank: int, size: int, device: torch.device, timeout_s: float) -> None:
         self.rank, self.size, self.device = rank, size, device
-        self.address: tuple[str, int, int] | None = None  # set on the receiver's end
         self._store = store  # the receiver's store must outlive the group
         self._control: dict[int, socket.socket] = {}  # the receiver's socket per holder rank; a holder's to the receiver (0)
-        self._closed = threading.Event()
+        self._closed = False  # the receiver's end, after close()
         timeout = timedelta(seconds=timeout_s)
         if device.type == "cuda":
             options = dist.ProcessGroupNCCL.Options()
@@ -114,7 +113,6 @@ class KVLink:
                 link._control[rank] = conn
         if sorted(link._control) != list(range(1, size)):
             raise RuntimeError(f"KV link holders connected as ranks {sorted(link._control)}, expected 1..{size - 1}")
-        link.address = address
         return link
 
     @classmethod
@@ -130,10 +128,6 @@ class KVLink:
         control.settimeout(None)
         link._control[0] = control
         return link
-
-    @property
-    def closed(self) -> bool:
-        return self._closed.is_set()
 
     def warm_up(self) -> None:
         """Open the receiver-holder connections now (NCCL creates them on first use): every holder
@@ -168,7 +162,6 @@ class KVLink:
         except Exception as error:  # the receiver is gone, or a send failed: the link is dead
             logger.warning("KV link holder %d: closing after %s: %s", self.rank, type(error).__name__, error)
         finally:
-            self._closed.set()
             self._control[0].close()
             on_close()
 
@@ -206,7 +199,7 @@ class KVLink:
         usable)."""
         if self.rank != 0:
             raise RuntimeError("only the receiver's end (rank 0) pulls")
-        if self.closed:
+        if self._closed:
             raise RuntimeError("this KV link is closed")
         if not request_id:
             raise ValueError("a pull needs a request id")
@@ -242,8 +235,8 @@ class KVLink:
         control connection closes)."""
         if self.rank != 0:
             raise RuntimeError("a link is closed by its receiver; a holder's end closes when the receiver goes")
-        if not self.closed:
-            self._closed.set()
+        if not self._closed:
+            self._closed = True
             for conn in self._control.values():
                 with contextlib.suppress(OSError):  # a holder already gone
                     send_frame(conn, "close")
