@@ -390,15 +390,19 @@ class MLAAttention(nn.Module):
                 attn[tokens], chunk_out, chunk_lse, attn[tokens], lse[:, tokens], output_lse=lse[:, tokens]
             )
 
+    @property
+    def dtype(self) -> torch.dtype:
+        """The compute dtype (that of the norms: a projection's weights may be stored quantized)."""
+        return self.kv_a_layernorm.weight.dtype
+
     def _check_inputs(self, hidden: torch.Tensor, batch: PrefillBatch, context_kv: torch.Tensor | None) -> None:
-        weight = self.kv_a_proj_with_mqa.weight
         if hidden.dim() != 2 or hidden.shape != (batch.num_tokens, self.config.hidden_size):
             raise ValueError(
                 f"hidden must be [tokens={batch.num_tokens}, hidden={self.config.hidden_size}], "
                 f"got {tuple(hidden.shape)}"
             )
-        if hidden.dtype != weight.dtype:
-            raise TypeError(f"hidden has dtype {hidden.dtype}, the layer's weights are {weight.dtype}")
+        if hidden.dtype != self.dtype:
+            raise TypeError(f"hidden has dtype {hidden.dtype}, the layer computes in {self.dtype}")
         if batch.num_context_rows == 0:
             if context_kv is not None and context_kv.shape[0] > 0:
                 raise ValueError("context_kv was given but the batch plan has no context (context_lens are 0)")
@@ -407,5 +411,5 @@ class MLAAttention(nn.Module):
         if context_kv is None or tuple(context_kv.shape) != expected:
             got = None if context_kv is None else tuple(context_kv.shape)
             raise ValueError(f"context_kv must be [context rows, latent] = {expected}, got {got}")
-        if context_kv.dtype != weight.dtype:
-            raise TypeError(f"context_kv has dtype {context_kv.dtype}, the layer's weights are {weight.dtype}")
+        if context_kv.dtype != self.dtype:
+            raise TypeError(f"context_kv has dtype {context_kv.dtype}, the layer computes in {self.dtype}")

@@ -27,6 +27,7 @@ from attention.backends.torch_sdpa import TorchSDPAPrefillBackend
 from attention.mla import plan_prefill_batch
 from configs.model import load_model_config
 from workers.model import DeepseekPrefillModel
+from workers.weights import load_weights
 
 
 @torch.no_grad()
@@ -69,11 +70,11 @@ def main() -> None:
     backend_cls = get_mla_prefill_backend(selector, DeviceCapability.of(device), args.backend)
 
     reference = DeepseekPrefillModel.create(config, TorchSDPAPrefillBackend, dtype=torch.float32, device=device)
-    reference.init_random_weights(0)
+    load_weights(reference, None, 0)
     ref_logits, ref_latents = prefill(reference, tokens, args.tokens)
     del reference
     model = DeepseekPrefillModel.create(config, backend_cls, dtype=torch.bfloat16, device=device)
-    model.init_random_weights(0)
+    load_weights(model, None, 0)
     runs = {}
     for name, chunk in (("one_chunk", args.tokens), (f"chunks_of_{args.chunk}", args.chunk)):
         logits, latents = prefill(model, tokens, chunk)

@@ -28,7 +28,7 @@ from attention.backends.registry import MLAPrefillBackendEnum
 from attention.backends.selector import ENV_BACKEND, backend_priorities, backend_reasons, get_mla_prefill_backend
 from attention.mla import DEFAULT_WORKSPACE_TOKENS
 from configs.model import DTYPES, builtin_models, load_model_config
-from configs.pool import DEVICES, PCP_STRATEGIES, PoolConfig
+from configs.pool import DEVICES, PCP_STRATEGIES, QUANTIZATIONS, PoolConfig
 
 BACKEND_CHOICES = ["AUTO"] + [m.name for m in MLAPrefillBackendEnum]
 DEFAULTS = PoolConfig()
@@ -88,6 +88,8 @@ def add_pool_arguments(parser: argparse.ArgumentParser) -> None:
     pool.add_argument("--backend", default="auto", type=str.upper, choices=BACKEND_CHOICES, metavar="NAME",
                       help=f"MLA prefill backend: auto or one of {', '.join(BACKEND_CHOICES[1:])} (default: auto, which honours ${ENV_BACKEND})")  # fmt: skip
     pool.add_argument("--dtype", default=DEFAULTS.dtype, choices=["auto", *DTYPES], help="compute dtype (default: the model's on GPU, float32 on CPU)")
+    pool.add_argument("--quantization", default=DEFAULTS.quantization, choices=QUANTIZATIONS,
+                      help="auto (default): an FP8 checkpoint's layers run as FP8 GEMMs on SM90 GPUs in bfloat16 and are dequantized at load elsewhere; none: always dequantized")  # fmt: skip
     pool.add_argument("--device", default=DEFAULTS.device, choices=DEVICES, help="worker device (default: cuda when the workers see a GPU)")
     pool.add_argument("--chunk-tokens", type=int, default=DEFAULTS.chunk_tokens, help=f"prefill the prompt in chunks of this many tokens (default: {DEFAULTS.chunk_tokens})")
     pool.add_argument("--workspace-tokens", type=int, default=DEFAULT_WORKSPACE_TOKENS,
@@ -108,6 +110,7 @@ def pool_config(args: argparse.Namespace) -> PoolConfig:
         kv_cache_tokens=args.kv_cache_tokens,
         backend=args.backend,
         dtype=args.dtype,
+        quantization=args.quantization,
         device=args.device,
         chunk_tokens=args.chunk_tokens,
         max_batch_tokens=max(args.chunk_tokens, DEFAULTS.max_batch_tokens),
@@ -175,6 +178,7 @@ def _prefill(args: argparse.Namespace) -> int:
         kv = pool.fetch_kv(result)
         pool.release(result)
         stats = pool.stats
+        weights, expert_load = pool.weights_report(), pool.expert_load()
 
     args.output_dir.mkdir(parents=True, exist_ok=True)
     kv_file = args.output_dir / "kv.safetensors"
@@ -189,6 +193,7 @@ def _prefill(args: argparse.Namespace) -> int:
         "backend": info.backend,
         "device": info.device,
         "dtype": info.dtype,
+        "weights": weights,
         "pool_startup_s": round(startup, 2),
         "warmup_s": info.warmup_s,
         "ttft_s": round(result.ttft_s, 4),
@@ -197,6 +202,8 @@ def _prefill(args: argparse.Namespace) -> int:
         "kv_file": str(kv_file),
         "kv_layout": f"per layer [tokens, {model_config.attention.latent_dim}] = [kv_c_normed | k_pe]",
     }
+    if expert_load is not None:
+        summary["expert_load"] = expert_load
     if config.pcp > 1:
         summary["pcp_context"] = {"batches_per_strategy": stats.pcp_strategies, "bytes_received_per_worker": stats.pcp_bytes}
     if args.verify:

@@ -422,6 +422,32 @@ class PrefillPool:
     def worker_infos(self) -> list[list[WorkerInfo]]:
         return [r.infos for r in self._replicas]
 
+    def expert_load(self) -> dict[str, dict] | None:
+        """Per MoE layer, the (token, expert) pairs each worker (EP rank) of each replica computed since
+        start, and each replica's imbalance: its busiest rank over its mean (1.0 is even). None for a
+        model without MoE layers."""
+        loads = [ray.get([w.moe_load.remote() for w in r.workers], timeout=60) for r in self._replicas]
+        if not loads or not loads[0][0]:
+            return None
+        report = {}
+        for layer in sorted(loads[0][0]):
+            pairs = [[rank[layer] for rank in replica] for replica in loads]
+            imbalance = [round(max(p) * len(p) / sum(p), 3) if sum(p) else None for p in pairs]
+            report[str(layer)] = {"pairs_per_rank": pairs, "imbalance": imbalance}
+        return report
+
+    def weights_report(self) -> dict:
+        """How each worker holds its weights: the format (``fp8`` or a dtype), bytes, load seconds and
+        peak host memory, per replica and rank."""
+        infos = self.worker_infos
+        return {
+            "format": infos[0][0].weights,
+            "bytes_per_rank": [[i.weight_bytes for i in r] for r in infos],
+            "experts_per_rank": [[i.experts for i in r] for r in infos] if infos[0][0].experts else None,
+            "load_s": [[i.load_s for i in r] for r in infos],
+            "peak_host_mib": [[i.peak_host_mib for i in r] for r in infos],
+        }
+
     # ---- scheduling --------------------------------------------------------
     def _serve(self, replica: _Replica) -> None:
         active: list[_Request] = []
@@ -664,12 +690,13 @@ def _connect_ray(address: str | None, cpus_needed: float) -> bool:
 
 
 def _check_checkpoint_on_driver(config: PoolConfig, model_config) -> None:
-    """Check a checkpoint against the model's shapes from metadata, before any actor starts."""
+    """Check a checkpoint against every tensor the model reads (all ranks' shards and experts) from
+    metadata, before any actor starts."""
     from attention.backends.torch_sdpa import TorchSDPAPrefillBackend
-    from workers.model import DeepseekPrefillModel, TPShard
+    from workers.model import DeepseekPrefillModel
     from workers.weights import check_checkpoint
 
-    meta = DeepseekPrefillModel.create(model_config, TorchSDPAPrefillBackend, tp=TPShard(0, config.tp), device="meta")
+    meta = DeepseekPrefillModel.create(model_config, TorchSDPAPrefillBackend, device="meta")
     check_checkpoint(meta, config.checkpoint)
 
 

@@ -1,7 +1,12 @@
-"""Tiny random transformers DeepseekV3 models: the independent implementation the parity tests compare with."""
+"""Tiny random transformers DeepSeek models (dense, V3- and V2-routed MoE, FP8 checkpoints): the
+independent implementation the parity tests compare with."""
+
+import json
+from pathlib import Path
 
 import torch
-from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+from safetensors.torch import load_file, save_file
+from transformers import DeepseekV2Config, DeepseekV2ForCausalLM, DeepseekV3Config, DeepseekV3ForCausalLM
 
 
 def tiny_deepseek_v3(*, vocab_size=300, num_layers=3, max_positions=256, mscale_all_dim=0.8, seed=1):
@@ -9,7 +14,7 @@ def tiny_deepseek_v3(*, vocab_size=300, num_layers=3, max_positions=256, mscale_
     config = DeepseekV3Config(
         vocab_size=vocab_size, hidden_size=64, intermediate_size=96, num_hidden_layers=num_layers,
         num_attention_heads=4, num_key_value_heads=4, q_lora_rank=24, kv_lora_rank=32, qk_nope_head_dim=16,
-        qk_rope_head_dim=8, v_head_dim=16, n_routed_experts=4, first_k_dense_replace=num_layers,
+        qk_rope_head_dim=8, v_head_dim=16, n_routed_experts=4, num_experts_per_tok=2, n_group=1, topk_group=1, first_k_dense_replace=num_layers,
         max_position_embeddings=max_positions,
         rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
                          "original_max_position_embeddings": max_positions // 4, "mscale": 1.0,
@@ -23,3 +28,73 @@ def tiny_deepseek_v3(*, vocab_size=300, num_layers=3, max_positions=256, mscale_
         for param in model.parameters():
             param.normal_(0, 0.1)
     return model
+
+
+def tiny_moe(family="v3", *, vocab_size=320, num_layers=3, max_positions=512, hidden=64, seed=1, bias_std=0.5):
+    """A transformers DeepSeek MoE model, in eval mode, weights ~ N(0, 0.1):
+
+    - ``v3``: DeepseekV3ForCausalLM, 16 routed experts (top-4 in 2 of 4 groups by sigmoid scores plus a
+      non-zero ``e_score_correction_bias ~ N(0, bias_std)``), 1 shared expert, q LoRA;
+    - ``v2``: DeepseekV2ForCausalLM, no q LoRA, 16 routed experts (top-4 by softmax in 2 of 4 groups,
+      ``group_limited_greedy``), 2 shared experts.
+
+    Layer 0 is dense, the others MoE; YaRN RoPE."""
+    common = dict(
+        vocab_size=vocab_size, hidden_size=hidden, intermediate_size=96, moe_intermediate_size=32,
+        num_hidden_layers=num_layers, num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=32,
+        qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, n_routed_experts=16, num_experts_per_tok=4,
+        n_group=4, topk_group=2, first_k_dense_replace=1, max_position_embeddings=max_positions,
+        tie_word_embeddings=False, torch_dtype="float32",
+    )  # fmt: skip
+    rope = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": max_positions // 4}
+    if family == "v3":
+        config = DeepseekV3Config(**common, q_lora_rank=24, n_shared_experts=1, routed_scaling_factor=2.5,
+                                  rope_parameters={**rope, "mscale": 1.0, "mscale_all_dim": 1.0})  # fmt: skip
+        model_cls = DeepseekV3ForCausalLM
+    else:
+        config = DeepseekV2Config(**common, q_lora_rank=None, n_shared_experts=2, routed_scaling_factor=1.5,
+                                  topk_method="group_limited_greedy",
+                                  rope_parameters={**rope, "mscale": 0.707, "mscale_all_dim": 0.707})  # fmt: skip
+        model_cls = DeepseekV2ForCausalLM
+    config._attn_implementation = "eager"
+    torch.manual_seed(seed)
+    model = model_cls(config).eval()
+    with torch.no_grad():
+        for param in model.parameters():
+            param.normal_(0, 0.1)
+        for name, buffer in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                buffer.normal_(0, bias_std)
+    return model
+
+
+def save_fp8(hf_model, path, reference_path):
+    """Write ``hf_model`` to ``path`` in DeepSeek's FP8 format: every linear layer's weight but
+    ``lm_head``'s and the router's as float8_e4m3fn with ``weight_scale_inv`` per 128x128 block (edge
+    blocks partial), ``quantization_config`` in config.json. Quantized with the recipe written out here,
+    not the project's code. The same weights dequantized go to ``reference_path``; returns transformers'
+    model loaded from there (the reference)."""
+    hf_model.save_pretrained(reference_path)
+    tensors = load_file(Path(reference_path) / "model.safetensors")
+    quantized, dequantized = {}, {}
+    for name, weight in tensors.items():
+        if not (name.endswith("proj.weight") or name.endswith("proj_with_mqa.weight")):
+            quantized[name] = dequantized[name] = weight
+            continue
+        n, k = weight.shape
+        padded = torch.zeros(-(-n // 128) * 128, -(-k // 128) * 128)
+        padded[:n, :k] = weight
+        blocks = padded.view(padded.shape[0] // 128, 128, padded.shape[1] // 128, 128)
+        scale = blocks.abs().amax(dim=(1, 3)) / 448.0
+        q = (blocks / scale[:, None, :, None]).view_as(padded)[:n, :k].to(torch.float8_e4m3fn)
+        quantized[name], quantized[name + "_scale_inv"] = q, scale
+        per_element = scale.repeat_interleave(128, 0).repeat_interleave(128, 1)[:n, :k]
+        dequantized[name] = q.float() * per_element
+    save_file(quantized, Path(path) / "model.safetensors", metadata={"format": "pt"})
+    save_file(dequantized, Path(reference_path) / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((Path(reference_path) / "config.json").read_text())
+    config["quantization_config"] = {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8", "weight_block_size": [128, 128]}
+    (Path(path) / "config.json").write_text(json.dumps(config))
+    reference = type(hf_model).from_pretrained(reference_path).eval()
+    reference.config._attn_implementation = "eager"
+    return reference

@@ -14,7 +14,8 @@ is folded into the query and the output. With ``W_UK [N, P, Lkv]`` and
 so one step reads ``T x 576`` values per layer, shared by all heads. This is
 plain torch, one sequence at a time, for checking a handoff end to end (it is
 not a production decode engine). It reuses the prefill model's weights and
-layers (TP = 1) and appends each new token's latent row to the cache.
+layers (TP = 1, all experts on one rank; MoE layers route each new token like
+prefill does) and appends each new token's latent row to the cache.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
+from workers.fp8 import linear_weight
 from workers.model import DeepseekPrefillModel
 
 
@@ -39,13 +41,16 @@ class DecodeState:
 
 class ReferenceDecoder:
     def __init__(self, model: DeepseekPrefillModel) -> None:
-        if model.tp.size != 1:
-            raise ValueError(f"the reference decoder runs one whole model (TP=1), got a TP={model.tp.size} shard")
+        if model.tp.size != 1 or model.ep.size != 1:
+            raise ValueError(
+                f"the reference decoder runs one whole model (TP=1, EP=1), got a TP={model.tp.size}, EP={model.ep.size} shard"
+            )
         self.model = model
         c = model.config.attention
         self.absorbed = []
         for layer in model.model.layers:
-            w = layer.self_attn.kv_b_proj.weight.view(c.num_heads, c.qk_nope_head_dim + c.v_head_dim, c.kv_lora_rank)
+            w = linear_weight(layer.self_attn.kv_b_proj, model.dtype)
+            w = w.view(c.num_heads, c.qk_nope_head_dim + c.v_head_dim, c.kv_lora_rank)
             self.absorbed.append((w[:, : c.qk_nope_head_dim], w[:, c.qk_nope_head_dim :]))  # W_UK, W_UV
 
     def load(self, kv: torch.Tensor) -> DecodeState:

@@ -1,11 +1,15 @@
-"""The DeepSeek-architecture decoder as one tensor-parallel rank runs it for prefill.
+"""The DeepSeek-architecture decoder as one rank of a replica runs it for prefill.
 
     h = embed_tokens(ids)                                        [T, hidden]
     for each layer:
         a, latent = self_attn(input_layernorm(h))                (MLA, this rank's heads)
         h = h + all_reduce(a)
-        m = down_proj(silu(gate_proj(x)) * up_proj(x)),  x = post_attention_layernorm(h)
-        h = h + all_reduce(m)
+        x = post_attention_layernorm(h)
+        dense layer:  h = h + all_reduce(down_proj(silu(gate_proj(x)) * up_proj(x)))
+        MoE layer:    this TP rank's 1/tp of the tokens go through the routed experts (expert
+                      parallel over the whole replica, ``workers.moe``); the shared experts run
+                      TP-split on all tokens, reduce-scattered to the same 1/tp:
+                      h_r = h[r] + routed(x[r]) + reduce_scatter(shared(x))[r];  h = all_gather(h_r)
     last = norm(h)[last token of each sequence]                  [B, hidden]
     logits = lm_head(last)                                       [B, vocab] float32
 
@@ -13,13 +17,20 @@ Tensor parallelism (Megatron style) over ``tp.size`` ranks: ``q_b_proj``/
 ``q_proj``, ``kv_b_proj``, ``gate_proj`` and ``up_proj`` are split by output
 rows (heads, intermediate units); ``o_proj`` and ``down_proj`` by input
 columns, so their outputs are partial sums reduced over the TP group. Norms,
-``q_a_proj``, ``kv_a_proj_with_mqa`` (the shared latent), the embedding and
-``lm_head`` are replicated. Parameter names are the HF checkpoint names.
+``q_a_proj``, ``kv_a_proj_with_mqa`` (the shared latent), the embedding,
+``lm_head`` and the router are replicated; routed experts are split by expert
+over every rank of the replica (``ep``), never by TP, so no expert runs twice
+for a token. Parameter names are the HF checkpoint names (stacked experts:
+transformers' ``mlp.experts.gate_up_proj``/``down_proj``).
+
+With ``fp8`` the linear layers whose shard keeps DeepSeek's 128x128 blocks whole
+are ``workers.fp8.FP8Linear`` and the experts FP8 (``workers.moe.Experts``);
+the modules are built on the meta device and materialized once, so no bf16
+copy of an FP8 weight is ever allocated.
 """
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -31,6 +42,8 @@ from torch import nn
 from attention.backends.base import MLAPrefillBackend
 from attention.mla import MLAAttention, PrefillBatch, RMSNorm
 from configs.model import ModelConfig
+from workers.fp8 import BLOCK, FP8Linear
+from workers.moe import MoE, EPGroup
 from workers.pcp import PCPPlan, context_parallel_attention
 
 COLUMN_PARALLEL = ("q_b_proj.weight", "q_proj.weight", "kv_b_proj.weight", "gate_proj.weight", "up_proj.weight")
@@ -53,6 +66,30 @@ class TPShard:
         if self.size > 1:
             torch.distributed.all_reduce(x, group=self.group)
         return x
+
+    def token_rows(self, tokens: int) -> int:
+        """Rows per rank when ``tokens`` are split over the group (the last ranks may hold fewer)."""
+        return -(-tokens // self.size)
+
+    def my_tokens(self, tokens: int) -> slice:
+        rows = self.token_rows(tokens)
+        return slice(min(tokens, self.rank * rows), min(tokens, (self.rank + 1) * rows))
+
+    def reduce_scatter(self, x: torch.Tensor) -> torch.Tensor:
+        """Sum ``x [T, ...]`` over the group and keep this rank's rows (:meth:`my_tokens`)."""
+        rows, mine = self.token_rows(x.shape[0]), self.my_tokens(x.shape[0])
+        padded = torch.nn.functional.pad(x, (0, 0, 0, rows * self.size - x.shape[0]))
+        out = x.new_empty(rows, *x.shape[1:])
+        torch.distributed.reduce_scatter_tensor(out, padded, group=self.group)
+        return out[: mine.stop - mine.start]
+
+    def all_gather(self, x: torch.Tensor, tokens: int) -> torch.Tensor:
+        """Every rank's rows (:meth:`my_tokens` of ``tokens``) back into ``[tokens, ...]``."""
+        rows = self.token_rows(tokens)
+        padded = torch.nn.functional.pad(x, (0, 0, 0, rows - x.shape[0]))
+        out = x.new_empty(rows * self.size, *x.shape[1:])
+        torch.distributed.all_gather_into_tensor(out, padded, group=self.group)
+        return out[:tokens]
 
     def split_dim(self, name: str) -> int | None:
         """The dim ``name`` is split along (0 rows, 1 columns), or None if replicated."""
@@ -91,25 +128,35 @@ class DenseMLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, backend: MLAPrefillBackend, tp: TPShard, **kw) -> None:
+    def __init__(
+        self, config: ModelConfig, index: int, backend: MLAPrefillBackend, tp: TPShard, ep: EPGroup,
+        *, dtype: torch.dtype, device, fp8: bool, micro_batches: int,
+    ) -> None:  # fmt: skip
         super().__init__()
-        eps = config.attention.rms_norm_eps
+        eps, kw = config.attention.rms_norm_eps, {"dtype": dtype, "device": device}
         self.input_layernorm = RMSNorm(config.hidden_size, eps, **kw)
         self.self_attn = MLAAttention(config.attention, backend, num_heads=config.num_heads // tp.size, **kw)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps, **kw)
-        self.mlp = DenseMLP(config.hidden_size, config.intermediate_size // tp.size, **kw)
+        if config.is_moe_layer(index):
+            moe = config.moe
+            shared = DenseMLP(config.hidden_size, moe.shared_intermediate_size // tp.size, **kw) if moe.n_shared_experts else None
+            self.mlp = MoE(moe, config.hidden_size, ep=ep, shared_experts=shared, fp8=fp8, micro_batches=micro_batches, **kw)
+        else:
+            self.mlp = DenseMLP(config.hidden_size, config.intermediate_size // tp.size, **kw)
 
 
 class Backbone(nn.Module):
-    def __init__(self, config: ModelConfig, backend: MLAPrefillBackend, tp: TPShard, **kw) -> None:
+    def __init__(self, config: ModelConfig, backend: MLAPrefillBackend, tp: TPShard, ep: EPGroup, **kw) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, **kw)
-        self.layers = nn.ModuleList(DecoderLayer(config, backend, tp, **kw) for _ in range(config.num_hidden_layers))
-        self.norm = RMSNorm(config.hidden_size, config.attention.rms_norm_eps, **kw)
+        plain = {"dtype": kw["dtype"], "device": kw["device"]}
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, **plain)
+        self.layers = nn.ModuleList(DecoderLayer(config, i, backend, tp, ep, **kw) for i in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.attention.rms_norm_eps, **plain)
 
 
 class DeepseekPrefillModel(nn.Module):
-    """One TP rank of the model. Build with :meth:`create`; weights are loaded separately."""
+    """One rank of the model (its TP shard and its routed experts). Build with :meth:`create`; the
+    parameters are uninitialized until weights are loaded (``workers.weights``)."""
 
     def __init__(
         self,
@@ -117,16 +164,26 @@ class DeepseekPrefillModel(nn.Module):
         backend: MLAPrefillBackend,
         *,
         tp: TPShard = TPShard(),
+        ep: EPGroup = EPGroup(),
+        fp8: bool = False,
+        ep_micro_batches: int = 2,
         dtype: torch.dtype | None = None,
         device: torch.device | str = "cpu",
     ) -> None:
         super().__init__()
-        config.check_dense()
         config.check_tp(tp.size)
-        kw = {"dtype": dtype or config.dtype, "device": device}
-        self.config, self.backend, self.tp = config, backend, tp
-        self.model = Backbone(config, backend, tp, **kw)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False, **kw)
+        if fp8 and config.quantization is None:
+            raise ValueError(f"{config.name} has no quantization_config: its weights are not FP8")
+        dtype = dtype or config.dtype
+        if fp8 and dtype != torch.bfloat16:
+            raise ValueError(f"FP8 GEMMs write bfloat16: the compute dtype must be bfloat16, got {dtype}")
+        self.config, self.backend, self.tp, self.ep, self.fp8 = config, backend, tp, ep, fp8
+        kw = {"dtype": dtype, "device": "meta", "fp8": fp8, "micro_batches": ep_micro_batches}
+        self.model = Backbone(config, backend, tp, ep, **kw)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False, dtype=dtype, device="meta")
+        if fp8:
+            self._use_fp8_linears()
+        self.to_empty(device=device)
 
     @classmethod
     def create(
@@ -135,17 +192,36 @@ class DeepseekPrefillModel(nn.Module):
         backend_cls: type[MLAPrefillBackend],
         *,
         tp: TPShard = TPShard(),
+        ep: EPGroup = EPGroup(),
+        fp8: bool = False,
+        ep_micro_batches: int = 2,
         dtype: torch.dtype | None = None,
         device: torch.device | str = "cpu",
     ) -> DeepseekPrefillModel:
         """A model whose layers share one backend instance for this rank's heads."""
         config.check_tp(tp.size)
         backend = config.attention.create_backend(backend_cls, num_heads=config.num_heads // tp.size, device=device)
-        return cls(config, backend, tp=tp, dtype=dtype, device=device)
+        return cls(config, backend, tp=tp, ep=ep, fp8=fp8, ep_micro_batches=ep_micro_batches, dtype=dtype, device=device)
+
+    def _use_fp8_linears(self) -> None:
+        """Swap every quantized linear layer (all but ``lm_head``) whose shard keeps the 128x128 blocks
+        whole for an :class:`FP8Linear`; the others stay in bf16 (their FP8 weights are dequantized)."""
+        for name, module in list(self.model.named_modules()):
+            if not isinstance(module, nn.Linear) or not fp8_shard_aligned(module, self.tp.split_dim(name + ".weight"), self.tp.size):
+                continue
+            parent, _, child = name.rpartition(".")
+            setattr(self.model.get_submodule(parent), child, FP8Linear(module.in_features, module.out_features, device="meta"))
 
     @property
     def dtype(self) -> torch.dtype:
         return self.lm_head.weight.dtype
+
+    def weight_bytes(self) -> int:
+        """Bytes of this rank's parameters (works on a ``meta`` model: what loading it will allocate)."""
+        return sum(p.numel() * p.element_size() for p in self.parameters())
+
+    def moe_layers(self) -> list[tuple[int, MoE]]:
+        return [(i, layer.mlp) for i, layer in enumerate(self.model.layers) if isinstance(layer.mlp, MoE)]
 
     @torch.no_grad()
     def forward(
@@ -177,13 +253,27 @@ class DeepseekPrefillModel(nn.Module):
             else:
                 attn, latent = layer.self_attn(x, batch, layer_context)
             h = h + self.tp.all_reduce(attn)
-            h = h + self.tp.all_reduce(layer.mlp(layer.post_attention_layernorm(h)))
+            x = layer.post_attention_layernorm(h)
+            if isinstance(layer.mlp, MoE):
+                h = self._moe(layer.mlp, h, x)
+            else:
+                h = h + self.tp.all_reduce(layer.mlp(x))
             latents.append(latent)
             if on_layer is not None:
                 on_layer(i)
         last = self.model.norm(h[batch.last_token_index])
         logits = self.lm_head(last).float() if compute_logits else None
         return PrefillOutput(last_hidden=last, logits=logits, latents=latents)
+
+    def _moe(self, moe: MoE, h: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """``h + moe(x)`` with each TP rank routing its 1/tp of the tokens (see the module docstring)."""
+        if self.tp.size == 1:
+            return h + moe(x)
+        mine = self.tp.my_tokens(x.shape[0])
+        local = h[mine] + moe.routed(x[mine])
+        if moe.shared_experts is not None:
+            local = local + self.tp.reduce_scatter(moe.shared_experts(x))
+        return self.tp.all_gather(local, x.shape[0])
 
     def check_tokens(self, token_ids: torch.Tensor, batch: PrefillBatch | PCPPlan) -> None:
         """Raise ``TypeError``/``ValueError`` for token ids this model cannot prefill."""
@@ -203,25 +293,11 @@ class DeepseekPrefillModel(nn.Module):
                 f"{self.config.max_position_embeddings} positions"
             )
 
-    @torch.no_grad()
-    def init_random_weights(self, seed: int = 0, std: float = 0.02, *, draw_device: str | None = None) -> None:
-        """Seeded random weights, identical for every TP degree: each full tensor is drawn
-        from a generator keyed on (seed, name) on ``draw_device`` (default: where the
-        weights live) and this rank keeps its shard. CPU and CUDA generators differ, so
-        the same seed gives the same weights on every device of one type."""
-        for name, param in self.named_parameters():
-            device = torch.device(draw_device) if draw_device else param.device
-            full_shape = list(param.shape)
-            dim = self.tp.split_dim(name)
-            if dim is not None:
-                full_shape[dim] *= self.tp.size
-            gen = torch.Generator(device=device).manual_seed(_name_seed(seed, name))
-            full = std * torch.randn(full_shape, generator=gen, device=device)
-            if name.endswith("norm.weight"):
-                full += 1
-            param.copy_(self.tp.shard(name, full))
-            del full
 
-
-def _name_seed(seed: int, name: str) -> int:
-    return int.from_bytes(hashlib.sha256(f"{seed}:{name}".encode()).digest()[:7], "little")
+def fp8_shard_aligned(linear: nn.Linear, split_dim: int | None, tp_size: int) -> bool:
+    """Whether a TP shard of this (local-shape) linear layer holds whole 128x128 weight blocks: its
+    input width is a multiple of 128 and, when split, so is the split width (so every shard starts
+    on a block boundary)."""
+    if linear.in_features % BLOCK:
+        return False
+    return split_dim != 0 or tp_size == 1 or linear.out_features % BLOCK == 0

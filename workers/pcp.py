@@ -178,10 +178,9 @@ class PCPCostModel:
 def measure_cost_model(pcp: PCPGroup, world_group, attn: MLAAttention) -> PCPCostModel:
     """Time an all-gather of latent rows on the PCP group and ``attn``'s up-projection; every rank
     of ``world_group`` ends with the slowest rank's figures, so all pick the same strategy."""
-    weight = attn.kv_b_proj.weight
-    device = weight.device
+    device = attn.kv_a_layernorm.weight.device
     rows = 16384 if device.type == "cuda" else 1024
-    latent = torch.randn(rows, attn.config.latent_dim, device=device).to(weight.dtype)
+    latent = torch.randn(rows, attn.config.latent_dim, device=device).to(attn.dtype)
     comm = median_time(lambda: pcp.all_gather(latent, rows)[0].wait(), device)
     up = median_time(lambda: attn.up_project(latent), device)
     rates = torch.tensor(

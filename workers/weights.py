@@ -1,25 +1,87 @@
-"""Loading HF-format DeepSeek checkpoints, each tensor-parallel rank reading only its shard.
+"""One rank's weights: read from an HF checkpoint directory, or drawn at random in the same format.
 
 A checkpoint directory holds ``config.json`` and safetensors files, with
 ``model.safetensors.index.json`` mapping tensor names to files when sharded.
-Tensors are read through ``safe_open(...).get_slice``, so a rank reads the rows
-or columns it keeps and never the whole tensor. Names are DeepSeek's HF names
-(``model.layers.{i}.self_attn.kv_b_proj.weight``, ...); tensors the model does
-not use (MoE experts, the MTP layer, layers past ``num_layers``) are ignored.
+Names are DeepSeek's HF names (``model.layers.{i}.self_attn.kv_b_proj.weight``,
+``model.layers.{i}.mlp.experts.{e}.gate_proj.weight``, ...). Every parameter
+of a rank's model is filled from the tensors it needs (:func:`load_plan`):
+
+- most parameters from the tensor of the same name; TP-split weights read only
+  this rank's rows or columns;
+- the stacked routed experts ``mlp.experts.gate_up_proj [E_r, 2I, H]`` and
+  ``down_proj [E_r, H, I]`` from ``mlp.experts.{e}.gate_proj/up_proj/down_proj.weight``
+  of this rank's experts ``e`` only;
+- ``lm_head.weight`` from the embedding when the config ties them and the
+  checkpoint has no ``lm_head``.
+
+Tensors are read through ``safe_open(...).get_slice``: a rank opens only the
+files holding its tensors and reads only its slices, in pieces of at most
+``READ_BYTES``, so host memory never holds the model. Tensors the model does not
+use (other ranks' experts, the MTP layers after the last decoder layer, layers
+past ``num_layers``) are never read.
+
+FP8 tensors (DeepSeek's format: ``float8_e4m3fn`` with ``<name>_scale_inv`` per
+128x128 block, ``workers.fp8``) are kept as they are by ``FP8Linear`` layers,
+requantized per output row for FP8 experts, and dequantized to the compute
+dtype for everything else, on the rank's device.
+
+Random weights (no checkpoint) come from :class:`RandomWeights`, a checkpoint
+drawn on the fly: each tensor ``N(0, std)`` (norms ``1 + N(0, std)``) from a
+generator seeded by ``(seed, name)``, block-quantized when the config says FP8.
+Every rank layout therefore sees the same weights, and the same seed gives the
+same weights on every device of one type (CPU and CUDA generators differ).
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
-from collections import defaultdict
+import logging
+import resource
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
+from torch import nn
 
+from workers.fp8 import BLOCK, FP8Linear, block_dequantize, block_quantize, requantize_rows
 from workers.model import DeepseekPrefillModel
+from workers.moe import Experts
+
+logger = logging.getLogger(__name__)
+
+READ_BYTES = 256 * 2**20  # largest piece of a tensor read into host memory at once
+SCALE = "_scale_inv"  # suffix of a block-quantized weight's scales
 
 
+@dataclass(frozen=True)
+class Piece:
+    """Fill ``param[dest]`` with ``tensor[rows, cols]`` (``cols`` None for 1-D tensors)."""
+
+    param: str
+    tensor: str
+    full_shape: tuple[int, ...]
+    rows: slice
+    cols: slice | None
+    dest: tuple = ()
+
+
+@dataclass
+class LoadReport:
+    """How loading went on one rank: seconds, bytes read from the source, files opened, and the worker
+    process's peak resident host memory before and after (``ru_maxrss``)."""
+
+    seconds: float
+    bytes_read: int
+    files_opened: int
+    peak_host_mib_before: float
+    peak_host_mib: float
+
+
+# ---- sources -------------------------------------------------------------------------------------
 def checkpoint_index(path: Path) -> dict[str, Path]:
     """Tensor name -> safetensors file of the checkpoint at ``path``."""
     path = Path(path)
@@ -37,77 +99,260 @@ def checkpoint_index(path: Path) -> dict[str, Path]:
     return names
 
 
-def check_checkpoint(model: DeepseekPrefillModel, path: Path) -> dict[Path, list[tuple[str, str]]]:
-    """Check the checkpoint against the model from metadata alone (works on a ``meta`` model).
+class CheckpointReader:
+    """Slices of the tensors of a safetensors checkpoint; a file is opened when first needed."""
 
-    Raises ``ValueError`` naming missing, mis-shaped or quantized (FP8) tensors.
-    Returns the (parameter, tensor) names to read, by file.
-    """
-    index = checkpoint_index(path)
-    params = dict(model.named_parameters())
-    source = {name: name for name in params}
-    if model.config.tie_word_embeddings and "lm_head.weight" not in index:
-        source["lm_head.weight"] = "model.embed_tokens.weight"
-    missing = sorted(name for name, src in source.items() if src not in index)
+    chunk_bytes = READ_BYTES  # host memory is the limit: read big tensors in pieces
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        self.index = checkpoint_index(self.path)
+        self._handles: dict[Path, object] = {}
+        self.bytes_read = 0
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.index
+
+    def _slice(self, name: str):
+        if name not in self.index:
+            raise ValueError(f"checkpoint {self.path} has no tensor {name}")
+        file = self.index[name]
+        if file not in self._handles:
+            self._handles[file] = safe_open(file, framework="pt")
+        handle = self._handles[file]
+        if name not in handle.keys():
+            raise ValueError(f"checkpoint {self.path}: {file.name} does not contain {name}, which its index maps there")
+        return handle.get_slice(name)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self._slice(name).get_shape())
+
+    def is_fp8(self, name: str) -> bool:
+        return self._slice(name).get_dtype() in ("F8_E4M3", "F8_E5M2")
+
+    def read(self, name: str, rows: slice, cols: slice | None) -> torch.Tensor:
+        part = self._slice(name)
+        tensor = part[rows] if cols is None else part[rows, cols]
+        self.bytes_read += tensor.numel() * tensor.element_size()
+        return tensor
+
+    @property
+    def files_opened(self) -> int:
+        return len(self._handles)
+
+
+class RandomWeights:
+    """A seeded random checkpoint with the model's tensor names and shapes (FP8 weights and scales where
+    the config is quantized; no ``lm_head`` when the config ties it to the embedding), drawn on
+    ``device`` one tensor at a time."""
+
+    chunk_bytes = None  # drawn on the device: no host memory to spare
+    bytes_read = files_opened = 0
+
+    def __init__(self, model: DeepseekPrefillModel, seed: int, device: torch.device, std: float = 0.02) -> None:
+        self.seed, self.device, self.std = seed, device, std
+        self.shapes = {piece.tensor: piece.full_shape for piece in load_plan(model, full=True)}
+        if model.config.tie_word_embeddings:
+            self.shapes.pop("lm_head.weight")
+        fp8 = model.config.quantization is not None
+        self.quantized = {name for name in self.shapes if fp8 and _quantizable(name)}
+        self._last: tuple[str, torch.Tensor, torch.Tensor | None] | None = None  # the last tensor drawn (and its scales)
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.shapes or (name.endswith(SCALE) and name.removesuffix(SCALE) in self.quantized)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        if name.endswith(SCALE):
+            rows, cols = self.shapes[name.removesuffix(SCALE)]
+            return -(-rows // BLOCK), -(-cols // BLOCK)
+        return self.shapes[name]
+
+    def is_fp8(self, name: str) -> bool:
+        return name in self.quantized
+
+    def read(self, name: str, rows: slice, cols: slice | None) -> torch.Tensor:
+        weight = name.removesuffix(SCALE)
+        if self._last is None or self._last[0] != weight:
+            full = self._draw(weight)
+            self._last = (weight, *block_quantize(full)) if weight in self.quantized else (weight, full, None)
+        full = self._last[2] if name.endswith(SCALE) else self._last[1]
+        return full[rows] if cols is None else full[rows, cols]
+
+    def _draw(self, name: str) -> torch.Tensor:
+        digest = hashlib.sha256(f"{self.seed}:{name}".encode()).digest()[:7]
+        gen = torch.Generator(device=self.device).manual_seed(int.from_bytes(digest, "little"))
+        full = self.std * torch.randn(self.shapes[name], generator=gen, device=self.device)
+        return full + 1 if name.endswith("norm.weight") else full
+
+
+def _quantizable(name: str) -> bool:
+    """Whether DeepSeek's FP8 checkpoints store this tensor quantized: every linear layer's weight but
+    ``lm_head``'s and the router's (embeddings, norms and biases are never quantized)."""
+    return name.endswith("proj.weight") or name.endswith("proj_with_mqa.weight")
+
+
+# ---- what each parameter reads ---------------------------------------------------------------------
+def load_plan(model: DeepseekPrefillModel, *, full: bool = False) -> Iterator[Piece]:
+    """The checkpoint pieces that fill this rank's parameters (``full``: the whole tensors, as a TP=1,
+    EP=1 model reads them; used to list and check a checkpoint's tensors)."""
+    tp = model.tp
+    for name, param in model.named_parameters():
+        if name.endswith(SCALE) or name.endswith("_proj_scale"):
+            continue  # filled with their weights
+        module = model.get_submodule(name.rpartition(".")[0])
+        if isinstance(module, Experts):
+            yield from _expert_pieces(model, name, module, full)
+            continue
+        shape = list(param.shape)
+        dim = tp.split_dim(name)
+        if dim is not None:
+            shape[dim] *= tp.size
+        rows, cols = slice(None), (slice(None) if param.dim() == 2 else None)
+        if dim is not None and tp.size > 1 and not full:
+            mine = slice(tp.rank * param.shape[dim], (tp.rank + 1) * param.shape[dim])
+            rows, cols = (mine, cols) if dim == 0 else (rows, mine)
+        yield Piece(name, name, tuple(shape), rows, cols)
+
+
+def _expert_pieces(model: DeepseekPrefillModel, name: str, experts: Experts, full: bool) -> Iterator[Piece]:
+    prefix, kind = name.rsplit(".", 1)
+    hidden, width = model.config.hidden_size, experts.intermediate
+    local = model.ep.experts(model.config.moe.n_routed_experts)
+    everyone = range(model.config.moe.n_routed_experts) if full else local
+    for e in everyone:
+        j = e - local.start
+        if kind == "gate_up_proj":
+            for part, at in (("gate_proj", slice(0, width)), ("up_proj", slice(width, 2 * width))):
+                yield Piece(name, f"{prefix}.{e}.{part}.weight", (width, hidden), slice(None), slice(None), (j, at))
+        else:
+            yield Piece(name, f"{prefix}.{e}.down_proj.weight", (hidden, width), slice(None), slice(None), (j,))
+
+
+def check_checkpoint(model: DeepseekPrefillModel, path: str | Path) -> None:
+    """Check, from metadata alone (works on a ``meta`` model), that the checkpoint has every tensor the
+    model reads with the right shape, and a scale tensor of the right shape beside each FP8 one.
+    Raises ``ValueError`` naming the first tensors that are missing or mis-shaped."""
+    reader = CheckpointReader(path)
+    pieces = [_tied(piece, model, reader) for piece in load_plan(model, full=True)]
+    missing = sorted({p.tensor for p in pieces if p.tensor not in reader})
     if missing:
         shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
         raise ValueError(f"checkpoint {path} is missing {len(missing)} tensor(s) the model needs: {shown}")
-    by_file = defaultdict(list)
-    for name, src in source.items():
-        by_file[index[src]].append((name, src))
-    for file, names in by_file.items():
-        with safe_open(file, framework="pt") as handle:
-            present = set(handle.keys())
-            for name, src in names:
-                if src not in present:
-                    raise ValueError(f"checkpoint {path}: {file.name} does not contain {src}, which its index maps there")
-                tensor_slice = handle.get_slice(src)
-                expected = _full_shape(model, name, params[name])
-                if list(tensor_slice.get_shape()) != expected:
-                    raise ValueError(
-                        f"checkpoint tensor {src} has shape {list(tensor_slice.get_shape())}, "
-                        f"the model expects {expected} ({file.name})"
-                    )
-                if tensor_slice.get_dtype() in ("F8_E4M3", "F8_E5M2"):
-                    raise ValueError(
-                        f"checkpoint tensor {src} is FP8 ({tensor_slice.get_dtype()}); quantized checkpoints are "
-                        "not supported yet: convert them to bf16 first"
-                    )
-    return dict(by_file)
+    for piece in pieces:
+        _check_tensor(reader, piece.tensor, piece.full_shape, path)
 
 
-def load_weights(model: DeepseekPrefillModel, checkpoint: str | Path | None, seed: int, *, draw_device: str | None = None) -> None:
-    """The pool's weights: this rank's shard of ``checkpoint``, or without one the seeded random weights
-    (drawn on ``draw_device``; see :meth:`DeepseekPrefillModel.init_random_weights`)."""
+def _tied(piece: Piece, model: DeepseekPrefillModel, source) -> Piece:
+    """``lm_head`` read from the embedding when the config ties them and the source has no ``lm_head``."""
+    if piece.tensor == "lm_head.weight" and model.config.tie_word_embeddings and piece.tensor not in source:
+        return Piece(piece.param, "model.embed_tokens.weight", piece.full_shape, piece.rows, piece.cols)
+    return piece
+
+
+def _check_tensor(source, name: str, shape: tuple[int, ...], where) -> None:
+    found = source.shape(name)
+    if found != tuple(shape):
+        raise ValueError(f"checkpoint tensor {name} has shape {list(found)}, the model expects {list(shape)} ({where})")
+    if source.is_fp8(name):
+        scale = name + SCALE
+        expected = tuple(-(-n // BLOCK) for n in shape)
+        if scale not in source:
+            raise ValueError(f"checkpoint tensor {name} is FP8 but {scale} (its 128x128 block scales) is missing ({where})")
+        if source.shape(scale) != expected:
+            raise ValueError(f"checkpoint tensor {scale} has shape {list(source.shape(scale))}, expected {list(expected)} ({where})")
+
+
+# ---- loading -------------------------------------------------------------------------------------
+def load_weights(
+    model: DeepseekPrefillModel, checkpoint: str | Path | None = None, seed: int = 0, *, draw_device: str | None = None
+) -> LoadReport:
+    """Fill this rank's parameters from ``checkpoint``, or without one with the seeded random weights
+    (drawn on ``draw_device``, default: where the parameters live)."""
+    device = model.lm_head.weight.device
     if checkpoint:
-        load_checkpoint(model, checkpoint)
+        source = CheckpointReader(checkpoint)
     else:
-        model.init_random_weights(seed, draw_device=draw_device)
+        source = RandomWeights(model, seed, torch.device(draw_device) if draw_device else device)
+    return load_from(model, source)
 
 
 @torch.no_grad()
-def load_checkpoint(model: DeepseekPrefillModel, path: Path) -> None:
-    """Copy this rank's shard of every parameter from the checkpoint at ``path``, after checking it all."""
+def load_from(model: DeepseekPrefillModel, source) -> LoadReport:
+    """Fill every parameter of ``model`` from ``source`` (:class:`CheckpointReader` or :class:`RandomWeights`)."""
+    started, before = time.perf_counter(), _peak_rss_mib()
     params = dict(model.named_parameters())
-    tp = model.tp
-    for file, names in sorted(check_checkpoint(model, path).items()):
-        with safe_open(file, framework="pt") as handle:
-            for name, src in names:
-                shard = _read_shard(handle.get_slice(src), tp.split_dim(name), tp.rank, tp.size)
-                params[name].copy_(shard)
+    dequantized = 0
+    for piece in load_plan(model):
+        piece = _tied(piece, model, source)
+        _check_tensor(source, piece.tensor, piece.full_shape, getattr(source, "path", "random weights"))
+        owner = model.get_submodule(piece.param.rpartition(".")[0])
+        param = params[piece.param]
+        if isinstance(owner, FP8Linear) and piece.param.endswith(".weight"):
+            _load_block_fp8(source, piece, param, params[piece.param + SCALE])
+        elif isinstance(owner, Experts) and owner.fp8:
+            scale = params[piece.param + "_scale"]
+            for rows, part in _read_float(source, piece, torch.float32, param.device):
+                q, s = requantize_rows(part)
+                param[piece.dest][rows].copy_(q)
+                scale[piece.dest][rows].copy_(s)
+        else:
+            dequantized += source.is_fp8(piece.tensor)
+            for rows, part in _read_float(source, piece, param.dtype, param.device):
+                param[piece.dest][rows].copy_(part)
+    if dequantized and model.config.quantization is not None:
+        logger.info("%d FP8 weight(s) dequantized to %s at load", dequantized, model.dtype)
+    return LoadReport(
+        seconds=round(time.perf_counter() - started, 2),
+        bytes_read=source.bytes_read,
+        files_opened=source.files_opened,
+        peak_host_mib_before=before,
+        peak_host_mib=_peak_rss_mib(),
+    )
 
 
-def _full_shape(model: DeepseekPrefillModel, name: str, param: torch.Tensor) -> list[int]:
-    shape = list(param.shape)
-    dim = model.tp.split_dim(name)
-    if dim is not None:
-        shape[dim] *= model.tp.size
-    return shape
+def _row_chunks(piece: Piece, source, element_bytes: int) -> Iterator[tuple[slice, slice]]:
+    """``(rows of the destination, rows of the tensor)`` in pieces of at most ``source.chunk_bytes``
+    (multiples of 128 rows, so FP8 pieces keep whole blocks; one piece when it has no limit)."""
+    start, stop, _ = piece.rows.indices(piece.full_shape[0])
+    step = stop - start
+    if source.chunk_bytes is not None:
+        width = len(range(*piece.cols.indices(piece.full_shape[1]))) if piece.cols else 1
+        step = max(BLOCK, source.chunk_bytes // max(1, width * element_bytes) // BLOCK * BLOCK)
+    for a in range(start, stop, max(step, 1)):
+        b = min(stop, a + step)
+        yield slice(a - start, b - start), slice(a, b)
 
 
-def _read_shard(tensor_slice, dim: int | None, rank: int, size: int) -> torch.Tensor:
-    if dim is None or size == 1:
-        return tensor_slice[:]
-    length = tensor_slice.get_shape()[dim] // size
-    rows = slice(rank * length, (rank + 1) * length)
-    return tensor_slice[rows] if dim == 0 else tensor_slice[:, rows]
+def _read_float(source, piece: Piece, dtype: torch.dtype, device: torch.device) -> Iterator[tuple[slice, torch.Tensor]]:
+    """Pieces of ``source[piece]`` in ``dtype`` on ``device`` (FP8 tensors dequantized with their scales)."""
+    fp8 = source.is_fp8(piece.tensor)
+    for dest_rows, rows in _row_chunks(piece, source, 1 if fp8 else 2):
+        data = source.read(piece.tensor, rows, piece.cols).to(device)
+        if fp8:
+            cols = piece.cols.indices(piece.full_shape[1]) if piece.cols else (0, 1, 1)
+            scale_rows = slice(rows.start // BLOCK, -(-rows.stop // BLOCK))
+            scale_cols = slice(cols[0] // BLOCK, -(-cols[1] // BLOCK))
+            scale = source.read(piece.tensor + SCALE, scale_rows, scale_cols).to(device)
+            data = block_dequantize(data, scale, dtype, row_start=rows.start, col_start=cols[0])
+        yield dest_rows, data.to(dtype)
+
+
+def _load_block_fp8(source, piece: Piece, weight: nn.Parameter, scale: nn.Parameter) -> None:
+    """An ``FP8Linear``'s weight and block scales: the checkpoint's own (a shard starts on a block
+    boundary: ``workers.model.fp8_shard_aligned``), or a float tensor quantized here."""
+    cols = piece.cols.indices(piece.full_shape[1])
+    scale_cols = slice(cols[0] // BLOCK, -(-cols[1] // BLOCK))
+    for dest_rows, rows in _row_chunks(piece, source, 1):
+        dest_blocks = slice(dest_rows.start // BLOCK, -(-dest_rows.stop // BLOCK))
+        if source.is_fp8(piece.tensor):
+            q = source.read(piece.tensor, rows, piece.cols)
+            s = source.read(piece.tensor + SCALE, slice(rows.start // BLOCK, -(-rows.stop // BLOCK)), scale_cols)
+        else:
+            q, s = block_quantize(source.read(piece.tensor, rows, piece.cols).to(weight.device))
+        weight[dest_rows].copy_(q.to(weight.device))
+        scale[dest_blocks].copy_(s.to(scale.device))
+
+
+def _peak_rss_mib() -> float:
+    return round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)  # KiB on Linux
+

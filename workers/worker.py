@@ -6,9 +6,13 @@ batch. Each worker:
 
 * joins its replica's process group (NCCL on CUDA, gloo on CPU), split into its
   TP group (same ``pcp_rank``: the heads are split) and its PCP group (same
-  ``tp_rank``: the tokens are split; ``rank = pcp_rank * tp + tp_rank``);
-* holds its TP shard of the model and, in a paged cache, its PCP stripes of the
-  latent KV of the requests it prefilled (sized at setup: see ``_allocate_kv_cache``);
+  ``tp_rank``: the tokens are split; ``rank = pcp_rank * tp + tp_rank``); the
+  whole group is the expert-parallel group of the MoE layers;
+* holds its TP shard of the model and its share of the routed experts (FP8
+  weights run as FP8 GEMMs on SM90 in bf16, and are dequantized at load
+  elsewhere), refusing at setup a shard that does not fit the GPU, and, in a
+  paged cache, its PCP stripes of the latent KV of the requests it prefilled
+  (sized at setup: see ``_allocate_kv_cache``);
 * runs a batch of chunk pieces: request ``r``'s next ``len(tokens)`` tokens after
   ``context_len`` cached ones. Later chunks attend to the cached rows through the
   MLA layer's chunked-context path (under PCP: ``workers.pcp``, each worker its
@@ -23,6 +27,7 @@ Nothing here imports Ray: the worker is plain Python and testable in-process.
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import socket
 import threading
@@ -37,15 +42,20 @@ import torch
 
 from attention.backends.base import DeviceCapability, MLAPrefillSelectorConfig
 from attention.backends.selector import get_mla_prefill_backend
+from attention.backends.torch_sdpa import TorchSDPAPrefillBackend
 from attention.mla import plan_prefill_batch
-from configs.model import DTYPES
+from configs.model import DTYPES, ModelConfig
 from configs.pool import PoolConfig
+from workers.fp8 import fp8_gemm_supported
 from workers.kv_cache import PagedKVCache, blocks_for
 from workers.kv_link import KVLink
 from workers.kv_transfer import HostKV
 from workers.model import DeepseekPrefillModel, TPShard
+from workers.moe import EPGroup
 from workers.pcp import PCPCostModel, PCPGroup, PCPPlan, measure_cost_model, shard_rows
 from workers.weights import load_weights
+
+logger = logging.getLogger(__name__)
 
 # NVLink multicast off everywhere (shared hosts: see the project's GPU notes).
 WARMUP_REQUEST = "__mlapool_warmup__"
@@ -97,6 +107,11 @@ class WorkerInfo:
     kv_blocks: int  # capacity of the paged latent KV cache
     block_size: int
     pcp_link_gbps: float | None  # measured PCP all-gather bandwidth per rank (None without PCP)
+    weights: str  # "fp8" (FP8 GEMMs), or the dtype the weights are held in
+    weight_bytes: int  # this rank's parameters
+    experts: tuple[int, int] | None  # the routed experts [first, last] this rank holds (None: no MoE layers)
+    load_s: float  # reading (or drawing) this rank's weights
+    peak_host_mib: float  # the worker process's peak resident host memory after loading (ru_maxrss)
 
 
 def rendezvous_address() -> tuple[str, int]:
@@ -136,7 +151,7 @@ class PrefillWorker:
         dtype = _dtype(config.dtype, device, model_config.dtype)
         if device.type == "cuda":
             torch.cuda.set_device(device)
-        tp_group = None
+        tp_group, ep = None, EPGroup()
         if self.world_size > 1:
             torch.distributed.init_process_group(
                 "nccl" if device.type == "cuda" else "gloo",
@@ -148,20 +163,27 @@ class PrefillWorker:
             tp_group, pcp_group = self._grid_groups()
             if config.pcp > 1:
                 self.pcp = PCPGroup(self.pcp_rank, config.pcp, pcp_group)
+            ep = EPGroup(self.rank, self.world_size, torch.distributed.group.WORLD)
         backend_cls = get_mla_prefill_backend(
             MLAPrefillSelectorConfig(dtype, model_config.attention.dims),
             DeviceCapability.of(device),
             None if config.backend.upper() == "AUTO" else config.backend,
         )
         tp = TPShard(self.tp_rank, config.tp, tp_group)
-        self.model = DeepseekPrefillModel.create(model_config, backend_cls, tp=tp, dtype=dtype, device=device)
-        load_weights(self.model, config.checkpoint, config.seed)
+        fp8 = self._use_fp8(model_config, device, dtype)
+        shard = {"tp": tp, "ep": ep, "fp8": fp8, "ep_micro_batches": config.ep_micro_batches, "dtype": dtype}
+        weight_bytes = DeepseekPrefillModel.create(model_config, TorchSDPAPrefillBackend, device="meta", **shard).weight_bytes()
+        _check_weights_fit(weight_bytes, device, config, model_config)
+        self.model = DeepseekPrefillModel.create(model_config, backend_cls, device=device, **shard)
+        report = load_weights(self.model, config.checkpoint, config.seed)
         if self.pcp.size > 1:
             attn = self.model.model.layers[0].self_attn
             self.cost_model = measure_cost_model(self.pcp, torch.distributed.group.WORLD, attn)
         self.kv = self._allocate_kv_cache(model_config, dtype, device)
         started = time.perf_counter()
         self._warm_up()
+        for _, moe in self.model.moe_layers():
+            moe.pairs = 0  # the warm-up and profile prefills are not load
         return WorkerInfo(
             rank=self.rank,
             world_size=self.world_size,
@@ -174,7 +196,40 @@ class PrefillWorker:
             kv_blocks=self.kv.num_blocks,
             block_size=self.kv.block_size,
             pcp_link_gbps=round(self.cost_model.link_bytes_per_s / 1e9, 2) if self.cost_model else None,
+            weights="fp8" if fp8 else str(dtype).removeprefix("torch."),
+            weight_bytes=weight_bytes,
+            experts=self._experts(),
+            load_s=report.seconds,
+            peak_host_mib=report.peak_host_mib,
         )
+
+    def _use_fp8(self, model_config: ModelConfig, device: torch.device, dtype: torch.dtype) -> bool:
+        """FP8 GEMMs for an FP8 model (``quantization="auto"``) where torch runs DeepSeek's block-scaled
+        recipe (SM90) and the compute dtype is bfloat16; otherwise its weights are dequantized at load."""
+        if model_config.quantization is None:
+            return False
+        reasons = []
+        if self.config.quantization == "none":
+            reasons.append("quantization='none'")
+        if not fp8_gemm_supported(device):
+            reasons.append(f"{device} is not an SM90 GPU (torch's block-scaled FP8 GEMM)")
+        if dtype != torch.bfloat16:
+            reasons.append(f"the compute dtype is {str(dtype).removeprefix('torch.')}, not bfloat16")
+        if reasons and self.rank == 0:
+            logger.warning("%s: FP8 weights are dequantized to %s at load: %s", model_config.name, dtype, "; ".join(reasons))
+        return not reasons
+
+    def _experts(self) -> tuple[int, int] | None:
+        moe_layers = self._model().moe_layers()
+        if not moe_layers:
+            return None
+        first, count = moe_layers[0][1].first_expert, moe_layers[0][1].experts.num_local
+        return first, first + count - 1
+
+    def moe_load(self) -> dict[int, int]:
+        """(token, expert) pairs this rank's experts computed per MoE layer since the warm-up (the
+        expert-parallel load: compare the ranks of a replica)."""
+        return {index: moe.pairs for index, moe in self._model().moe_layers()}
 
     def _grid_groups(self):
         """The TP group and the PCP group of this rank (every rank creates every group, in one order)."""
@@ -381,6 +436,43 @@ class _PackedContext(Sequence):
     def __getitem__(self, layer: int) -> torch.Tensor:
         views = [self.kv.rows(request_id, layer, n) for request_id, n in self.parts]
         return views[0] if len(views) == 1 else torch.cat(views)
+
+
+def _check_weights_fit(weight_bytes: int, device: torch.device, config: PoolConfig, model_config: ModelConfig) -> None:
+    """Refuse, before allocating, a shard whose weights exceed what this device allows: on a GPU
+    ``gpu_memory_utilization`` of its memory less what other processes hold, on the CPU the host's
+    available memory (Linux; elsewhere the CPU is not checked)."""
+    if device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(device)
+        budget = total * config.gpu_memory_utilization - (total - free)
+        where = (
+            f"this GPU has {free / 2**30:.1f} GiB free of {total / 2**30:.1f} GiB and "
+            f"gpu_memory_utilization={config.gpu_memory_utilization} allows {max(budget, 0) / 2**30:.1f} GiB"
+        )
+    else:
+        budget = _host_available_bytes()
+        if budget is None:
+            return
+        where = f"this host has {budget / 2**30:.1f} GiB of memory available"
+    if weight_bytes > budget:
+        experts = f", routed experts split over {config.workers_per_replica} ranks" if model_config.moe else ""
+        raise ValueError(
+            f"{model_config.name} ({model_config.num_hidden_layers} layers) needs {weight_bytes / 2**30:.1f} GiB of weights "
+            f"per rank at TP={config.tp} x PCP={config.pcp}{experts}; {where}. Use more ranks per replica "
+            "(tp x pcp), FP8 weights, or fewer layers (--num-layers)"
+        )
+
+
+def _host_available_bytes() -> int | None:
+    """``MemAvailable`` of ``/proc/meminfo`` in bytes (None where there is none)."""
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
 
 
 def _device(name: str) -> torch.device:

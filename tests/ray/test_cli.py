@@ -38,9 +38,9 @@ def test_prefill_from_a_token_file(ray_cluster, tmp_path, capsys):
 @pytest.mark.parametrize(
     "argv,code,message",
     [
-        (["--model", "nope"], 2, "neither a built-in model (deepseek-r1, deepseek-v2-lite, deepseek-v3, kimi-k2, tiny)"),
+        (["--model", "nope"], 2, "neither a built-in model (deepseek-r1, deepseek-v2, deepseek-v2-lite, deepseek-v3, kimi-k2, tiny)"),
         (["--random-tokens", "0"], 2, "--random-tokens must be positive, got 0"),
-        (["--model", "deepseek-v3"], 2, "mlapool prefill --num-layers 3"),
+        (["--model", "deepseek-v3"], 1, "GiB of weights per rank at TP=1 x PCP=1, routed experts split over 1 ranks; this host has"),
         (["--tp", "3"], 2, "TP=3 does not divide tiny's 8 attention heads"),
         (["--pcp", "0"], 2, "pcp must be a positive integer, got 0"),
         (["--kv-cache-tokens", "10"], 2, "kv_cache_tokens must be None or an integer >= block_size (64), got 10"),

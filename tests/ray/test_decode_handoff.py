@@ -18,7 +18,7 @@ from configs.pool import PoolConfig
 from workers.decode import ReferenceDecoder
 from workers.kv_transfer import KVReceiver
 from workers.model import DeepseekPrefillModel
-from workers.weights import load_checkpoint
+from workers.weights import load_weights
 
 STEPS = 8
 
@@ -33,7 +33,7 @@ def setup(tmp_path_factory, ray_cluster):
     with torch.no_grad():
         expected = hf.generate(torch.tensor([prompt]), max_new_tokens=STEPS + 1, do_sample=False)[0, len(prompt) :].tolist()
     model = DeepseekPrefillModel.create(config.model_config(), TorchSDPAPrefillBackend, dtype=torch.float32)
-    load_checkpoint(model, path)
+    load_weights(model, path)
     with PrefillPool(config).start() as pool:
         yield pool, model, prompt, expected
 

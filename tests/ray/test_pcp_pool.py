@@ -10,6 +10,7 @@ from attention.mla import plan_prefill_batch
 from cluster.pool import PrefillPool
 from configs.pool import PoolConfig
 from workers.model import DeepseekPrefillModel
+from workers.weights import load_weights
 
 # small chunks and blocks: every prompt spans several chunks, and its KV several stripes
 BASE = PoolConfig(
@@ -27,7 +28,7 @@ CUDA_CASES = [
 
 def _reference(config, prompts, draw_device=None):
     model = DeepseekPrefillModel.create(config.model_config(), TorchSDPAPrefillBackend, dtype=torch.float32)
-    model.init_random_weights(config.seed, draw_device=draw_device)
+    load_weights(model, None, config.seed, draw_device=draw_device)
     outs = [model(torch.from_numpy(np.asarray(p, dtype=np.int64)), plan_prefill_batch([len(p)])) for p in prompts]
     return [(out.logits[0], torch.stack(out.latents)) for out in outs]
 

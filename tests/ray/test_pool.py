@@ -11,6 +11,7 @@ from attention.mla import plan_prefill_batch
 from cluster.pool import PrefillPool
 from configs.pool import PoolConfig
 from workers.model import DeepseekPrefillModel
+from workers.weights import load_weights
 
 # small chunks so that every prompt below spans several chunks and batches
 BASE = PoolConfig(model="tiny", num_layers=3, chunk_tokens=48, max_batch_tokens=96, worker_cpus=0.5, seed=5, device="cpu")
@@ -21,7 +22,7 @@ def reference(prompts):
     """Single-process, TP=1 results of each prompt alone: (logits, last_hidden, latents [layers, T, 576])."""
     model_config = BASE.model_config()
     model = DeepseekPrefillModel.create(model_config, TorchSDPAPrefillBackend, dtype=torch.float32)
-    model.init_random_weights(BASE.seed)
+    load_weights(model, None, BASE.seed)
     results = []
     for prompt in prompts:
         out = model(torch.from_numpy(prompt), plan_prefill_batch([len(prompt)]))

@@ -17,6 +17,7 @@ from attention.mla import plan_prefill_batch
 from cluster.pool import PrefillPool
 from configs.pool import PoolConfig
 from workers.model import DeepseekPrefillModel
+from workers.weights import load_weights
 
 BASE = PoolConfig(model="tiny", num_layers=3, chunk_tokens=48, max_batch_tokens=96, worker_cpus=0.5, seed=5, device="cpu")
 
@@ -102,7 +103,7 @@ def test_shutdown_refuses_new_requests(ray_cluster):
 def test_a_dead_worker_fails_its_request_and_the_replica_recovers(ray_cluster, grid):
     prompts = [np.arange(1, 40), np.arange(3, 300) % 512, np.arange(7, 90)]
     model = DeepseekPrefillModel.create(BASE.model_config(), TorchSDPAPrefillBackend, dtype=torch.float32)
-    model.init_random_weights(BASE.seed)
+    load_weights(model, None, BASE.seed)
     expected = model(torch.from_numpy(prompts[2]), plan_prefill_batch([len(prompts[2])])).logits[0]
 
     with PrefillPool(BASE.replace(**grid, chunk_tokens=4, max_batch_tokens=8)).start() as pool:

@@ -10,7 +10,7 @@ from attention.mla import plan_prefill_batch
 from configs.model import load_model_config
 from workers.decode import ReferenceDecoder
 from workers.model import DeepseekPrefillModel
-from workers.weights import load_checkpoint
+from workers.weights import load_weights
 
 
 @pytest.fixture(scope="module")
@@ -19,7 +19,7 @@ def checkpoint(tmp_path_factory):
     hf = tiny_deepseek_v3(vocab_size=320, num_layers=2, max_positions=512, mscale_all_dim=1.0, seed=3)
     hf.save_pretrained(path)
     model = DeepseekPrefillModel.create(load_model_config(path), TorchSDPAPrefillBackend, dtype=torch.float32)
-    load_checkpoint(model, path)
+    load_weights(model, path)
     return hf, model
 
 

@@ -8,6 +8,7 @@ from attention.backends.torch_sdpa import TorchSDPAPrefillBackend
 from attention.mla import plan_prefill_batch
 from configs.model import load_model_config, model_config_from_dict
 from workers.model import DeepseekPrefillModel, TPShard
+from workers.weights import load_weights
 
 
 def _ours_from(hf_model):
@@ -31,7 +32,7 @@ def test_last_token_logits_match_transformers():
 def test_batch_of_mixed_lengths_equals_each_alone():
     config = load_model_config("tiny", num_hidden_layers=2)
     model = DeepseekPrefillModel.create(config, TorchSDPAPrefillBackend, dtype=torch.float32)
-    model.init_random_weights(3)
+    load_weights(model, None, 3)
     prompts = [torch.randint(0, config.vocab_size, (n,)) for n in (5, 130, 17)]
     together = model(torch.cat(prompts), plan_prefill_batch([5, 130, 17]))
     offset = 0
@@ -46,11 +47,11 @@ def test_batch_of_mixed_lengths_equals_each_alone():
 def test_random_init_is_the_same_weights_for_every_tp_degree():
     config = load_model_config("tiny", num_hidden_layers=1)
     full = DeepseekPrefillModel.create(config, TorchSDPAPrefillBackend, dtype=torch.float32)
-    full.init_random_weights(7)
+    load_weights(full, None, 7)
     shards = []
     for rank in range(2):
         shard = DeepseekPrefillModel.create(config, TorchSDPAPrefillBackend, tp=TPShard(rank, 2), dtype=torch.float32)
-        shard.init_random_weights(7)
+        load_weights(shard, None, 7)
         shards.append(dict(shard.named_parameters()))
     for name, param in full.named_parameters():
         dim = TPShard(0, 2).split_dim(name)
@@ -76,5 +77,3 @@ def test_bad_prompts_are_named():
         model(torch.zeros(9000, dtype=torch.int64), plan_prefill_batch([9000]))
     with pytest.raises(ValueError, match=r"TP=3 does not divide tiny's 8 attention heads; valid TP degrees: \[1, 2, 4, 8\]"):
         config.check_tp(3)
-    with pytest.raises(ValueError, match="MoE layers are not supported yet"):
-        DeepseekPrefillModel.create(load_model_config("deepseek-v2-lite", num_hidden_layers=2), TorchSDPAPrefillBackend)

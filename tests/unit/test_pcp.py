@@ -1,12 +1,11 @@
 """Prefill context parallelism: the zigzag split, KV striping, and PCP workers (gloo, one process
 per rank, no Ray) against the single-process reference for several chunk sizes and both strategies."""
 
-import multiprocessing
-import socket
-
 import numpy as np
 import pytest
 import torch
+
+from spmd import run_workers
 
 from attention.backends.base import DEEPSEEK_MLA_DIMS
 from attention.backends.torch_sdpa import TorchSDPAPrefillBackend
@@ -23,6 +22,7 @@ from workers.pcp import (
     shard_rows,
     zigzag_segments,
 )
+from workers.weights import load_weights
 
 BASE = PoolConfig(model="tiny", num_layers=2, device="cpu", seed=5, block_size=16, workspace_tokens=40)
 PROMPT_LENS = (1, 47, 130, 200)
@@ -99,35 +99,6 @@ def test_cost_model_switches_to_sharded_when_the_context_is_long():
 
 
 # ---- PCP workers in processes (gloo) ------------------------------------------------------------
-def _run_rank(rank, config, port, prompts, chunk, results):
-    from workers.worker import ChunkPiece, PrefillWorker
-
-    worker = PrefillWorker(config, rank)
-    worker.setup("127.0.0.1", port)
-    done, logits, strategies = [0] * len(prompts), {}, []
-    while any(d < len(p) for d, p in zip(done, prompts)):
-        pieces = []
-        for i, prompt in enumerate(prompts):
-            if done[i] < len(prompt):
-                n = min(chunk, len(prompt) - done[i])
-                pieces.append(ChunkPiece(f"r{i}", prompt[done[i] : done[i] + n], done[i], len(prompt)))
-                done[i] += n
-        out = worker.prefill(pieces)
-        if out is not None:
-            strategies.append(out.pcp_strategy)
-            logits.update({r.request_id: r.logits.numpy() for r in out.results})
-    kv = {f"r{i}": worker.fetch_kv(f"r{i}").tensor().numpy() for i in range(len(prompts))}
-    results.put((rank, logits, kv, strategies))
-    torch.distributed.barrier()
-    torch.distributed.destroy_process_group()
-
-
-def _free_port():
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def prompts():
     gen = np.random.default_rng(0)
@@ -137,7 +108,7 @@ def prompts():
 @pytest.fixture(scope="module")
 def reference(prompts):
     model = DeepseekPrefillModel.create(BASE.model_config(), TorchSDPAPrefillBackend, dtype=torch.float32)
-    model.init_random_weights(BASE.seed)
+    load_weights(model, None, BASE.seed)
     outs = [model(torch.from_numpy(p.astype(np.int64)), plan_prefill_batch([len(p)])) for p in prompts]
     return [(out.logits[0], torch.stack(out.latents)) for out in outs]
 
@@ -147,18 +118,10 @@ def reference(prompts):
 def test_pcp3_workers_equal_the_reference_whatever_the_chunk_size(prompts, reference, strategy, chunk):
     """PCP=3 (odd, so zigzag segments are uneven; chunk 5 leaves ranks without tokens)."""
     config = BASE.replace(pcp=3, pcp_strategy=strategy)
-    ctx = multiprocessing.get_context("spawn")
-    results = ctx.Queue()
-    port = _free_port()
-    procs = [ctx.Process(target=_run_rank, args=(r, config, port, prompts, chunk, results)) for r in range(3)]
-    for proc in procs:
-        proc.start()
-    got = sorted((results.get(timeout=120) for _ in procs), key=lambda item: item[0])
-    for proc in procs:
-        proc.join(timeout=60)
-    logits, strategies = got[0][1], got[0][3]
+    got = run_workers(config, prompts, chunk)
+    logits, strategies = got[0].logits, got[0].strategies
     assert strategies[0] == "none" and set(strategies[1:]) == {strategy}  # the first batch has no context
     for i, (ref_logits, ref_kv) in enumerate(reference):
         torch.testing.assert_close(torch.from_numpy(logits[f"r{i}"]), ref_logits, atol=2e-5, rtol=1e-5)
-        kv = interleave_shards([torch.from_numpy(got[r][2][f"r{i}"]) for r in range(3)], config.block_size)
+        kv = interleave_shards([torch.from_numpy(got[r].kv[f"r{i}"]) for r in range(3)], config.block_size)
         torch.testing.assert_close(kv, ref_kv, atol=2e-5, rtol=1e-5)

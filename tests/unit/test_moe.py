@@ -1,0 +1,285 @@
+"""MoE layers: routing and whole models against transformers (V3 and V2 routing, DeepSeek's FP8 format),
+expert parallelism in worker processes (gloo) against the single-process model, checkpoint loading
+of experts, and the refusals of bad configs and checkpoints."""
+
+import json
+
+import fp8_emulation
+import numpy as np
+import pytest
+import torch
+from hf_models import save_fp8, tiny_moe
+from safetensors.torch import load_file, save_file
+from spmd import emulated_fp8, run_workers, small_micro_batches
+from transformers.models.deepseek_v2.modeling_deepseek_v2 import DeepseekV2TopkRouter
+from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3TopkRouter
+
+from attention.backends.torch_sdpa import TorchSDPAPrefillBackend
+from attention.mla import plan_prefill_batch
+from configs.model import MoEConfig, load_model_config, model_config_from_dict
+from configs.pool import PoolConfig
+from workers.fp8 import FP8Linear, block_dequantize
+from workers.model import DeepseekPrefillModel
+from workers.moe import EPGroup, route
+from workers.pcp import interleave_shards
+from workers.weights import check_checkpoint, load_weights
+
+PROMPT_LENS = (1, 47, 130, 200)
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    """name -> (checkpoint dir, transformers reference): V3 routing, V2 routing, V3 in FP8 (hidden 256:
+    two 128-column blocks; most rows partial blocks)."""
+    out = {}
+    for name, family in (("v3", "v3"), ("v2", "v2")):
+        path = tmp_path_factory.mktemp(name)
+        model = tiny_moe(family, seed=3)
+        model.save_pretrained(path)
+        out[name] = (path, model)
+    path, reference = tmp_path_factory.mktemp("v3-fp8"), tmp_path_factory.mktemp("v3-fp8-dequantized")
+    out["v3-fp8"] = (path, save_fp8(tiny_moe("v3", hidden=256, seed=4), path, reference))
+    return out
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    gen = np.random.default_rng(0)
+    return [gen.integers(0, 320, size=n).astype(np.int32) for n in PROMPT_LENS]
+
+
+def _ours(path, **kw):
+    model = DeepseekPrefillModel.create(load_model_config(path), TorchSDPAPrefillBackend, **{"dtype": torch.float32, **kw})
+    load_weights(model, path)
+    return model
+
+
+def _transformers_logits(hf, prompts):
+    with torch.no_grad():
+        return torch.stack([hf(torch.from_numpy(p.astype(np.int64))[None]).logits[0, -1] for p in prompts])
+
+
+# ---- routing ----------------------------------------------------------------------------------------
+@pytest.mark.parametrize("family", ["v3", "v2"])
+def test_routing_equals_transformers_router(family):
+    hf = tiny_moe(family, seed=5)
+    router = hf.model.layers[1].mlp.gate
+    assert isinstance(router, DeepseekV3TopkRouter if family == "v3" else DeepseekV2TopkRouter)
+    config = load_model_config_from(hf).moe
+    x = torch.randn(500, 64)
+    with torch.no_grad():
+        logits, hf_weights, hf_ids = router(x)
+    bias = router.e_score_correction_bias if family == "v3" else None
+    if family == "v3":
+        assert bias.abs().max() > 0.1  # the bias is really used to choose
+    weights, ids = route(logits, config, bias)
+    order, hf_order = ids.argsort(dim=1), hf_ids.argsort(dim=1)
+    assert torch.equal(ids.gather(1, order), hf_ids.gather(1, hf_order))
+    torch.testing.assert_close(weights.gather(1, order), hf_weights.gather(1, hf_order))
+
+
+def load_model_config_from(hf):
+    return model_config_from_dict(hf.config.to_dict(), name="hf")
+
+
+def test_v2_routing_normalizes_or_scales_but_not_both():
+    """DeepSeek-V2's rule (transformers has no norm_topk_prob for V2): normalized weights are not scaled."""
+    logits = torch.tensor([[2.0, 1.0, 0.0, -1.0]])
+    base = dict(n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=8, scoring_func="softmax",
+                topk_method="greedy", routed_scaling_factor=3.0)  # fmt: skip
+    p = logits.softmax(-1)[0, :2]
+    weights, _ = route(logits, MoEConfig(**base, norm_topk_prob=False))
+    torch.testing.assert_close(weights.sort(descending=True).values[0], p * 3.0)
+    weights, _ = route(logits, MoEConfig(**base, norm_topk_prob=True))
+    torch.testing.assert_close(weights.sort(descending=True).values[0], p / p.sum())
+
+
+# ---- whole models, one process ------------------------------------------------------------------------
+@pytest.mark.parametrize("name", ["v3", "v2", "v3-fp8"])
+def test_moe_model_logits_equal_transformers(checkpoints, prompts, name):
+    path, hf = checkpoints[name]
+    ours = _ours(path)
+    out = ours(torch.from_numpy(np.concatenate(prompts).astype(np.int64)), plan_prefill_batch([len(p) for p in prompts]))
+    torch.testing.assert_close(out.logits, _transformers_logits(hf, prompts), atol=1e-5, rtol=1e-5)
+
+
+def test_fp8_gemm_path_keeps_the_checkpoint_format(checkpoints, prompts, monkeypatch):
+    """With FP8 GEMMs (torch's, emulated on the CPU with their layout checks) the linear layers hold the
+    checkpoint's own FP8 bytes and block scales, the experts one FP8 scale per output row, and the
+    logits stay within FP8's error of transformers on the dequantized weights."""
+    fp8_emulation.install(monkeypatch)
+    path, hf = checkpoints["v3-fp8"]
+    model = _ours(path, dtype=torch.bfloat16, fp8=True)
+    stored = load_file(path / "model.safetensors")
+    linears = {name: m for name, m in model.named_modules() if isinstance(m, FP8Linear)}
+    assert "model.layers.1.self_attn.kv_a_proj_with_mqa" in linears and len(linears) >= 8
+    for name, module in linears.items():
+        assert torch.equal(module.weight.view(torch.uint8), stored[name + ".weight"].view(torch.uint8)), name
+        assert torch.equal(module.weight_scale_inv, stored[name + ".weight_scale_inv"]), name
+    experts = model.model.layers[2].mlp.experts
+    for e in range(16):
+        prefix = f"model.layers.2.mlp.experts.{e}.down_proj.weight"
+        reference = block_dequantize(stored[prefix], stored[prefix + "_scale_inv"], torch.float32)
+        requantized = experts.down_proj[e].float() * experts.down_proj_scale[e][:, None]
+        assert ((requantized - reference).abs() <= reference.abs().amax(1, keepdim=True) / 16).all()  # FP8 rounding
+    out = model(torch.from_numpy(np.concatenate(prompts).astype(np.int64)), plan_prefill_batch([len(p) for p in prompts]))
+    expected = _transformers_logits(hf, prompts)
+    assert (out.logits - expected).abs().max() < 0.05 * expected.abs().max()
+    assert torch.equal(out.logits.argmax(-1), expected.argmax(-1))
+
+
+# ---- expert parallelism in worker processes --------------------------------------------------------
+@pytest.mark.parametrize(
+    "name,tp,pcp,prepare",
+    [
+        pytest.param("v3", 2, 1, small_micro_batches, id="v3-tp2-two-micro-batches"),
+        pytest.param("v2", 1, 2, None, id="v2-pcp2"),
+        pytest.param("v3", 2, 2, small_micro_batches, id="v3-tp2xpcp2-two-micro-batches"),
+        pytest.param("v3-fp8", 1, 3, None, id="v3-fp8-dequantized-pcp3-uneven-experts"),
+    ],
+)
+def test_expert_parallel_workers_equal_one_process(checkpoints, prompts, name, tp, pcp, prepare):
+    path, _ = checkpoints[name]
+    config = PoolConfig(checkpoint=str(path), tp=tp, pcp=pcp, device="cpu", chunk_tokens=48, block_size=8, kv_cache_tokens=1024)
+    got = run_workers(config, prompts, 48, prepare=prepare)
+    reference = _ours(path)
+    k = reference.config.moe.num_experts_per_tok
+    for i, prompt in enumerate(prompts):
+        out = reference(torch.from_numpy(prompt.astype(np.int64)), plan_prefill_batch([len(prompt)]))
+        torch.testing.assert_close(torch.from_numpy(got[0].logits[f"r{i}"]), out.logits[0], atol=2e-5, rtol=1e-5)
+        kv = interleave_shards([torch.from_numpy(got[p * tp].kv[f"r{i}"]) for p in range(pcp)], config.block_size)
+        torch.testing.assert_close(kv, torch.stack(out.latents), atol=2e-5, rtol=1e-5)
+    experts = [r.experts for r in got]
+    assert experts[0][0] == 0 and experts[-1][1] == 15 and all(a[1] + 1 == b[0] for a, b in zip(experts, experts[1:]))
+    for layer in (1, 2):  # every (token, expert) pair computed exactly once, somewhere
+        assert sum(r.moe_load[layer] for r in got) == sum(PROMPT_LENS) * k
+
+
+def test_expert_parallel_fp8_gemms(checkpoints, prompts):
+    """FP8 rows dispatched as bytes with their scales (emulated FP8 GEMMs, bfloat16) equal one process doing the same."""
+    path, _ = checkpoints["v3-fp8"]
+    config = PoolConfig(checkpoint=str(path), pcp=2, device="cpu", dtype="bfloat16", chunk_tokens=48, block_size=8, kv_cache_tokens=1024)
+    got = run_workers(config, prompts, 48, prepare=emulated_fp8)
+    emulated_fp8()
+    reference = _ours(path, dtype=torch.bfloat16, fp8=True)
+    for i, prompt in enumerate(prompts):
+        out = reference(torch.from_numpy(prompt.astype(np.int64)), plan_prefill_batch([len(prompt)]))
+        torch.testing.assert_close(torch.from_numpy(got[0].logits[f"r{i}"]), out.logits[0], atol=2e-2, rtol=2e-2)
+
+
+# ---- loading ----------------------------------------------------------------------------------------------
+def test_a_rank_reads_only_its_experts_files(checkpoints, tmp_path):
+    """A checkpoint sharded by expert: EP rank 1 of 2 opens the files of its experts and the shared
+    tensors, never the other rank's, and reads fewer bytes than the whole model."""
+    path, _ = checkpoints["v3"]
+    tensors = load_file(path / "model.safetensors")
+    files = {"rest.safetensors": {}, "experts-0-7.safetensors": {}, "experts-8-15.safetensors": {}}
+    for name, tensor in tensors.items():
+        expert = int(name.split(".")[5]) if ".mlp.experts." in name else None
+        file = "rest.safetensors" if expert is None else ("experts-0-7.safetensors" if expert < 8 else "experts-8-15.safetensors")
+        files[file][name] = tensor
+    weight_map = {}
+    for file, part in files.items():
+        save_file(part, tmp_path / file)
+        weight_map.update(dict.fromkeys(part, file))
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    (tmp_path / "config.json").write_text((path / "config.json").read_text())
+    model = DeepseekPrefillModel.create(load_model_config(tmp_path), TorchSDPAPrefillBackend, ep=EPGroup(1, 2), dtype=torch.float32)
+    report = load_weights(model, tmp_path)
+    assert report.files_opened == 2
+    total = sum(t.numel() * t.element_size() for t in tensors.values())
+    assert report.bytes_read == total - sum(t.numel() * t.element_size() for t in files["experts-0-7.safetensors"].values())
+    assert report.bytes_read == sum(p.numel() * p.element_size() for p in model.parameters())
+    assert torch.equal(model.model.layers[1].mlp.experts.down_proj[0], tensors["model.layers.1.mlp.experts.8.down_proj.weight"])
+
+
+def _edited(checkpoint, tmp_path, edit):
+    tensors = load_file(checkpoint / "model.safetensors")
+    edit(tensors)
+    save_file(tensors, tmp_path / "model.safetensors")
+    (tmp_path / "config.json").write_text((checkpoint / "config.json").read_text())
+    return tmp_path
+
+
+@pytest.mark.parametrize(
+    "name,edit,message",
+    [
+        ("v3", lambda t: t.pop("model.layers.2.mlp.experts.11.up_proj.weight"),
+         "missing 1 tensor(s) the model needs: model.layers.2.mlp.experts.11.up_proj.weight"),
+        ("v3", lambda t: t.update({"model.layers.1.mlp.experts.3.down_proj.weight": torch.zeros(64, 31)}),
+         r"model.layers.1.mlp.experts.3.down_proj.weight has shape [64, 31], the model expects [64, 32]"),
+        ("v3", lambda t: t.pop("model.layers.1.mlp.gate.e_score_correction_bias"),
+         "model.layers.1.mlp.gate.e_score_correction_bias"),
+        ("v3-fp8", lambda t: t.pop("model.layers.1.mlp.shared_experts.up_proj.weight_scale_inv"),
+         "model.layers.1.mlp.shared_experts.up_proj.weight is FP8 but model.layers.1.mlp.shared_experts.up_proj.weight_scale_inv"),
+        ("v3-fp8", lambda t: t.update({"model.layers.0.self_attn.q_a_proj.weight_scale_inv": torch.ones(1, 1)}),
+         "model.layers.0.self_attn.q_a_proj.weight_scale_inv has shape [1, 1], expected [1, 2]"),
+    ],  # fmt: skip
+)
+def test_bad_checkpoints_name_the_tensor(checkpoints, tmp_path, name, edit, message):
+    path = _edited(checkpoints[name][0], tmp_path, edit)
+    meta = DeepseekPrefillModel.create(load_model_config(path), TorchSDPAPrefillBackend, device="meta")
+    with pytest.raises(ValueError) as error:
+        check_checkpoint(meta, path)
+    assert message in str(error.value)
+    model = DeepseekPrefillModel.create(load_model_config(path), TorchSDPAPrefillBackend, dtype=torch.float32)
+    with pytest.raises(ValueError, match="model.layers"):  # the worker's loader refuses it too
+        load_weights(model, path)
+
+
+def test_fp8_weights_take_about_half_the_bytes():
+    config = load_model_config("deepseek-v3", num_hidden_layers=4)
+    meta = {fp8: DeepseekPrefillModel.create(config, TorchSDPAPrefillBackend, fp8=fp8, dtype=torch.bfloat16, device="meta")
+            for fp8 in (False, True)}  # fmt: skip
+    experts = 256 * 3 * 7168 * 2048
+    assert meta[False].weight_bytes() - meta[True].weight_bytes() > experts  # the experts at 1 byte, not 2
+    split = DeepseekPrefillModel.create(config, TorchSDPAPrefillBackend, ep=EPGroup(0, 4), fp8=True, dtype=torch.bfloat16, device="meta")
+    assert meta[True].weight_bytes() - split.weight_bytes() > 0.74 * experts  # a quarter of the experts per rank
+
+
+# ---- refusals -----------------------------------------------------------------------------------------
+MOE = {"n_routed_experts": 16, "num_experts_per_tok": 4, "moe_intermediate_size": 32, "n_group": 4, "topk_group": 2,
+       "scoring_func": "sigmoid", "topk_method": "noaux_tc"}  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "change,message",
+    [
+        ({"scoring_func": "relu"}, "scoring_func 'relu' is not supported; valid: sigmoid, softmax"),
+        ({"topk_method": "top2"}, "topk_method 'top2' is not supported; valid: greedy, group_limited_greedy, noaux_tc"),
+        ({"n_group": 5}, "n_group 5 does not divide n_routed_experts (16); valid n_group: [1, 2, 4, 8, 16]"),
+        ({"topk_group": 5}, "topk_group 5 exceeds n_group (4); valid: 1..4"),
+        ({"topk_group": 0}, "topk_group must be a positive integer, got 0"),
+        ({"num_experts_per_tok": 9, "topk_group": 2}, "topk_group 2 x 4 experts per group leaves fewer than num_experts_per_tok (9)"),
+        ({"n_group": 16, "topk_group": 4}, "noaux_tc ranks groups by their two best experts"),
+        ({"num_experts_per_tok": 17}, "num_experts_per_tok (17) exceeds n_routed_experts (16)"),
+        ({"routed_scaling_factor": 0}, "routed_scaling_factor must be a positive number, got 0"),
+        ({"hidden_act": "gelu"}, "hidden_act 'gelu' is not supported; valid: 'silu'"),
+        ({"num_experts_per_tok": None}, "n_routed_experts is set but num_experts_per_tok is missing"),
+        ({"scoring_func": None, "model_type": "mystery"}, "config has no scoring_func and its model_type 'mystery' implies none"),
+        ({"quantization_config": {"quant_method": "gptq"}}, "quantization_config quant_method 'gptq' is not supported; valid: 'fp8'"),
+        ({"quantization_config": {"quant_method": "fp8", "fmt": "e5m2", "weight_block_size": [128, 128]}},
+         "quantization_config fmt 'e5m2' is not supported; valid: 'e4m3'"),
+        ({"quantization_config": {"quant_method": "fp8", "weight_block_size": [64, 64]}},
+         "quantization_config weight_block_size [64, 64] is not supported; valid: [128, 128]"),
+        ({"quantization_config": {"quant_method": "fp8", "weight_block_size": [128, 128], "activation_scheme": "static"}},
+         "quantization_config activation_scheme 'static' is not supported; valid: 'dynamic'"),
+    ],  # fmt: skip
+)
+def test_bad_moe_and_fp8_configs_name_the_field_and_the_valid_values(change, message):
+    raw = {**load_model_config("tiny").source, **MOE}
+    raw.update(change)
+    raw = {k: v for k, v in raw.items() if v is not None}
+    with pytest.raises(ValueError) as error:
+        model_config_from_dict(raw, name="bad")
+    assert message in str(error.value)
+
+
+def test_tp_must_divide_the_shared_experts_width():
+    config = load_model_config("deepseek-v2-lite")  # 2 shared experts of 1408: 2816 = 2^8 x 11
+    config.check_tp(8)
+    with pytest.raises(ValueError, match=r"TP=3 does not divide deepseek-v2-lite's 16 attention heads"):
+        config.check_tp(3)
+    raw = {**config.source, "n_shared_experts": 1, "moe_intermediate_size": 1400}
+    with pytest.raises(ValueError, match=r"TP=16 does not divide .* 1400 shared experts' width .* valid TP degrees: \[1, 2, 4, 8\]"):
+        model_config_from_dict(raw, name="x").check_tp(16)

@@ -1,0 +1,142 @@
+"""FP8 weights in DeepSeek's block format, and the FP8 GEMMs that run them on Hopper.
+
+Checkpoint format (``configs.model.FP8Config``): a weight ``W [N, K]`` is stored as
+``q = float8_e4m3fn`` values and ``weight_scale_inv [ceil(N/128), ceil(K/128)]`` float32, one scale
+per 128 x 128 block (edge blocks partial), so that ``W[n, k] = q[n, k] * scale[n // 128, k // 128]``.
+
+At run time (SM90, torch's block-scaled ``_scaled_mm``) activations are quantized per token per 128
+columns, ``x[m, g] = qx[m, g] * sx[m, g]`` with ``sx = max|x[m, g*128:(g+1)*128]| / 448``, and
+
+    y[m, n] = sum_g sx[m, g] * scale[n // 128, g] * (qx[m, g-block] . q[n, g-block])   (fp32 accumulate)
+
+which is :class:`FP8Linear`. Routed experts run through torch's grouped FP8 GEMM, which on SM90 only
+takes one scale per row of each operand: their weights are requantized at load to one scale per
+output row (:func:`requantize_rows`; one more FP8 rounding of the checkpoint's values) and their
+activations quantized per token (see ``workers.moe``). Everywhere else (CPU, other GPUs, another
+compute dtype) FP8 weights are dequantized to the compute dtype at load.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+from torch import nn
+
+FP8 = torch.float8_e4m3fn
+FP8_MAX = 448.0
+BLOCK = 128
+EPS = 1e-10  # smallest amax used for a scale: an all-zero group quantizes to zeros, never NaN
+
+
+def fp8_gemm_supported(device: torch.device) -> bool:
+    """Whether torch runs DeepSeek's block-scaled FP8 GEMM here (SM90: torch restricts the 1x128 /
+    128x128 recipes to it)."""
+    return device.type == "cuda" and torch.cuda.get_device_capability(device) == (9, 0)
+
+
+def block_quantize(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``w [N, K]`` -> ``(q [N, K] float8_e4m3fn, scale [ceil(N/128), ceil(K/128)] float32)``, DeepSeek's recipe."""
+    n, k = w.shape
+    padded = nn.functional.pad(w.float(), (0, -k % BLOCK, 0, -n % BLOCK))
+    blocks = padded.view(padded.shape[0] // BLOCK, BLOCK, padded.shape[1] // BLOCK, BLOCK)
+    scale = blocks.abs().amax(dim=(1, 3)).clamp(min=EPS) / FP8_MAX
+    q = (blocks / scale[:, None, :, None]).clamp(-FP8_MAX, FP8_MAX).view_as(padded)[:n, :k].to(FP8)
+    return q, scale
+
+
+def block_dequantize(
+    q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, *, row_start: int = 0, col_start: int = 0
+) -> torch.Tensor:
+    """``q * scale`` in ``dtype`` for ``q``, the rows and columns of a block-quantized tensor that start at
+    ``(row_start, col_start)``; ``scale`` holds the blocks from ``(row_start // 128, col_start // 128)`` on."""
+    rows = scale.repeat_interleave(BLOCK, dim=0)[row_start % BLOCK :][: q.shape[0]]
+    full = rows.repeat_interleave(BLOCK, dim=1)[:, col_start % BLOCK :][:, : q.shape[1]]
+    return (q.float() * full).to(dtype)
+
+
+def requantize_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A weight ``w [..., N, K]`` (any float dtype) as FP8 with one scale per output row:
+    ``(q [..., N, K], scale [..., N] float32)``, ``w ~ q * scale[..., None]``."""
+    scale = w.float().abs().amax(dim=-1).clamp(min=EPS) / FP8_MAX
+    return (w.float() / scale[..., None]).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale
+
+
+def quantize_activations(
+    x: torch.Tensor,
+    group: int,
+    *,
+    pad_rows_to: int = 1,
+    silu_mul: bool = False,
+    row_weight: torch.Tensor | None = None,
+    impl: str = "auto",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Quantize ``x [M, K]`` to FP8 per row per ``group`` columns (``group == K``: one scale per row).
+
+    Returns ``q [M', K]`` and ``scale [K / group, M']`` float32 with ``M' = M`` rounded up to a
+    multiple of ``pad_rows_to`` (padding rows are zeros): ``scale.t()`` is the column-major
+    ``[M', groups]`` layout torch's block-scaled GEMM takes, ``scale[0]`` the per-row scales of the
+    grouped GEMM. ``silu_mul``: ``x`` is ``[M, 2K]`` and ``silu(x[:, :K]) * x[:, K:]`` is quantized;
+    ``row_weight [M]`` multiplies each row first. On CUDA a fused Triton kernel runs
+    (``workers.fp8_triton``), elsewhere torch ops; ``impl`` forces one ("triton" on CPU tensors needs
+    ``TRITON_INTERPRET=1``).
+    """
+    k = x.shape[1] // 2 if silu_mul else x.shape[1]
+    if k % group or (group % BLOCK and group != k):
+        raise ValueError(f"quantization groups of {group} columns need K ({k}) to be a multiple, and 128 to divide {group}")
+    rows = -(-x.shape[0] // pad_rows_to) * pad_rows_to
+    use_triton = impl == "triton" or (impl == "auto" and x.is_cuda and group % BLOCK == 0)
+    if impl == "triton" and not (x.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"):
+        raise ValueError("impl='triton' needs CUDA tensors (or TRITON_INTERPRET=1 for the interpreter on CPU)")
+    if use_triton:
+        from workers.fp8_triton import quantize
+
+        return quantize(x.contiguous(), group, rows, silu_mul=silu_mul, row_weight=row_weight, fp8_max=FP8_MAX, eps=EPS)
+    xf = x.float()
+    if silu_mul:
+        xf = nn.functional.silu(xf[:, :k]) * xf[:, k:]
+    if row_weight is not None:
+        xf = xf * row_weight.float()[:, None]
+    xf = nn.functional.pad(xf, (0, 0, 0, rows - x.shape[0]))
+    groups = xf.view(rows, k // group, group)
+    scale = groups.abs().amax(dim=-1).clamp(min=EPS) / FP8_MAX
+    q = (groups / scale[..., None]).clamp(-FP8_MAX, FP8_MAX).to(FP8).view(rows, k)
+    return q, scale.t().contiguous()
+
+
+class FP8Linear(nn.Module):
+    """``y = x @ W.T`` with ``W`` kept in DeepSeek's FP8 block format (``weight``, ``weight_scale_inv``:
+    the checkpoint's names), run as torch's block-scaled ``_scaled_mm`` (1x128 activation scales,
+    128x128 weight scales) with a bf16 output. Needs ``in_features % 128 == 0`` and SM90."""
+
+    def __init__(self, in_features: int, out_features: int, *, device=None, out_dtype: torch.dtype = torch.bfloat16) -> None:
+        super().__init__()
+        if in_features % BLOCK:
+            raise ValueError(f"FP8Linear needs in_features divisible by {BLOCK}, got {in_features}")
+        self.in_features, self.out_features, self.out_dtype = in_features, out_features, out_dtype
+        blocks = (-(-out_features // BLOCK), in_features // BLOCK)
+        self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=FP8, device=device), requires_grad=False)
+        self.weight_scale_inv = nn.Parameter(torch.empty(blocks, dtype=torch.float32, device=device), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x2 = x.reshape(-1, self.in_features)
+        q, scale = quantize_activations(x2, BLOCK, pad_rows_to=4)
+        # the weight's scales as torch takes them: [K blocks padded to a multiple of 4, N blocks], inner-dim-major
+        scale_b = nn.functional.pad(self.weight_scale_inv, (0, -self.weight_scale_inv.shape[1] % 4)).t()
+        y = torch._scaled_mm(q, self.weight.t(), scale_a=scale.t(), scale_b=scale_b, out_dtype=self.out_dtype)
+        return y[: x2.shape[0]].view(*shape[:-1], self.out_features)
+
+    def dequantized(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The weight ``[N, K]`` in ``dtype`` (for code that needs it whole, such as the absorbed decoder)."""
+        return block_dequantize(self.weight, self.weight_scale_inv, dtype)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, fp8 block 128x128"
+
+
+def linear_weight(module: nn.Module, dtype: torch.dtype) -> torch.Tensor:
+    """The weight of an ``nn.Linear`` or :class:`FP8Linear` in ``dtype``."""
+    if isinstance(module, FP8Linear):
+        return module.dequantized(dtype)
+    return module.weight.to(dtype)
