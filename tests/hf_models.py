@@ -75,6 +75,7 @@ def save_fp8(hf_model, path, reference_path):
     not the project's code. The same weights dequantized go to ``reference_path``; returns transformers'
     model loaded from there (the reference)."""
     hf_model.save_pretrained(reference_path)
+    Path(path).mkdir(parents=True, exist_ok=True)
     tensors = load_file(Path(reference_path) / "model.safetensors")
     quantized, dequantized = {}, {}
     for name, weight in tensors.items():

@@ -122,8 +122,9 @@ class FP8Linear(nn.Module):
         shape = x.shape
         x2 = x.reshape(-1, self.in_features)
         q, scale = quantize_activations(x2, BLOCK, pad_rows_to=4)
-        # the weight's scales as torch takes them: [K blocks padded to a multiple of 4, N blocks], inner-dim-major
-        scale_b = nn.functional.pad(self.weight_scale_inv, (0, -self.weight_scale_inv.shape[1] % 4)).t()
+        # the weight's scales as torch takes them: [K blocks, N blocks], inner-dim-major with a 16-byte aligned stride
+        k_blocks = self.weight_scale_inv.shape[1]
+        scale_b = nn.functional.pad(self.weight_scale_inv, (0, -k_blocks % 4))[:, :k_blocks].t()
         y = torch._scaled_mm(q, self.weight.t(), scale_a=scale.t(), scale_b=scale_b, out_dtype=self.out_dtype)
         return y[: x2.shape[0]].view(*shape[:-1], self.out_features)
 

@@ -298,6 +298,6 @@ def fp8_shard_aligned(linear: nn.Linear, split_dim: int | None, tp_size: int) ->
     """Whether a TP shard of this (local-shape) linear layer holds whole 128x128 weight blocks: its
     input width is a multiple of 128 and, when split, so is the split width (so every shard starts
     on a block boundary)."""
-    if linear.in_features % BLOCK:
+    if linear.in_features % BLOCK or linear.out_features % 16:  # torch's FP8 GEMM needs N % 16 == 0
         return False
     return split_dim != 0 or tp_size == 1 or linear.out_features % BLOCK == 0

@@ -24,6 +24,8 @@ Expert parallelism, per micro-batch of tokens:
        weighted pairs (the routing weight is applied before ``down``, which is linear)
     4. combine (all-to-all back, bf16): each token gets one partial sum per rank, added in fp32
 
+Both sums read each row once and add in float32 (:func:`gather_sum`, a Triton kernel on CUDA).
+
 No (token, expert) pair is computed twice. With two micro-batches the dispatch of the second and
 the combine of the first run while the experts of the other compute (as DeepSeek's prefill does),
 with one host sync for both. With one rank the same code runs without the all-to-alls.
@@ -33,6 +35,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Any
+
+import os
 
 import torch
 import torch.distributed as dist
@@ -61,6 +65,21 @@ class EPGroup:
         """The routed experts ``rank`` (default: this one) holds: a contiguous share, sizes differing by at most one."""
         r = self.rank if rank is None else rank
         return range(r * num_experts // self.size, (r + 1) * num_experts // self.size)
+
+
+def gather_sum(src: torch.Tensor, index: torch.Tensor, dtype: torch.dtype, *, impl: str = "auto") -> torch.Tensor:
+    """``out [T, H]`` in ``dtype`` with ``out[t] = sum_j src[index[t, j]]`` (float32 accumulation) over the
+    slots whose ``index [T, S]`` is not -1. A Triton kernel on CUDA (``workers.moe_triton``), torch ops
+    elsewhere; ``impl`` forces one ("triton" on CPU tensors needs ``TRITON_INTERPRET=1``)."""
+    if impl == "triton" or (impl == "auto" and src.is_cuda):
+        if impl == "triton" and not (src.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"):
+            raise ValueError("impl='triton' needs CUDA tensors (or TRITON_INTERPRET=1 for the interpreter on CPU)")
+        from workers.moe_triton import gather_sum as kernel
+
+        return kernel(src.contiguous(), index.contiguous(), dtype)
+    padded = torch.cat([src, src.new_zeros(1, src.shape[1])])  # row -1 reads zeros
+    rows = padded.index_select(0, torch.where(index >= 0, index, src.shape[0]).reshape(-1))
+    return rows.view(*index.shape, src.shape[1]).sum(dim=1, dtype=torch.float32).to(dtype)
 
 
 # ---- routing -------------------------------------------------------------------------------------
@@ -242,15 +261,15 @@ class MoE(nn.Module):
         pair_index = pair_index[torch.argsort(experts, stable=True)]
         offs = torch.bincount(experts, minlength=self.experts.num_local).cumsum(0).to(torch.int32)
         self.pairs += pairs
-        out = rows[0].new_zeros(n, self.experts.down_proj.shape[1], dtype=self._out_dtype(rows))
-        if pairs:
-            row = pair_index // k
-            y = self.experts([r.index_select(0, row) for r in rows], weights.reshape(-1)[pair_index], offs)
-            out.index_add_(0, row, y)
-        return out
-
-    def _out_dtype(self, rows: list[torch.Tensor]) -> torch.dtype:
-        return torch.bfloat16 if self.experts.fp8 else rows[0].dtype
+        dtype = torch.bfloat16 if self.experts.fp8 else rows[0].dtype
+        if not pairs:
+            return rows[0].new_zeros(n, self.experts.down_proj.shape[1], dtype=dtype)
+        y = self.experts([r.index_select(0, pair_index // k) for r in rows], weights.reshape(-1)[pair_index], offs)
+        # where each (row, slot)'s output is in y, or -1
+        where = torch.full((n * k,), -1, dtype=torch.int64, device=y.device).index_copy_(
+            0, pair_index, torch.arange(pairs, device=y.device)
+        )
+        return gather_sum(y, where.view(n, k), dtype)
 
     def _expert_parallel(self, x: torch.Tensor, rows: list[torch.Tensor], ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         tokens = x.shape[0]
@@ -264,10 +283,7 @@ class MoE(nn.Module):
             received = work()
             y = self._compute(received[:-1], *plan.unpack_meta(received[-1]), plan.recv_pairs)
             returns.append(plan.send_back(y))
-        out = torch.empty(tokens, x.shape[1], dtype=x.dtype, device=x.device)
-        for plan, work, a, b in zip(plans, returns, bounds, bounds[1:]):
-            out[a:b] = plan.combine(work())
-        return out
+        return torch.cat([plan.combine(work(), x.dtype) for plan, work in zip(plans, returns)])
 
 
 class _Dispatch:
@@ -308,11 +324,12 @@ class _Dispatch:
     def send_back(self, y: torch.Tensor):
         return _all_to_all([y], self.recv_rows, self.send_rows, self.ep)
 
-    def combine(self, received: list[torch.Tensor]) -> torch.Tensor:
-        """Every rank's partial sums of this micro-batch's tokens -> their fp32 sum ``[T, H]``."""
+    def combine(self, received: list[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
+        """Every rank's partial sums of this micro-batch's tokens -> their sum ``[T, H]`` (fp32 accumulation)."""
         (y,) = received
-        partial = y.new_zeros(self.ep.size * self.tokens, y.shape[1]).index_copy_(0, self.slots, y)
-        return partial.view(self.ep.size, self.tokens, -1).sum(dim=0, dtype=torch.float32)
+        where = torch.full((self.ep.size * self.tokens,), -1, dtype=torch.int64, device=y.device)
+        where.index_copy_(0, self.slots, torch.arange(len(self.slots), device=y.device))
+        return gather_sum(y, where.view(self.ep.size, self.tokens).t(), dtype)
 
 
 def _exchange_counts(plans: list[_Dispatch], ep: EPGroup) -> None:

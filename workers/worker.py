@@ -313,17 +313,24 @@ class PrefillWorker:
         return shard_rows(tokens, self.pcp.rank, self.pcp.size, self.config.block_size)
 
     def _allocate_kv_cache(self, model_config, dtype: torch.dtype, device: torch.device) -> PagedKVCache:
-        """The paged cache, sized by ``kv_cache_tokens`` or, on a GPU, by the memory left after
-        a profile prefill of one full chunk at ``gpu_memory_utilization``."""
+        """The paged cache, sized by ``kv_cache_tokens`` or, on a GPU, by the memory left at
+        ``gpu_memory_utilization`` after a profile prefill of the largest batch: ``max_batch_tokens``
+        of new requests, one full chunk each."""
         config, layers, width = self.config, model_config.num_hidden_layers, model_config.attention.latent_dim
         per_block = PagedKVCache.bytes_per_block(layers, config.block_size, width, dtype)
         if config.kv_cache_tokens is not None:
             num_blocks = blocks_for(config.kv_cache_tokens, config.block_size)
         elif device.type == "cuda":
-            profile_tokens = min(config.chunk_tokens, model_config.max_position_embeddings)
-            self.kv = PagedKVCache(layers, blocks_for(profile_tokens, config.block_size), config.block_size, width, dtype, device)
+            chunk = min(config.chunk_tokens, model_config.max_position_embeddings)
+            full, rest = divmod(config.max_batch_tokens, chunk)
+            lens = [chunk] * full + ([rest] if rest else [])
+            profile_blocks = sum(blocks_for(self._rows(n), config.block_size) for n in lens)
+            self.kv = PagedKVCache(layers, profile_blocks, config.block_size, width, dtype, device)
             torch.cuda.reset_peak_memory_stats(device)
-            self._prefill_dummy(profile_tokens, chunks=1)
+            names = [f"{WARMUP_REQUEST}{i}" for i in range(len(lens))]
+            ids = np.arange(chunk, dtype=np.int32) % model_config.vocab_size
+            self.prefill([ChunkPiece(name, ids[:n], 0, n) for name, n in zip(names, lens)])
+            self.release(names)
             peak = torch.cuda.max_memory_allocated(device)
             del self.kv
             torch.cuda.empty_cache()
@@ -331,25 +338,21 @@ class PrefillWorker:
             num_blocks = int(budget // per_block)
             if num_blocks < 1:
                 raise ValueError(
-                    f"no GPU memory left for the KV cache: weights and a {profile_tokens}-token chunk peak at "
+                    f"no GPU memory left for the KV cache: weights and a {config.max_batch_tokens}-token batch peak at "
                     f"{peak / 2**30:.1f} GiB of {torch.cuda.get_device_properties(device).total_memory / 2**30:.1f} GiB; "
-                    "raise gpu_memory_utilization, lower chunk_tokens, or use more TP"
+                    "raise gpu_memory_utilization, lower chunk_tokens or max_batch_tokens, or use more TP"
                 )
         else:
             num_blocks = blocks_for(CPU_KV_CACHE_TOKENS, config.block_size)
         return PagedKVCache(layers, num_blocks, config.block_size, width, dtype, device)
 
-    def _prefill_dummy(self, tokens: int, chunks: int) -> None:
-        ids = np.arange(tokens, dtype=np.int32) % self.model.config.vocab_size
-        step = -(-tokens // chunks)
-        for start in range(0, tokens, step):
-            self.prefill([ChunkPiece(WARMUP_REQUEST, ids[start : start + step], start, tokens)])
-        self.release([WARMUP_REQUEST])
-
     def _warm_up(self) -> None:
         """Prefill a dummy prompt in two chunks (new tokens, then new tokens over cached context),
         so kernels are JIT-compiled and planned before the first request, not during it."""
-        self._prefill_dummy(32, chunks=2)
+        ids = np.arange(32, dtype=np.int32) % self.model.config.vocab_size
+        for start in (0, 16):
+            self.prefill([ChunkPiece(WARMUP_REQUEST, ids[start : start + 16], start, 32)])
+        self.release([WARMUP_REQUEST])
 
     def fetch_kv(self, request_id: str) -> HostKV:
         """This worker's latent rows of a request, ``[layers, rows, latent]`` on the host."""

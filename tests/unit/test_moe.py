@@ -20,7 +20,7 @@ from configs.model import MoEConfig, load_model_config, model_config_from_dict
 from configs.pool import PoolConfig
 from workers.fp8 import FP8Linear, block_dequantize
 from workers.model import DeepseekPrefillModel
-from workers.moe import EPGroup, route
+from workers.moe import EPGroup, gather_sum, route
 from workers.pcp import interleave_shards
 from workers.weights import check_checkpoint, load_weights
 
@@ -92,6 +92,22 @@ def test_v2_routing_normalizes_or_scales_but_not_both():
     torch.testing.assert_close(weights.sort(descending=True).values[0], p * 3.0)
     weights, _ = route(logits, MoEConfig(**base, norm_topk_prob=True))
     torch.testing.assert_close(weights.sort(descending=True).values[0], p / p.sum())
+
+
+@pytest.mark.parametrize(
+    "impl,device,dtype",
+    [("torch", "cpu", torch.float32), ("triton", "cpu", torch.float32)]
+    + ([pytest.param("triton", "cuda", torch.bfloat16, marks=pytest.mark.gpu)] if torch.cuda.is_available() else []),
+)
+def test_gather_sum_adds_the_indexed_rows_in_float32(impl, device, dtype):
+    src = torch.randn(500, 1100, device=device).to(dtype)  # a width that is not a multiple of the kernel's block
+    index = torch.randint(-1, 500, (300, 8), device=device)
+    index[7] = -1  # a row with nothing to add
+    expected = torch.stack([sum((src[i].double() for i in row if i >= 0), torch.zeros(1100, dtype=torch.float64, device=device))
+                            for row in index.tolist()])  # fmt: skip
+    got = gather_sum(src, index, torch.float32, impl=impl)
+    torch.testing.assert_close(got.double(), expected, atol=1e-5, rtol=1e-5)
+    assert torch.equal(got[7], torch.zeros(1100, device=device))
 
 
 # ---- whole models, one process ------------------------------------------------------------------------

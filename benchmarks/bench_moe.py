@@ -1,0 +1,384 @@
+"""MoE prefill benchmark: DeepSeek-shaped slices and whole smaller models, 1..N GPUs, FP8 and bf16.
+
+For each layout ``FORMAT:G`` (weights ``fp8`` or ``bf16``, G GPUs), one process per GPU runs a ``PrefillWorker`` of one replica
+(TP=1 x PCP=G: each GPU takes its zigzag share of every prompt's tokens, and the MoE layers' routed
+experts are split over all G GPUs, EP=G), with the model's seeded random weights (FP8 in DeepSeek's
+block format where the config says so; ``bf16`` dequantizes the same weights at load). Batches go to
+every worker directly, as the pool's scheduler sends them, so the times are the workers' own (no Ray
+call or driver queue in them). Per prompt case ``NxL`` (N prompts of L tokens in flight, prefilled
+in chunks of at most ``--chunk-tokens`` tokens each):
+
+Cases ``NxL/gpu`` give each GPU N prompts (weak scaling: the per-GPU work stays that of one GPU).
+
+- ``seconds``: median over ``--repeats`` runs (after one warm-up run) from the first batch sent to
+  the last logits on rank 0; for one prompt this is its TTFT;
+- ``tokens_per_s``, per GPU, and ``layer_tokens_per_s_per_gpu`` = tokens/s x layers / GPUs;
+- model FLOPs (2 x active parameters per token, plus causal attention ``H * S^2 * (192 + 128)`` per
+  prompt) per GPU per second, as a fraction of the H200's dense peaks (989 TF/s bf16, 1979 FP8);
+- the (token, expert) pairs each GPU computed per MoE layer.
+
+Also per run: ``moe_layer``: the first MoE layer alone on ``--moe-tokens`` tokens per GPU (router,
+dispatch, experts, combine; shared experts apart) against the raw grouped-GEMM kernels on the very
+shapes that call produced; ``agreement``: each prompt case's first prompt, logits and latent KV,
+against the first layout and weight format of the run (relative max error, first token).
+
+    python benchmarks/bench_moe.py --model deepseek-v3 --num-layers 5 --layouts fp8:1 fp8:2 fp8:4 bf16:1 \\
+        --prompts 1x8192 1x32768 1x131072 16x4096/gpu --out FILE.json
+    python benchmarks/bench_moe.py --model deepseek-v2-lite --layouts bf16:1 --prompts 1x4096 1x32768 --out FILE.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+import traceback
+from datetime import datetime, timezone
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.multiprocessing as mp
+
+PEAK_TFLOPS = {"bf16": 989.0, "fp8": 1979.0}  # H200 dense, datasheet
+SAFE_NCCL_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
+
+
+def parse_case(text: str, gpus: int) -> tuple[int, int]:
+    """``NxL``: N prompts of L tokens; ``NxL/gpu``: N per GPU (weak scaling)."""
+    case, _, per = text.lower().partition("/")
+    count, length = case.split("x")
+    return int(count) * (gpus if per == "gpu" else 1), int(length)
+
+
+def model_flops(config, prompt_lens: list[int]) -> float:
+    """Forward FLOPs of the prompts: 2 x active parameters per token, plus causal attention."""
+    from workers.model import DeepseekPrefillModel
+    from attention.backends.torch_sdpa import TorchSDPAPrefillBackend
+
+    meta = DeepseekPrefillModel.create(config, TorchSDPAPrefillBackend, device="meta")
+    active = 0
+    for name, param in meta.model.layers.named_parameters():
+        if ".experts." in name:  # stacked routed experts: k of E per token
+            active += param.numel() * config.moe.num_experts_per_tok // config.moe.n_routed_experts
+        elif not name.endswith("norm.weight"):
+            active += param.numel()
+    tokens = sum(prompt_lens)
+    dims = config.attention.dims
+    attention = sum(config.num_heads * s * s * (dims.qk_head_dim + dims.v_head_dim) for s in prompt_lens)
+    return 2 * active * tokens + attention * config.num_hidden_layers
+
+
+def _sync() -> None:
+    if torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+
+
+def _timed(fn, repeats: int) -> float:
+    """Median seconds of ``fn()`` after one warm-up call (device synchronized around each)."""
+    fn()
+    times = []
+    for _ in range(repeats):
+        _sync()
+        started = time.perf_counter()
+        fn()
+        _sync()
+        times.append(time.perf_counter() - started)
+    return statistics.median(times)
+
+
+def _run_prompts(worker, prompts: list[np.ndarray], chunk: int, tag: str):
+    """Prefill every prompt (all in flight, each chunk by chunk); returns rank 0's results by id."""
+    from workers.worker import ChunkPiece
+
+    done, results = [0] * len(prompts), {}
+    while any(d < len(p) for d, p in zip(done, prompts)):
+        pieces = []
+        for i, prompt in enumerate(prompts):
+            if done[i] < len(prompt):
+                n = min(chunk, len(prompt) - done[i])
+                pieces.append(ChunkPiece(f"{tag}{i}", prompt[done[i] : done[i] + n], done[i], len(prompt)))
+                done[i] += n
+        out = worker.prefill(pieces)
+        if out is not None:
+            results.update({r.request_id: r for r in out.results})
+    return results
+
+
+def _moe_layer(worker, tokens: int) -> dict:
+    """The first MoE layer on ``tokens`` random hidden rows per GPU against its raw grouped GEMMs."""
+    moe = worker.model.moe_layers()[0][1]
+    experts = moe.experts
+    hidden = worker.model.config.hidden_size
+    device = worker.model.lm_head.weight.device
+    gen = torch.Generator(device=device).manual_seed(100 + worker.rank)
+    x = torch.randn(tokens, hidden, generator=gen, device=device).to(worker.model.dtype)
+    seen = {}
+    forward = experts.forward
+
+    def capture(rows, weights, offs):
+        seen.update(rows=rows, weights=weights, offs=offs)
+        return forward(rows, weights, offs)
+
+    experts.forward = capture
+    routed_s = _timed(lambda: moe.routed(x), 10)
+    experts.forward = forward
+    rows, weights, offs = seen["rows"], seen["weights"], seen["offs"]
+    experts_s = _timed(lambda: experts(rows, weights, offs), 10)
+    width = experts.intermediate
+    if experts.fp8:
+        from workers.fp8 import FP8, quantize_activations
+
+        q, scale = rows[0].view(FP8), rows[1]
+        gate_up = torch._scaled_grouped_mm(q, experts.gate_up_proj.transpose(-2, -1), scale, experts.gate_up_proj_scale, offs=offs, out_dtype=torch.bfloat16)
+        hq, hs = quantize_activations(gate_up, width, silu_mul=True, row_weight=weights)
+
+        def gemms():
+            torch._scaled_grouped_mm(q, experts.gate_up_proj.transpose(-2, -1), scale, experts.gate_up_proj_scale, offs=offs, out_dtype=torch.bfloat16)
+            torch._scaled_grouped_mm(hq, experts.down_proj.transpose(-2, -1), hs[0], experts.down_proj_scale, offs=offs, out_dtype=torch.bfloat16)
+    else:
+        (xr,) = rows
+        h = torch.randn(xr.shape[0], width, device=device, dtype=xr.dtype)
+
+        def gemms():
+            torch._grouped_mm(xr, experts.gate_up_proj.transpose(-2, -1), offs=offs)
+            torch._grouped_mm(h, experts.down_proj.transpose(-2, -1), offs=offs)
+
+    gemm_s = _timed(gemms, 10)
+    shared_s = _timed(lambda: moe.shared_experts(x), 10) if moe.shared_experts is not None else 0.0
+    pairs = int(offs[-1])
+    flops = 2 * pairs * (hidden * 2 * width + width * hidden)
+    return {
+        "tokens_per_gpu": tokens, "pairs_here": pairs, "experts_here": experts.num_local,
+        "routed_s": routed_s, "experts_s": experts_s, "grouped_gemm_s": gemm_s, "shared_experts_s": shared_s,
+        "grouped_gemm_tflops": flops / gemm_s / 1e12,
+        "routed_over_grouped_gemm": routed_s / gemm_s, "experts_over_grouped_gemm": experts_s / gemm_s,
+    }  # fmt: skip
+
+
+def _worker(rank: int, gpus: int, args, weights: str, port: int, queue) -> None:
+    os.environ.update(SAFE_NCCL_ENV)
+    if args.device == "cuda":
+        torch.cuda.set_device(rank)
+    from configs.pool import PoolConfig
+    from workers.worker import PrefillWorker
+
+    cases = {spec: parse_case(spec, gpus) for spec in args.prompts}
+    config = PoolConfig(
+        model=args.model, num_layers=args.num_layers, pcp=gpus, backend=args.backend,
+        dtype="bfloat16" if args.device == "cuda" else "float32",
+        quantization="auto" if weights == "fp8" else "none", device=args.device, chunk_tokens=args.chunk_tokens,
+        max_batch_tokens=max(args.chunk_tokens, max(n * min(length, args.chunk_tokens) for n, length in cases.values())),
+        gpu_memory_utilization=0.85, ep_micro_batches=args.micro_batches, seed=0,
+    )  # fmt: skip
+    try:
+        worker = PrefillWorker(config, rank)
+        info = worker.setup("127.0.0.1", port)
+        if weights == "fp8" and info.weights != "fp8" and args.device == "cuda":
+            raise RuntimeError(f"asked for FP8 GEMMs, the worker holds its weights as {info.weights}")
+        model_config = worker.model.config
+        out = {"info": info.__dict__, "cases": []}
+        for index, (spec, (count, length)) in enumerate(cases.items()):
+            gen = np.random.default_rng(index)  # each case's first prompt is the same in every layout
+            prompts = [gen.integers(0, model_config.vocab_size, size=length).astype(np.int32) for _ in range(count)]
+            loads_before = worker.moe_load()
+            times = []
+            for run in range(args.repeats + 1):
+                if gpus > 1:
+                    torch.distributed.barrier()
+                _sync()
+                started = time.perf_counter()
+                results = _run_prompts(worker, prompts, args.chunk_tokens, f"c{count}x{length}r{run}-")
+                _sync()
+                seconds = time.perf_counter() - started
+                if run:
+                    times.append(seconds)
+                ids = [f"c{count}x{length}r{run}-{i}" for i in range(count)]
+                if run == args.repeats:
+                    kv = worker.fetch_kv(ids[0]).tensor()
+                    first = results.get(ids[0])
+                worker.release(ids)
+            loads = {k: v - loads_before.get(k, 0) for k, v in worker.moe_load().items()}
+            # the first prompt's outputs go through a file: tensors in a queue die with their process
+            outputs = Path(args.scratch) / f"{weights}-{gpus}-{rank}-{count}x{length}.pt"
+            torch.save({"logits": first.logits if first is not None else None, "kv": kv}, outputs)
+            out["cases"].append({
+                "case": spec, "prompts": count, "prompt_tokens": length, "seconds": statistics.median(times), "runs_s": times,
+                "pairs_per_layer": {str(k): v / (args.repeats + 1) for k, v in loads.items()}, "outputs": str(outputs),
+            })  # fmt: skip
+        if args.moe_tokens and worker.model.moe_layers():
+            out["moe_layer"] = _moe_layer(worker, args.moe_tokens)
+        out["peak_gpu_gib"] = torch.cuda.max_memory_allocated() / 2**30 if args.device == "cuda" else None
+        queue.put((rank, out))
+    except Exception as exc:  # noqa: BLE001 -- reported to the parent, which records it and goes on
+        queue.put((rank, {"error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()}))
+    finally:
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def run(args, gpus: int, weights: str) -> list[dict]:
+    """One layout and weight format: every rank's results (rank order), or raises with the first error."""
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = _free_port()
+    procs = [ctx.Process(target=_worker, args=(r, gpus, args, weights, port, queue)) for r in range(gpus)]
+    for proc in procs:
+        proc.start()
+    try:
+        got = sorted((queue.get(timeout=args.timeout) for _ in procs), key=lambda item: item[0])
+    finally:
+        for proc in procs:
+            proc.join(timeout=30)
+            if proc.is_alive():
+                proc.kill()
+    errors = [out for _, out in got if "error" in out]
+    if errors:
+        raise RuntimeError(errors[0]["error"] + "\n" + errors[0]["traceback"])
+    return [out for _, out in got]
+
+
+def relative_error(x: torch.Tensor, ref: torch.Tensor) -> float:
+    """Largest error over the largest magnitude."""
+    return ((x.float() - ref.float()).abs().max() / ref.float().abs().max()).item()
+
+
+def relative_l2(x: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((x.float() - ref.float()).norm() / ref.float().norm()).item()
+
+
+def summarize(args, model_config, gpus: int, weights: str, ranks: list[dict]) -> dict:
+    from workers.pcp import interleave_shards
+
+    layers = model_config.num_hidden_layers
+    info = ranks[0]["info"]
+    entry = {
+        "weights": weights, "gpus": gpus, "tp": 1, "pcp": gpus, "ep": gpus, "backend": info["backend"],
+        "load_s": [r["info"]["load_s"] for r in ranks], "peak_host_mib": [r["info"]["peak_host_mib"] for r in ranks],
+        "weight_gib_per_gpu": [r["info"]["weight_bytes"] / 2**30 for r in ranks],
+        "peak_gpu_gib": [r["peak_gpu_gib"] for r in ranks], "warmup_s": info["warmup_s"], "cases": [],
+    }  # fmt: skip
+    outputs = {}
+    for i, case in enumerate(ranks[0]["cases"]):
+        count, length = case["prompts"], case["prompt_tokens"]
+        tokens = count * length
+        flops = model_flops(model_config, [length] * count)
+        seconds = case["seconds"]
+        per_gpu = flops / seconds / gpus / 1e12
+        entry["cases"].append({
+            "case": case["case"], "prompts": count, "prompt_tokens": length, "tokens": tokens, "chunk_tokens": args.chunk_tokens,
+            "seconds": round(seconds, 4), "ttft_s": round(seconds, 4) if count == 1 else None,
+            "runs_s": [round(t, 4) for t in case["runs_s"]],
+            "tokens_per_s": round(tokens / seconds, 1), "tokens_per_s_per_gpu": round(tokens / seconds / gpus, 1),
+            "layer_tokens_per_s_per_gpu": round(tokens * layers / seconds / gpus, 1),
+            "model_tflops_per_gpu": round(per_gpu, 1),
+            "fraction_of_bf16_peak": round(per_gpu / PEAK_TFLOPS["bf16"], 3),
+            "fraction_of_fp8_peak": round(per_gpu / PEAK_TFLOPS["fp8"], 3),
+            "pairs_per_gpu_per_layer": {layer: [r["cases"][i]["pairs_per_layer"][layer] for r in ranks]
+                                        for layer in case["pairs_per_layer"]},
+        })  # fmt: skip
+        saved = [torch.load(r["cases"][i]["outputs"]) for r in ranks]
+        outputs[case["case"]] = (saved[0]["logits"], interleave_shards([part["kv"] for part in saved], 64))
+        print(f"{weights} {gpus} GPU(s) {case['case']} ({count}x{length}): {seconds * 1e3:9.1f} ms  {tokens / seconds:10.0f} tok/s  "
+              f"{tokens * layers / seconds / gpus:10.0f} layer-tok/s/GPU  {per_gpu:6.1f} TF/s/GPU", flush=True)  # fmt: skip
+    if "moe_layer" in ranks[0]:
+        entry["moe_layer"] = [r["moe_layer"] for r in ranks]
+        worst = max(r["moe_layer"]["routed_over_grouped_gemm"] for r in ranks)
+        print(f"  MoE layer: routed / raw grouped GEMM = {worst:.3f} (worst rank)", flush=True)
+    return entry, outputs
+
+
+def machine() -> dict:
+    info = {"host": platform.node(), "python": platform.python_version(), "torch": torch.__version__}
+    if torch.cuda.is_available():
+        info.update(gpu=torch.cuda.get_device_name(0), gpus=torch.cuda.device_count(), cuda=torch.version.cuda)
+    for module in ("flash_attn", "flashinfer", "triton"):
+        try:
+            info[module] = getattr(__import__(module), "__version__", "installed")
+        except ImportError:
+            info[module] = None
+    return info
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default="deepseek-v3")
+    parser.add_argument("--num-layers", type=int, default=None, help="the first N layers (DeepSeek-V3: 3 dense, then MoE)")
+    parser.add_argument("--layouts", nargs="+", default=["fp8:1"], help="FORMAT:GPUS, FORMAT fp8 or bf16; the first is the baseline")
+    parser.add_argument("--prompts", nargs="+", default=["1x8192"], help="cases NxL: N prompts of L tokens in flight")
+    parser.add_argument("--chunk-tokens", type=int, default=32768)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--moe-tokens", type=int, default=16384, help="tokens per GPU for the MoE-layer-alone timing (0: skip)")
+    parser.add_argument("--micro-batches", type=int, default=2, choices=[1, 2])
+    parser.add_argument("--backend", default="auto")
+    parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"], help="cpu: a smoke test of this script (gloo, float32)")
+    parser.add_argument("--timeout", type=float, default=540)
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--scratch", default="/tmp/bench_moe", help="where workers leave their outputs for the comparisons")
+    args = parser.parse_args()
+    Path(args.scratch).mkdir(parents=True, exist_ok=True)
+
+    from configs.pool import PoolConfig
+
+    model_config = PoolConfig(model=args.model, num_layers=args.num_layers).model_config()
+    result = {
+        "benchmark": "MoE prefill, random weights, one process per GPU (no Ray)",
+        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "machine": machine(),
+        "command": " ".join([Path(sys.executable).name, *sys.argv]),
+        "model": args.model, "layers": model_config.num_hidden_layers, "moe_layers": model_config.moe_layers,
+        "runs": [], "agreement": {}, "scaling": {}, "errors": [],
+    }  # fmt: skip
+    layouts = [layout.partition(":")[::2] for layout in args.layouts]
+    for weights, gpus in layouts:
+        if weights not in ("fp8", "bf16") or not gpus.isdigit() or int(gpus) < 1:
+            parser.error(f"layout {weights}:{gpus} is not FORMAT:GPUS, FORMAT fp8 or bf16, GPUS a positive integer")
+    baseline, rates = None, {}
+    for weights, gpus in ((w, int(g)) for w, g in layouts):
+        try:
+            entry, outputs = summarize(args, model_config, gpus, weights, run(args, gpus, weights))
+        except Exception as exc:  # noqa: BLE001 -- one layout failing keeps the others' results
+            print(f"{weights} {gpus} GPU(s) failed: {exc}", flush=True)
+            result["errors"].append({"weights": weights, "gpus": gpus, "error": str(exc)[-3000:]})
+            args.out.write_text(json.dumps(result, indent=1) + "\n")
+            continue
+        result["runs"].append(entry)
+        for case in entry["cases"]:
+            rates[(weights, gpus, case["case"])] = case["tokens_per_s"]
+        if baseline is None:
+            baseline = (f"{weights}-{gpus}gpu", outputs)
+        else:
+            for spec, (logits, kv) in outputs.items():
+                ref_logits, ref_kv = baseline[1][spec]
+                result["agreement"][f"{weights}-{gpus}gpu vs {baseline[0]}, {spec}, first prompt"] = {
+                    "logits_max_rel_err": relative_error(logits, ref_logits),
+                    "logits_rel_l2_err": relative_l2(logits, ref_logits),
+                    "kv_max_rel_err": relative_error(kv, ref_kv),
+                    "kv_rel_l2_err": relative_l2(kv, ref_kv),
+                    "same_first_token": int(logits.argmax()) == int(ref_logits.argmax()),
+                }
+        args.out.write_text(json.dumps(result, indent=1) + "\n")
+    for (weights, gpus, spec), rate in rates.items():
+        one = rates.get((weights, 1, spec))
+        if gpus > 1 and one:
+            result["scaling"][f"{weights} {spec} {gpus} GPUs"] = {
+                "tokens_per_s": rate, "one_gpu_tokens_per_s": one, "fraction_of_linear": round(rate / (gpus * one), 3)
+            }
+    args.out.write_text(json.dumps(result, indent=1) + "\n")
+    print(json.dumps({"agreement": result["agreement"], "scaling": result["scaling"]}, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,89 @@
+"""Where the time of one DeepSeek-V3 MoE layer goes on one GPU (all 256 experts here, EP=1).
+
+Builds the first MoE layer of DeepSeek-V3 (random weights, FP8 or bf16), runs its routed experts on
+``--tokens`` random hidden rows under ``torch.profiler`` and prints the kernels by GPU time; then
+times the ways of summing each token's weighted expert rows (``--tokens x 8`` rows of 7168):
+``index_add_`` into bf16 (atomics), and un-permuting the rows to ``[tokens, 8, 7168]`` and summing
+over the 8 in float32.
+
+    python benchmarks/profile_moe.py --weights fp8 --tokens 16384 --out FILE.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import sys
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from attention.backends.torch_sdpa import TorchSDPAPrefillBackend
+from configs.model import load_model_config
+from workers.model import DeepseekPrefillModel
+from workers.weights import load_weights
+
+
+def timed(fn, repeats: int = 10) -> float:
+    fn()
+    times = []
+    for _ in range(repeats):
+        torch.cuda.synchronize()
+        started = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - started)
+    return statistics.median(times)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--weights", default="fp8", choices=["fp8", "bf16"])
+    parser.add_argument("--tokens", type=int, default=16384)
+    parser.add_argument("--out", type=Path, required=True)
+    args = parser.parse_args()
+    config = load_model_config("deepseek-v3", num_hidden_layers=4)
+    model = DeepseekPrefillModel.create(config, TorchSDPAPrefillBackend, dtype=torch.bfloat16, fp8=args.weights == "fp8", device="cuda")
+    load_weights(model, None, 0)
+    moe = model.moe_layers()[0][1]
+    x = torch.randn(args.tokens, config.hidden_size, device="cuda").to(torch.bfloat16)
+    routed = timed(lambda: moe.routed(x))
+    with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
+        for _ in range(3):
+            moe.routed(x)
+        torch.cuda.synchronize()
+    table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=30)
+    print(table)
+    kernels = [
+        {"name": e.key[:120], "cuda_ms_per_call_of_routed": e.device_time_total / 3 / 1e3, "calls": e.count // 3}
+        for e in sorted(prof.key_averages(), key=lambda e: -e.device_time_total)[:30]
+    ]
+
+    k, hidden = config.moe.num_experts_per_tok, config.hidden_size
+    y = torch.randn(args.tokens * k, hidden, device="cuda").to(torch.bfloat16)
+    order = torch.randperm(args.tokens * k, device="cuda")
+    row = order // k
+    combine = {
+        "index_add_bf16_s": timed(lambda: torch.zeros(args.tokens, hidden, dtype=torch.bfloat16, device="cuda").index_add_(0, row, y)),
+        "unpermute_sum_fp32_s": timed(
+            lambda: torch.empty_like(y).index_copy_(0, order, y).view(args.tokens, k, hidden).sum(dim=1, dtype=torch.float32)
+        ),
+    }
+    print(f"routed experts: {routed * 1e3:.2f} ms; combine: {combine}")
+    result = {
+        "benchmark": "one DeepSeek-V3 MoE layer, torch.profiler",
+        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "machine": {"gpu": torch.cuda.get_device_name(0), "torch": torch.__version__, "python": platform.python_version()},
+        "command": " ".join([Path(sys.executable).name, *sys.argv]),
+        "weights": args.weights, "tokens": args.tokens, "routed_s": routed, "kernels": kernels, "combine": combine,
+    }  # fmt: skip
+    args.out.write_text(json.dumps(result, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()

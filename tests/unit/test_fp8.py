@@ -1,0 +1,134 @@
+"""FP8 in DeepSeek's block format: quantization round trips, activation quantization, and (on a GPU) the
+Triton kernel against the torch code and torch's FP8 GEMMs against the emulation the CPU tests use."""
+
+import fp8_emulation
+import pytest
+import torch
+
+from configs.model import MoEConfig
+from workers.fp8 import FP8, FP8Linear, block_dequantize, block_quantize, quantize_activations, requantize_rows
+from workers.moe import Experts
+
+CUDA = torch.cuda.is_available()
+gpu = pytest.mark.skipif(not CUDA, reason="needs CUDA")  # the GPU cases below are collected only with CUDA
+
+
+def _relative(x, ref):
+    return ((x.float() - ref.float()).norm() / ref.float().norm()).item()
+
+
+def test_block_quantize_is_deepseeks_recipe_with_partial_edge_blocks():
+    w = torch.randn(300, 200)
+    q, scale = block_quantize(w)
+    assert q.dtype == FP8 and q.shape == (300, 200) and scale.shape == (3, 2)
+    assert torch.equal(scale[2, 1], w[256:, 128:].abs().max() / 448)  # the corner block: 44 x 72 values
+    assert _relative(block_dequantize(q, scale, torch.float32), w) < 0.04
+    # a slice dequantizes with the scales of the blocks it starts in, wherever it starts
+    full = block_dequantize(q, scale, torch.float32)
+    part = block_dequantize(q[150:290, 130:200], scale[1:3, 1:2], torch.float32, row_start=150, col_start=130)
+    assert torch.equal(part, full[150:290, 130:200])
+
+
+def test_requantized_rows_are_within_one_fp8_rounding():
+    w = block_dequantize(*block_quantize(torch.randn(3, 256, 384)[0]), torch.float32)
+    q, scale = requantize_rows(w)
+    assert scale.shape == (256,)
+    assert ((q.float() * scale[:, None] - w).abs() <= w.abs().amax(1, keepdim=True) / 16).all()
+
+
+@pytest.mark.parametrize("group", [128, 256])
+def test_activation_quantization_per_group_with_padded_rows(group):
+    x = torch.randn(37, 256) * torch.logspace(-2, 2, 256)  # columns of very different magnitudes
+    q, scale = quantize_activations(x, group, pad_rows_to=4, impl="torch")
+    assert q.shape == (40, 256) and scale.shape == (256 // group, 40)
+    assert torch.equal(q[37:].float(), torch.zeros(3, 256))
+    per_element = scale.t()[:37].repeat_interleave(group, dim=1)
+    torch.testing.assert_close(scale.t()[:37, 0], x[:, :group].abs().amax(1) / 448)
+    assert ((q[:37].float() * per_element - x).abs() <= x.abs().amax(1, keepdim=True) / 16).all()
+
+
+def test_activation_quantization_fuses_the_expert_activation_and_routing_weight():
+    gate_up, weight = torch.randn(9, 512), torch.rand(9)
+    expected = torch.nn.functional.silu(gate_up[:, :256]) * gate_up[:, 256:] * weight[:, None]
+    q, scale = quantize_activations(gate_up, 256, silu_mul=True, row_weight=weight, impl="torch")
+    assert q.shape == (9, 256)
+    assert _relative(q.float() * scale[0][:, None], expected) < 0.04
+
+
+def test_bad_quantization_groups_are_refused():
+    with pytest.raises(ValueError, match="K \\(200\\) to be a multiple"):
+        quantize_activations(torch.randn(4, 200), 128)
+
+
+# ---- on a GPU: the kernel and torch's GEMMs --------------------------------------------------------------
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("group,silu_mul,weighted", [(128, False, False), (7168, False, False), (2048, True, True)])
+def test_triton_quantization_equals_torch(group, silu_mul, weighted):
+    width = group if group != 128 else 7168
+    x = torch.randn(1000, 2 * width if silu_mul else width, device="cuda").to(torch.bfloat16) * 3
+    weight = torch.rand(1000, device="cuda") if weighted else None
+    got = quantize_activations(x, group, pad_rows_to=4, silu_mul=silu_mul, row_weight=weight, impl="triton")
+    ref = quantize_activations(x, group, pad_rows_to=4, silu_mul=silu_mul, row_weight=weight, impl="torch")
+    torch.testing.assert_close(got[1], ref[1], rtol=1e-6, atol=0)
+    mismatched = (got[0].float() != ref[0].float()).float().mean().item()
+    assert mismatched < 1e-3  # a value at a rounding tie may land either side
+    assert _relative(got[0].float(), ref[0].float()) < 1e-2
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", [(7168, 1536), (576, 7168), (7168, 16384), (32, 256)])  # N x K; K/128 = 12, 56, 128, 2
+def test_fp8_linear_on_torchs_block_scaled_gemm(shape):
+    n, k = shape
+    linear = FP8Linear(k, n, device="cuda")
+    q, scale = block_quantize(torch.randn(n, k, device="cuda") * 0.02)
+    linear.weight.copy_(q)
+    linear.weight_scale_inv.copy_(scale)
+    x = torch.randn(333, k, device="cuda").to(torch.bfloat16)
+    got = linear(x)
+    reference = x.float() @ linear.dequantized().t()
+    assert got.shape == (333, n) and _relative(got, reference) < 0.04
+    xq, xs = quantize_activations(x, 128, pad_rows_to=4)
+    k_blocks = linear.weight_scale_inv.shape[1]
+    scale_b = torch.nn.functional.pad(linear.weight_scale_inv, (0, -k_blocks % 4))[:, :k_blocks].t()
+    emulated = fp8_emulation.scaled_mm(xq.cpu(), linear.weight.cpu().t(), xs.t().cpu(), scale_b.cpu(), torch.float32)
+    assert _relative(got.cpu(), emulated[:333]) < 1e-2  # the emulation computes what torch does
+
+
+@gpu
+@pytest.mark.gpu
+def test_fp8_experts_on_torchs_grouped_gemm():
+    experts = Experts(8, 512, 256, dtype=torch.bfloat16, fp8=True, device="cuda")
+    w13, w2 = torch.randn(8, 512, 512, device="cuda") * 0.05, torch.randn(8, 512, 256, device="cuda") * 0.05
+    q13, s13 = requantize_rows(w13)
+    q2, s2 = requantize_rows(w2)
+    for param, value in ((experts.gate_up_proj, q13), (experts.gate_up_proj_scale, s13), (experts.down_proj, q2), (experts.down_proj_scale, s2)):
+        param.copy_(value)
+    counts = torch.tensor([0, 17, 64, 1, 0, 90, 33, 3], device="cuda")
+    offs = counts.cumsum(0).to(torch.int32)
+    x = torch.randn(int(counts.sum()), 512, device="cuda").to(torch.bfloat16)
+    weights = torch.rand(x.shape[0], device="cuda")
+    got = experts(experts.prepare(x), weights, offs)
+    reference, start = [], 0
+    for e, count in enumerate(counts.tolist()):
+        rows = x[start : start + count].float()
+        gate_up = rows @ (q13[e].float() * s13[e][:, None]).t()
+        h = torch.nn.functional.silu(gate_up[:, :256]) * gate_up[:, 256:] * weights[start : start + count, None]
+        reference.append(h @ (q2[e].float() * s2[e][:, None]).t())
+        start += count
+    assert _relative(got, torch.cat(reference)) < 0.06
+
+
+@gpu
+@pytest.mark.gpu
+def test_router_logits_in_float32_from_bf16_inputs():
+    from workers.moe import Router
+
+    config = MoEConfig(n_routed_experts=64, num_experts_per_tok=6, moe_intermediate_size=8, scoring_func="softmax", topk_method="greedy")
+    router = Router(config, 2048, dtype=torch.bfloat16, device="cuda")
+    router.weight.copy_(torch.randn(64, 2048, device="cuda") * 0.02)
+    x = torch.randn(4096, 2048, device="cuda").to(torch.bfloat16)
+    weights, ids = router(x)
+    ref_weights, ref_ids = router.cpu()(x.cpu())
+    assert (ids.cpu().sort(1).values == ref_ids.sort(1).values).float().mean() > 0.999
