@@ -117,40 +117,23 @@ def _moe_layer(worker, tokens: int) -> dict:
     device = worker.model.lm_head.weight.device
     gen = torch.Generator(device=device).manual_seed(100 + worker.rank)
     x = torch.randn(tokens, hidden, generator=gen, device=device).to(worker.model.dtype)
-    seen = {}
+    calls = []  # the experts' inputs of one routed call (one per micro-batch)
     forward = experts.forward
 
     def capture(rows, weights, offs):
-        seen.update(rows=rows, weights=weights, offs=offs)
+        calls.append((rows, weights, offs))
         return forward(rows, weights, offs)
 
     experts.forward = capture
     routed_s = _timed(lambda: moe.routed(x), 10)
     experts.forward = forward
-    rows, weights, offs = seen["rows"], seen["weights"], seen["offs"]
-    experts_s = _timed(lambda: experts(rows, weights, offs), 10)
-    width = experts.intermediate
-    if experts.fp8:
-        from workers.fp8 import FP8, quantize_activations
-
-        q, scale = rows[0].view(FP8), rows[1]
-        gate_up = torch._scaled_grouped_mm(q, experts.gate_up_proj.transpose(-2, -1), scale, experts.gate_up_proj_scale, offs=offs, out_dtype=torch.bfloat16)
-        hq, hs = quantize_activations(gate_up, width, silu_mul=True, row_weight=weights)
-
-        def gemms():
-            torch._scaled_grouped_mm(q, experts.gate_up_proj.transpose(-2, -1), scale, experts.gate_up_proj_scale, offs=offs, out_dtype=torch.bfloat16)
-            torch._scaled_grouped_mm(hq, experts.down_proj.transpose(-2, -1), hs[0], experts.down_proj_scale, offs=offs, out_dtype=torch.bfloat16)
-    else:
-        (xr,) = rows
-        h = torch.randn(xr.shape[0], width, device=device, dtype=xr.dtype)
-
-        def gemms():
-            torch._grouped_mm(xr, experts.gate_up_proj.transpose(-2, -1), offs=offs)
-            torch._grouped_mm(h, experts.down_proj.transpose(-2, -1), offs=offs)
-
-    gemm_s = _timed(gemms, 10)
+    calls = calls[-len(calls) // 11 :]  # the last of the 11 routed calls
+    experts_s = _timed(lambda: [experts(*call) for call in calls], 10)
+    gemms = [_raw_gemms(experts, *call) for call in calls]
+    gemm_s = _timed(lambda: [run() for run in gemms], 10)
     shared_s = _timed(lambda: moe.shared_experts(x), 10) if moe.shared_experts is not None else 0.0
-    pairs = int(offs[-1])
+    pairs = sum(int(offs[-1]) for _, _, offs in calls)
+    width = experts.intermediate
     flops = 2 * pairs * (hidden * 2 * width + width * hidden)
     return {
         "tokens_per_gpu": tokens, "pairs_here": pairs, "experts_here": experts.num_local,
@@ -158,6 +141,28 @@ def _moe_layer(worker, tokens: int) -> dict:
         "grouped_gemm_tflops": flops / gemm_s / 1e12,
         "routed_over_grouped_gemm": routed_s / gemm_s, "experts_over_grouped_gemm": experts_s / gemm_s,
     }  # fmt: skip
+
+
+def _raw_gemms(experts, rows, weights, offs):
+    """A function running just the two grouped-GEMM kernels of one experts call, on its inputs."""
+    width = experts.intermediate
+    if not experts.fp8:
+        (x,) = rows
+        h = torch.randn(x.shape[0], width, device=x.device, dtype=x.dtype)
+        return lambda: (
+            torch._grouped_mm(x, experts.gate_up_proj.transpose(-2, -1), offs=offs),
+            torch._grouped_mm(h, experts.down_proj.transpose(-2, -1), offs=offs),
+        )
+    from workers.fp8 import FP8, quantize_activations
+
+    q, scale = rows[0].view(FP8), rows[1]
+    up = (q, experts.gate_up_proj.transpose(-2, -1), scale, experts.gate_up_proj_scale)
+    hq, hs = quantize_activations(torch._scaled_grouped_mm(*up, offs=offs, out_dtype=torch.bfloat16), width, silu_mul=True, row_weight=weights)
+    down = (hq, experts.down_proj.transpose(-2, -1), hs[0], experts.down_proj_scale)
+    return lambda: (
+        torch._scaled_grouped_mm(*up, offs=offs, out_dtype=torch.bfloat16),
+        torch._scaled_grouped_mm(*down, offs=offs, out_dtype=torch.bfloat16),
+    )
 
 
 def _worker(rank: int, gpus: int, args, weights: str, port: int, queue) -> None:
@@ -321,7 +326,7 @@ def main() -> None:
     parser.add_argument("--chunk-tokens", type=int, default=32768)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--moe-tokens", type=int, default=16384, help="tokens per GPU for the MoE-layer-alone timing (0: skip)")
-    parser.add_argument("--micro-batches", type=int, default=2, choices=[1, 2])
+    parser.add_argument("--micro-batches", type=int, default=1, choices=[1, 2], help="EP micro-batches (PoolConfig.ep_micro_batches)")
     parser.add_argument("--backend", default="auto")
     parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"], help="cpu: a smoke test of this script (gloo, float32)")
     parser.add_argument("--timeout", type=float, default=540)
@@ -367,6 +372,7 @@ def main() -> None:
                     "logits_rel_l2_err": relative_l2(logits, ref_logits),
                     "kv_max_rel_err": relative_error(kv, ref_kv),
                     "kv_rel_l2_err": relative_l2(kv, ref_kv),
+                    "kv_rel_l2_err_per_layer": [round(relative_l2(a, b), 5) for a, b in zip(kv, ref_kv)],
                     "same_first_token": int(logits.argmax()) == int(ref_logits.argmax()),
                 }
         args.out.write_text(json.dumps(result, indent=1) + "\n")

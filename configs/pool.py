@@ -37,8 +37,11 @@ class PoolConfig:
     quantization     "auto": an FP8 model's linear layers and experts run as FP8 GEMMs where torch has
                      DeepSeek's block-scaled recipe (SM90) and dtype is bfloat16, and are dequantized to
                      dtype at load elsewhere; "none": always dequantized
-    ep_micro_batches 2: under expert parallelism each MoE layer splits its tokens in two, so one half's
-                     all-to-all overlaps the other half's experts; 1: no split
+    ep_micro_batches 1, or 2: under expert parallelism each MoE layer splits its tokens in two so that one
+                     half's all-to-all overlaps the other half's experts (DeepSeek's two-micro-batch
+                     overlap). On one NVLink node it does not pay: 2 x H200, 16K tokens per GPU, one
+                     layer 17.6 ms with 1 and 19.4 ms with 2 (half-size grouped GEMMs run slower than
+                     the all-to-all they hide; benchmarks/results/2026-11-22-2xh200-moe-profile-ep2-mb*.json)
     device           "cuda", "cpu" or "auto" (cuda when the workers see a GPU)
     chunk_tokens     prompts are prefilled in chunks of at most this many tokens per request (32768:
                      on H200 a 128K prompt of a DeepSeek-V3 layer runs 10% faster than with 8K chunks on
@@ -69,7 +72,7 @@ class PoolConfig:
     backend: str = "auto"
     dtype: str = "auto"
     quantization: str = "auto"
-    ep_micro_batches: int = 2
+    ep_micro_batches: int = 1
     device: str = "auto"
     chunk_tokens: int = 32768  # measured: benchmarks/results/2026-11-21-4xh200-pcp-chunk-sweep-128k.json
     max_batch_tokens: int = 32768

@@ -166,7 +166,7 @@ class DeepseekPrefillModel(nn.Module):
         tp: TPShard = TPShard(),
         ep: EPGroup = EPGroup(),
         fp8: bool = False,
-        ep_micro_batches: int = 2,
+        ep_micro_batches: int = 1,
         dtype: torch.dtype | None = None,
         device: torch.device | str = "cpu",
     ) -> None:
@@ -194,7 +194,7 @@ class DeepseekPrefillModel(nn.Module):
         tp: TPShard = TPShard(),
         ep: EPGroup = EPGroup(),
         fp8: bool = False,
-        ep_micro_batches: int = 2,
+        ep_micro_batches: int = 1,
         dtype: torch.dtype | None = None,
         device: torch.device | str = "cpu",
     ) -> DeepseekPrefillModel:
@@ -239,7 +239,8 @@ class DeepseekPrefillModel(nn.Module):
         layer when the batch has context. ``on_layer(i)`` is called after each layer.
         Under prefill context parallelism ``batch`` is this rank's :class:`PCPPlan`:
         ``token_ids`` are then the rank's zigzag share, ``context`` its KV shard,
-        the latents the whole batch's, and only PCP rank 0 gets last states and logits.
+        the latents the whole batch's, and last states and logits are those of the last tokens this rank
+        holds (``PCPPlan.gather_last`` brings them together).
         """
         self.check_tokens(token_ids, batch)
         if any(batch.context_lens) and (context is None or len(context) != self.config.num_hidden_layers):

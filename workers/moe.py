@@ -26,9 +26,11 @@ Expert parallelism, per micro-batch of tokens:
 
 Both sums read each row once and add in float32 (:func:`gather_sum`, a Triton kernel on CUDA).
 
-No (token, expert) pair is computed twice. With two micro-batches the dispatch of the second and
-the combine of the first run while the experts of the other compute (as DeepSeek's prefill does),
-with one host sync for both. With one rank the same code runs without the all-to-alls.
+No (token, expert) pair is computed twice. With two micro-batches (``micro_batches=2``) the dispatch
+of the second and the combine of the first run while the experts of the other compute (as
+DeepSeek's prefill does), with one host sync for both; on one NVLink node one micro-batch is faster
+(see ``configs.pool.PoolConfig.ep_micro_batches``). With one rank the same code runs without the
+all-to-alls.
 """
 
 from __future__ import annotations
@@ -211,7 +213,7 @@ class MoE(nn.Module):
         shared_experts: nn.Module | None = None,
         dtype: torch.dtype,
         fp8: bool = False,
-        micro_batches: int = 2,
+        micro_batches: int = 1,
         device=None,
     ) -> None:
         super().__init__()

@@ -14,6 +14,15 @@ segments; rank ``r`` computes segments ``r`` and ``2P-1-r`` (head and tail), so
 every rank gets the same causal work. The last segment, which holds the last
 token, is always non-empty and belongs to rank 0.
 
+Whole requests. A request without cached context that is small next to its
+batch (at most half of one rank's share of the batch's context-free tokens) is
+not split: it goes whole to one rank, the least loaded one, largest requests
+first (:func:`assign_requests`). A batch of many short prompts is so spread over
+the ranks as data parallelism would spread it, with no prefix attention and no
+key up-projection repeated on every rank; the ranks holding their last tokens
+send their logits to rank 0. Long prompts and chunks over cached context stay
+zigzag.
+
 Striped KV. Block ``j`` (``block_size`` tokens) of a request's latent KV lives
 on PCP rank ``j % P``: a rank stores every ``P``-th block, in order, so its shard
 grows by appending and the longest prompt that fits grows linearly with ``P``.
@@ -61,6 +70,7 @@ and context gathers run under the causal attention of the new tokens.
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cached_property
 from typing import Any
@@ -91,6 +101,26 @@ def rank_segments(num_tokens: int, rank: int, size: int) -> tuple[tuple[int, int
     """The head and tail segments rank ``rank`` computes."""
     segments = zigzag_segments(num_tokens, size)
     return segments[rank], segments[2 * size - 1 - rank]
+
+
+def assign_requests(seq_lens: Sequence[int], context_lens: Sequence[int], size: int) -> list[int | None]:
+    """Per request of a batch, the rank that computes all of its new tokens, or None (zigzag over every
+    rank): see the module docstring. A pure function of the batch, so every rank agrees."""
+    owners: list[int | None] = [None] * len(seq_lens)
+    fresh = [i for i, c in enumerate(context_lens) if c == 0]
+    share = sum(seq_lens[i] for i in fresh) / (2 * size)
+    load = [0] * size
+    for i in sorted((i for i in fresh if seq_lens[i] <= share), key=lambda i: (-seq_lens[i], i)):
+        owners[i] = min(range(size), key=lambda r: (load[r], r))
+        load[owners[i]] += seq_lens[i]
+    return owners
+
+
+def request_segments(num_tokens: int, owner: int | None, rank: int, size: int) -> tuple[tuple[int, int], ...]:
+    """The segments of a request that ``rank`` computes: its zigzag pair, or all of it on its owner."""
+    if owner is None:
+        return rank_segments(num_tokens, rank, size)
+    return ((0, num_tokens),) if owner == rank else ()
 
 
 def shard_rows(num_tokens: int, rank: int, size: int, block_size: int) -> int:
@@ -255,14 +285,12 @@ class PCPPlan:
         size, rank = pcp.size, pcp.rank
         starts = offsets(self.seq_lens)
 
-        # Zigzag: each rank's tokens (indices into the batch), request after request, head then tail.
-        local_ranges = [
-            [(s + a, s + b) for s, n in zip(starts, self.seq_lens) for a, b in rank_segments(n, r, size)]
-            for r in range(size)
-        ]
-        piece_counts = [
-            [sum(b - a for a, b in rank_segments(n, r, size)) for n in self.seq_lens] for r in range(size)
-        ]
+        # Each rank's tokens (indices into the batch), request after request: zigzag head then tail, or
+        # a whole request on its owner.
+        owners = assign_requests(self.seq_lens, self.context_lens, size)
+        segments = [[request_segments(n, o, r, size) for n, o in zip(self.seq_lens, owners)] for r in range(size)]
+        local_ranges = [[(s + a, s + b) for s, segs in zip(starts, segments[r]) for a, b in segs] for r in range(size)]
+        piece_counts = [[sum(b - a for a, b in segs) for segs in segments[r]] for r in range(size)]
         self.local_counts = [sum(counts) for counts in piece_counts]
         self.padded = max(self.local_counts)
         self.local_index = _ranges(local_ranges[rank], device)
@@ -283,8 +311,8 @@ class PCPPlan:
         # well-shaped kernels beat one ragged bottom-right causal call by ~6% at 128K tokens.
         q_lens, prefix_q, prefix_lens, prefix_keys = [], [], [], []
         local = 0
-        for s, n in zip(starts, self.seq_lens):
-            for a, b in rank_segments(n, rank, size):
+        for s, segs in zip(starts, segments[rank]):
+            for a, b in segs:
                 if b > a:
                     q_lens.append(b - a)
                     if a > 0:
@@ -302,9 +330,10 @@ class PCPPlan:
             [b - a for a, b in prefix_q], prefix_lens, workspace_tokens=None, device=device
         )
 
-        # Logits: every request's last token ends rank 0's share of that request (its tail segment).
+        # Logits: a request's last token ends its owner's share of it, or rank 0's (the zigzag tail).
         local_start = offsets(piece_counts[rank])
-        self.last_token_index = _index([end - 1 for end in local_start[1:]] if rank == 0 else [], device)
+        self.last_owner = [owner or 0 for owner in owners]
+        self.last_token_index = _index([local_start[i + 1] - 1 for i, o in enumerate(self.last_owner) if o == rank], device)
 
         # KV rows this rank stores: those in its blocks, per request, as indices into the batch.
         self.store_index = []
@@ -382,8 +411,24 @@ class PCPPlan:
 
     @property
     def num_tokens(self) -> int:
-        """Tokens this rank computes (its zigzag share of the batch)."""
+        """Tokens this rank computes (its share of the batch)."""
         return self.local_counts[self.pcp.rank]
+
+    def gather_last(self, rows: torch.Tensor) -> torch.Tensor:
+        """Every request's last-token row ``[B, ...]`` in batch order, from the rows ``[B_r, ...]`` of the
+        requests whose last token this rank holds (a collective of the PCP group; only needed when some
+        last tokens are not on rank 0)."""
+        if not any(self.last_owner):
+            return rows
+        counts = [self.last_owner.count(r) for r in range(self.pcp.size)]
+        work, buffer = self.pcp.all_gather(rows, max(counts))
+        seen = [0] * self.pcp.size
+        where = []
+        for owner in self.last_owner:
+            where.append(owner * max(counts) + seen[owner])
+            seen[owner] += 1
+        work.wait()
+        return buffer.index_select(0, _index(where, rows.device))
 
     @property
     def comm_bytes_per_layer(self) -> float:

@@ -296,10 +296,14 @@ class PrefillWorker:
             if piece.is_last and device.type == "cuda":
                 self._kv_ready[piece.request_id] = torch.cuda.Event()
                 self._kv_ready[piece.request_id].record()
+        logits, last_hidden = out.logits, out.last_hidden.float()
+        if isinstance(batch, PCPPlan):  # last tokens of whole requests are on their owners (workers.pcp)
+            last = batch.gather_last(torch.cat([logits, last_hidden], dim=1))
+            logits, last_hidden = last.split([logits.shape[1], last_hidden.shape[1]], dim=1)
         if self.rank != 0:
             return None
         results = [
-            PieceResult(piece.request_id, out.logits[i].cpu(), out.last_hidden[i].float().cpu())
+            PieceResult(piece.request_id, logits[i].cpu(), last_hidden[i].cpu())
             for i, piece in enumerate(pieces)
             if piece.is_last
         ]

@@ -14,6 +14,7 @@ from configs.pool import PoolConfig
 from workers.model import DeepseekPrefillModel
 from workers.pcp import (
     PCPCostModel,
+    assign_requests,
     PCPGroup,
     PCPPlan,
     interleave_shards,
@@ -63,6 +64,15 @@ def test_capacity_per_rank_shrinks_linearly_with_pcp():
         assert shard_rows(64 * 1024, 0, size, 64) == 64 * 1024 // size
 
 
+def test_short_requests_go_whole_to_the_least_loaded_rank_long_ones_and_chunks_with_context_are_split():
+    lens = [4096] * 16 + [30000]
+    owners = assign_requests(lens, [0] * 17, 4)
+    assert owners[-1] is None  # longer than half a rank's share: zigzag
+    assert sorted(owners[:16]) == [0] * 4 + [1] * 4 + [2] * 4 + [3] * 4  # balanced
+    assert assign_requests([10, 100, 20], [0, 0, 500], 2) == [0, None, None]  # a chunk over cached context is split
+    assert assign_requests([8192], [0], 4) == [None]  # one prompt: split
+
+
 def test_interleave_refuses_inconsistent_shards():
     with pytest.raises(ValueError, match="PCP rank 0 returned 10 KV rows; a 13-token request has 13"):
         interleave_shards([torch.zeros(1, 10, 4), torch.zeros(1, 3, 4)], 16)
@@ -106,11 +116,30 @@ def prompts():
 
 
 @pytest.fixture(scope="module")
-def reference(prompts):
+def reference_model():
     model = DeepseekPrefillModel.create(BASE.model_config(), TorchSDPAPrefillBackend, dtype=torch.float32)
     load_weights(model, None, BASE.seed)
+    return model
+
+
+@pytest.fixture(scope="module")
+def reference(prompts, reference_model):
+    model = reference_model
     outs = [model(torch.from_numpy(p.astype(np.int64)), plan_prefill_batch([len(p)])) for p in prompts]
     return [(out.logits[0], torch.stack(out.latents)) for out in outs]
+
+
+def test_pcp3_workers_with_many_short_prompts_in_one_batch(reference_model):
+    """Short prompts go whole to ranks (their logits come from three ranks), a long one is split."""
+    gen = np.random.default_rng(1)
+    prompts = [gen.integers(0, 512, size=n).astype(np.int32) for n in (3, 17, 30, 31, 44, 58, 60, 5, 12, 300)]
+    assert sum(o is not None for o in assign_requests([len(p) for p in prompts], [0] * 10, 3)) == 9
+    got = run_workers(BASE.replace(pcp=3, max_batch_tokens=1024, chunk_tokens=512), prompts, 512)
+    for i, prompt in enumerate(prompts):
+        out = reference_model(torch.from_numpy(prompt.astype(np.int64)), plan_prefill_batch([len(prompt)]))
+        torch.testing.assert_close(torch.from_numpy(got[0].logits[f"r{i}"]), out.logits[0], atol=2e-5, rtol=1e-5)
+        kv = interleave_shards([torch.from_numpy(got[r].kv[f"r{i}"]) for r in range(3)], BASE.block_size)
+        torch.testing.assert_close(kv, torch.stack(out.latents), atol=2e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("strategy", ["sharded", "gather"])
