@@ -157,7 +157,8 @@ def _raw_gemms(experts, rows, weights, offs):
 
     q, scale = rows[0].view(FP8), rows[1]
     up = (q, experts.gate_up_proj.transpose(-2, -1), scale, experts.gate_up_proj_scale)
-    hq, hs = quantize_activations(torch._scaled_grouped_mm(*up, offs=offs, out_dtype=torch.bfloat16), width, silu_mul=True, row_weight=weights)
+    gate_up = torch._scaled_grouped_mm(*up, offs=offs, out_dtype=torch.bfloat16)
+    hq, hs = quantize_activations(gate_up, width, silu_mul=True, row_weight=weights)
     down = (hq, experts.down_proj.transpose(-2, -1), hs[0], experts.down_proj_scale)
     return lambda: (
         torch._scaled_grouped_mm(*up, offs=offs, out_dtype=torch.bfloat16),

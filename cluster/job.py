@@ -145,7 +145,7 @@ def run(args: argparse.Namespace) -> int:
     skipped = len(prompts) - len(todo)
     started_at, started = datetime.now(timezone.utc), time.perf_counter()
     emit("start", prompts=len(prompts), already_done=skipped, to_run=len(todo), tp=config.tp, pcp=config.pcp, replicas=config.replicas)
-    done, failed, tokens, ttfts, info, ready = 0, {}, 0, [], None, started
+    done, failed, tokens, ttfts, info, ready, reports = 0, {}, 0, [], None, started, {}
     if todo:
         metrics = PoolMetrics(args.name)
         with PrefillPool(config, metrics=metrics).start() as pool:
@@ -193,6 +193,7 @@ def run(args: argparse.Namespace) -> int:
                     emit("prompt_done", request_id=prompt.id, tokens=result.num_tokens, ttft_s=round(result.ttft_s, 4),
                          progress=f"{skipped + done}/{len(prompts)}", failed=len(failed),
                          tokens_per_s=round(tokens / (time.perf_counter() - ready), 1))  # fmt: skip
+            reports = {"weights": pool.weights_report(), "expert_load": pool.expert_load()}
     elapsed = time.perf_counter() - started
     ttfts.sort()
     summary = {
@@ -211,6 +212,7 @@ def run(args: argparse.Namespace) -> int:
         "model_fingerprint": fingerprint,
         "pool": {"tp": config.tp, "pcp": config.pcp, "replicas": config.replicas,
                  **({"backend": info.backend, "device": info.device, "dtype": info.dtype} if info else {})},  # fmt: skip
+        **reports,  # how each worker holds its weights, and the experts' load per layer (MoE models)
     }
     (args.output / "run_summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     emit("finished", prefilled=done, already_done=skipped, failed=len(failed), wall_s=round(elapsed, 2))

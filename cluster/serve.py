@@ -132,6 +132,8 @@ class PrefillServer:
             "backend": info.backend,
             "device": info.device,
             "dtype": info.dtype,
+            "weights": info.weights,
+            "experts_per_worker": [i.experts for i in self.pool.worker_infos[0]] if info.experts else None,
             "max_prompt_tokens": self.pool.max_prompt_tokens,
             "vocab_size": self.pool.model_config.vocab_size,
             "in_flight": self.pool.in_flight,

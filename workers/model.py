@@ -99,13 +99,6 @@ class TPShard:
             return 1
         return None
 
-    def shard(self, name: str, full: torch.Tensor) -> torch.Tensor:
-        """This rank's slice of the full tensor ``name``."""
-        dim = self.split_dim(name)
-        if dim is None or self.size == 1:
-            return full
-        return full.chunk(self.size, dim=dim)[self.rank]
-
 
 @dataclass
 class PrefillOutput:

@@ -155,9 +155,9 @@ class Experts(nn.Module):
     def __init__(self, num_local: int, hidden: int, intermediate: int, *, dtype: torch.dtype, fp8: bool, device=None) -> None:
         super().__init__()
         self.fp8, self.intermediate = fp8, intermediate
-        weight_dtype = FP8 if fp8 else dtype
-        self.gate_up_proj = nn.Parameter(torch.empty(num_local, 2 * intermediate, hidden, dtype=weight_dtype, device=device), requires_grad=False)
-        self.down_proj = nn.Parameter(torch.empty(num_local, hidden, intermediate, dtype=weight_dtype, device=device), requires_grad=False)
+        stored = {"dtype": FP8 if fp8 else dtype, "device": device}
+        self.gate_up_proj = nn.Parameter(torch.empty(num_local, 2 * intermediate, hidden, **stored), requires_grad=False)
+        self.down_proj = nn.Parameter(torch.empty(num_local, hidden, intermediate, **stored), requires_grad=False)
         if fp8:
             f32 = {"dtype": torch.float32, "device": device}
             self.gate_up_proj_scale = nn.Parameter(torch.empty(num_local, 2 * intermediate, **f32), requires_grad=False)

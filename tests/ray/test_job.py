@@ -58,6 +58,7 @@ def test_the_job_writes_every_prompts_kv_and_summary_and_a_run_summary(ray_clust
     summary = json.loads((tmp_path / "out" / "run_summary.json").read_text())
     assert summary["prefilled"] == 5 and summary["failed"] == 0 and summary["already_done"] == 0
     assert summary["tokens_prefilled"] == sum(len(p["token_ids"]) for p in prompts)
+    assert summary["weights"]["format"] == "float32" and summary["expert_load"] is None  # a dense model
 
 
 def test_a_rerun_resumes_redoing_only_unfinished_changed_and_failed_prompts(ray_cluster, tmp_path, prompts, capsys):

@@ -1,10 +1,13 @@
 """DeepSeek-family MoE checkpoints through the pool: for TP x PCP grids 1x1, 2x1, 2x2 and 1x4 (experts
 split over every worker), a prompt prefilled in chunks smaller than itself gives transformers' logits,
 and its KV, handed to the reference decoder over TCP, continues with transformers' 8 greedy tokens.
+The CLI and the batch job take the same checkpoints and report the experts' load.
 
 Models: V3 routing (sigmoid, groups, a non-zero ``e_score_correction_bias``), V2 routing (no q LoRA,
 softmax, ``group_limited_greedy``), and V3 in DeepSeek's FP8 format (the reference is transformers on
 the dequantized weights; on the CPU the pool dequantizes at load)."""
+
+import json
 
 import numpy as np
 import pytest
@@ -12,6 +15,8 @@ import torch
 from hf_models import save_fp8, tiny_moe
 
 from attention.backends.torch_sdpa import TorchSDPAPrefillBackend
+from cluster import job
+from cluster.cli import main
 from cluster.kv_server import KVServer
 from cluster.pool import PrefillPool
 from configs.model import load_model_config
@@ -22,7 +27,7 @@ from workers.model import DeepseekPrefillModel
 from workers.weights import load_weights
 
 STEPS = 8
-PROMPT = list(np.arange(1, 62) * 13 % 320)
+PROMPT = [int(t) for t in np.arange(1, 62) * 13 % 320]
 
 
 @pytest.fixture(scope="module")
@@ -67,3 +72,25 @@ def test_grid_prefill_and_handoff_decode_like_transformers(ray_cluster, models, 
             assert len(pairs) == tp * pcp and sum(pairs) == len(PROMPT) * k
         weights = pool.weights_report()
         assert weights["format"] == "float32" and len(weights["load_s"][0]) == tp * pcp
+
+
+def test_cli_verifies_an_fp8_moe_checkpoint_and_reports_the_expert_load(ray_cluster, models, tmp_path, capsys):
+    path = models["v3-fp8"][0]
+    argv = ["prefill", "--checkpoint", str(path), "--tp", "2", "--device", "cpu", "--chunk-tokens", "16", "--random-tokens", "50"]
+    assert main([*argv, "--verify", "--output-dir", str(tmp_path)]) == 0
+    summary = json.loads(capsys.readouterr().out)
+    assert summary["verify"]["ok"] and summary["verify"]["max_abs_err_logits"] < 1e-4
+    assert summary["weights"]["experts_per_rank"] == [[[0, 7], [8, 15]]]  # 16 experts over 2 workers
+    assert [sum(summary["expert_load"][layer]["pairs_per_rank"][0]) for layer in ("1", "2")] == [50 * 4, 50 * 4]
+
+
+def test_the_batch_job_prefills_a_moe_checkpoint(ray_cluster, models, tmp_path):
+    path, decoder, _, expected = models["v2"]
+    prompts = [{"id": "a", "token_ids": PROMPT}, {"id": "b", "token_ids": PROMPT[:17]}]
+    (tmp_path / "in.jsonl").write_text("".join(json.dumps(p) + "\n" for p in prompts))
+    argv = ["--input", str(tmp_path / "in.jsonl"), "--output", str(tmp_path / "out"), "--checkpoint", str(path)]
+    assert job.main([*argv, "--pcp", "2", "--device", "cpu", "--chunk-tokens", "16", "--kv-cache-tokens", "512"]) == 0
+    summary = json.loads((tmp_path / "out" / "run_summary.json").read_text())
+    assert summary["prefilled"] == 2 and sorted(summary["expert_load"]) == ["1", "2"]
+    record = json.loads((tmp_path / "out" / "prompts" / "a.json").read_text())
+    assert record["first_token"] == expected[0]

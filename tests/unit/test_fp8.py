@@ -103,7 +103,7 @@ def test_fp8_experts_on_torchs_grouped_gemm():
     w13, w2 = torch.randn(8, 512, 512, device="cuda") * 0.05, torch.randn(8, 512, 256, device="cuda") * 0.05
     q13, s13 = requantize_rows(w13)
     q2, s2 = requantize_rows(w2)
-    for param, value in ((experts.gate_up_proj, q13), (experts.gate_up_proj_scale, s13), (experts.down_proj, q2), (experts.down_proj_scale, s2)):
+    for param, value in zip(experts.parameters(), (q13, q2, s13, s2)):  # gate_up, down, their scales
         param.copy_(value)
     counts = torch.tensor([0, 17, 64, 1, 0, 90, 33, 3], device="cuda")
     offs = counts.cumsum(0).to(torch.int32)

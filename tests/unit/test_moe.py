@@ -299,3 +299,21 @@ def test_tp_must_divide_the_shared_experts_width():
     raw = {**config.source, "n_shared_experts": 1, "moe_intermediate_size": 1400}
     with pytest.raises(ValueError, match=r"TP=16 does not divide .* 1400 shared experts' width .* valid TP degrees: \[1, 2, 4, 8\]"):
         model_config_from_dict(raw, name="x").check_tp(16)
+
+
+def test_a_shard_that_does_not_fit_the_gpu_is_refused_with_the_numbers(monkeypatch):
+    from workers.worker import _check_weights_fit
+
+    config = PoolConfig(model="deepseek-v3", tp=2, pcp=2, gpu_memory_utilization=0.9)
+    model_config = config.model_config()
+    meta = DeepseekPrefillModel.create(model_config, TorchSDPAPrefillBackend, ep=EPGroup(0, 4), fp8=True, dtype=torch.bfloat16, device="meta")
+    needed = meta.weight_bytes()
+    assert 150 * 2**30 < needed < 200 * 2**30  # 671B parameters, mostly FP8 experts, over 4 ranks
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (130 * 2**30, 140 * 2**30))
+    with pytest.raises(ValueError) as error:
+        _check_weights_fit(needed, torch.device("cuda", 0), config, model_config)
+    assert (
+        f"deepseek-v3 (61 layers) needs {needed / 2**30:.1f} GiB of weights per rank at TP=2 x PCP=2, routed experts split "
+        "over 4 ranks; this GPU has 130.0 GiB free of 140.0 GiB and gpu_memory_utilization=0.9 allows 116.0 GiB"
+    ) in str(error.value)
+    _check_weights_fit(100 * 2**30, torch.device("cuda", 0), config, model_config)  # fits: no error
