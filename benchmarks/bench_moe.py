@@ -1,8 +1,9 @@
 """MoE prefill benchmark: DeepSeek-shaped slices and whole smaller models, 1..N GPUs, FP8 and bf16.
 
-For each layout ``FORMAT:G`` (weights ``fp8`` or ``bf16``, G GPUs), one process per GPU runs a ``PrefillWorker`` of one replica
-(TP=1 x PCP=G: each GPU takes its zigzag share of every prompt's tokens, and the MoE layers' routed
-experts are split over all G GPUs, EP=G), with the model's seeded random weights (FP8 in DeepSeek's
+For each layout ``FORMAT:G[:tpT]`` (weights ``fp8`` or ``bf16``, G GPUs, TP=T, default 1), one
+process per GPU runs a ``PrefillWorker`` of one replica (TP=T x PCP=G/T: the PCP ranks take their
+share of every prompt's tokens, and the MoE layers' routed experts are split over all G GPUs,
+EP=G), with the model's seeded random weights (FP8 in DeepSeek's
 block format where the config says so; ``bf16`` dequantizes the same weights at load). Batches go to
 every worker directly, as the pool's scheduler sends them, so the times are the workers' own (no Ray
 call or driver queue in them). Per prompt case ``NxL`` (N prompts of L tokens in flight, prefilled
@@ -39,12 +40,32 @@ import time
 import traceback
 from datetime import datetime, timezone
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 import torch
 import torch.multiprocessing as mp
 
 PEAK_TFLOPS = {"bf16": 989.0, "fp8": 1979.0}  # H200 dense, datasheet
+
+
+class Layout(NamedTuple):
+    weights: str  # fp8 or bf16
+    gpus: int
+    tp: int
+
+    @classmethod
+    def parse(cls, text: str) -> Layout:
+        """``FORMAT:GPUS`` or ``FORMAT:GPUS:tpT``."""
+        parts = text.split(":")
+        tp = int(parts[2].removeprefix("tp")) if len(parts) == 3 and parts[2].removeprefix("tp").isdigit() else 1
+        if len(parts) not in (2, 3) or parts[0] not in ("fp8", "bf16") or not parts[1].isdigit() or int(parts[1]) % tp:
+            raise ValueError(f"layout {text!r} is not FORMAT:GPUS[:tpT] (FORMAT fp8 or bf16, T dividing GPUS)")
+        return cls(parts[0], int(parts[1]), tp)
+
+    @property
+    def name(self) -> str:
+        return f"{self.weights}-{self.gpus}gpu" + (f"-tp{self.tp}" if self.tp > 1 else "")
 SAFE_NCCL_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 
 
@@ -166,16 +187,17 @@ def _raw_gemms(experts, rows, weights, offs):
     )
 
 
-def _worker(rank: int, gpus: int, args, weights: str, port: int, queue) -> None:
+def _worker(rank: int, layout: Layout, args, port: int, queue) -> None:
     os.environ.update(SAFE_NCCL_ENV)
     if args.device == "cuda":
         torch.cuda.set_device(rank)
     from configs.pool import PoolConfig
     from workers.worker import PrefillWorker
 
+    weights, gpus = layout.weights, layout.gpus
     cases = {spec: parse_case(spec, gpus) for spec in args.prompts}
     config = PoolConfig(
-        model=args.model, num_layers=args.num_layers, pcp=gpus, backend=args.backend,
+        model=args.model, num_layers=args.num_layers, tp=layout.tp, pcp=gpus // layout.tp, backend=args.backend,
         dtype="bfloat16" if args.device == "cuda" else "float32",
         quantization="auto" if weights == "fp8" else "none", device=args.device, chunk_tokens=args.chunk_tokens,
         max_batch_tokens=max(args.chunk_tokens, max(n * min(length, args.chunk_tokens) for n, length in cases.values())),
@@ -210,7 +232,7 @@ def _worker(rank: int, gpus: int, args, weights: str, port: int, queue) -> None:
                 worker.release(ids)
             loads = {k: v - loads_before.get(k, 0) for k, v in worker.moe_load().items()}
             # the first prompt's outputs go through a file: tensors in a queue die with their process
-            outputs = Path(args.scratch) / f"{weights}-{gpus}-{rank}-{count}x{length}.pt"
+            outputs = Path(args.scratch) / f"{layout.name}-{rank}-{count}x{length}.pt"
             torch.save({"logits": first.logits if first is not None else None, "kv": kv}, outputs)
             out["cases"].append({
                 "case": spec, "prompts": count, "prompt_tokens": length, "seconds": statistics.median(times), "runs_s": times,
@@ -235,12 +257,12 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def run(args, gpus: int, weights: str) -> list[dict]:
-    """One layout and weight format: every rank's results (rank order), or raises with the first error."""
+def run(args, layout: Layout) -> list[dict]:
+    """One layout: every rank's results (rank order), or raises with the first error."""
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = _free_port()
-    procs = [ctx.Process(target=_worker, args=(r, gpus, args, weights, port, queue)) for r in range(gpus)]
+    procs = [ctx.Process(target=_worker, args=(r, layout, args, port, queue)) for r in range(layout.gpus)]
     for proc in procs:
         proc.start()
     try:
@@ -265,13 +287,13 @@ def relative_l2(x: torch.Tensor, ref: torch.Tensor) -> float:
     return ((x.float() - ref.float()).norm() / ref.float().norm()).item()
 
 
-def summarize(args, model_config, gpus: int, weights: str, ranks: list[dict]) -> dict:
+def summarize(args, model_config, layout: Layout, ranks: list[dict]) -> dict:
     from workers.pcp import interleave_shards
 
-    layers = model_config.num_hidden_layers
+    layers, (weights, gpus, tp) = model_config.num_hidden_layers, layout
     info = ranks[0]["info"]
     entry = {
-        "weights": weights, "gpus": gpus, "tp": 1, "pcp": gpus, "ep": gpus, "backend": info["backend"],
+        "weights": weights, "gpus": gpus, "tp": tp, "pcp": gpus // tp, "ep": gpus, "backend": info["backend"],
         "load_s": [r["info"]["load_s"] for r in ranks], "peak_host_mib": [r["info"]["peak_host_mib"] for r in ranks],
         "weight_gib_per_gpu": [r["info"]["weight_bytes"] / 2**30 for r in ranks],
         "peak_gpu_gib": [r["peak_gpu_gib"] for r in ranks], "warmup_s": info["warmup_s"], "cases": [],
@@ -295,9 +317,9 @@ def summarize(args, model_config, gpus: int, weights: str, ranks: list[dict]) ->
             "pairs_per_gpu_per_layer": {layer: [r["cases"][i]["pairs_per_layer"][layer] for r in ranks]
                                         for layer in case["pairs_per_layer"]},
         })  # fmt: skip
-        saved = [torch.load(r["cases"][i]["outputs"]) for r in ranks]
+        saved = [torch.load(r["cases"][i]["outputs"]) for r in ranks[::tp]]  # TP rank 0 of each PCP rank
         outputs[case["case"]] = (saved[0]["logits"], interleave_shards([part["kv"] for part in saved], 64))
-        print(f"{weights} {gpus} GPU(s) {case['case']} ({count}x{length}): {seconds * 1e3:9.1f} ms  {tokens / seconds:10.0f} tok/s  "
+        print(f"{layout.name} {case['case']} ({count}x{length}): {seconds * 1e3:9.1f} ms  {tokens / seconds:10.0f} tok/s  "
               f"{tokens * layers / seconds / gpus:10.0f} layer-tok/s/GPU  {per_gpu:6.1f} TF/s/GPU", flush=True)  # fmt: skip
     if "moe_layer" in ranks[0]:
         entry["moe_layer"] = [r["moe_layer"] for r in ranks]
@@ -322,7 +344,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="deepseek-v3")
     parser.add_argument("--num-layers", type=int, default=None, help="the first N layers (DeepSeek-V3: 3 dense, then MoE)")
-    parser.add_argument("--layouts", nargs="+", default=["fp8:1"], help="FORMAT:GPUS, FORMAT fp8 or bf16; the first is the baseline")
+    parser.add_argument("--layouts", nargs="+", default=["fp8:1"],
+                        help="FORMAT:GPUS[:tpT], FORMAT fp8 or bf16, TP=T (default 1, the rest PCP); the first is the baseline")  # fmt: skip
     parser.add_argument("--prompts", nargs="+", default=["1x8192"], help="cases NxL: N prompts of L tokens in flight")
     parser.add_argument("--chunk-tokens", type=int, default=32768)
     parser.add_argument("--repeats", type=int, default=3)
@@ -347,28 +370,28 @@ def main() -> None:
         "model": args.model, "layers": model_config.num_hidden_layers, "moe_layers": model_config.moe_layers,
         "runs": [], "agreement": {}, "scaling": {}, "errors": [],
     }  # fmt: skip
-    layouts = [layout.partition(":")[::2] for layout in args.layouts]
-    for weights, gpus in layouts:
-        if weights not in ("fp8", "bf16") or not gpus.isdigit() or int(gpus) < 1:
-            parser.error(f"layout {weights}:{gpus} is not FORMAT:GPUS, FORMAT fp8 or bf16, GPUS a positive integer")
+    try:
+        layouts = [Layout.parse(text) for text in args.layouts]
+    except ValueError as exc:
+        parser.error(str(exc))
     baseline, rates = None, {}
-    for weights, gpus in ((w, int(g)) for w, g in layouts):
+    for layout in layouts:
         try:
-            entry, outputs = summarize(args, model_config, gpus, weights, run(args, gpus, weights))
+            entry, outputs = summarize(args, model_config, layout, run(args, layout))
         except Exception as exc:  # noqa: BLE001 -- one layout failing keeps the others' results
-            print(f"{weights} {gpus} GPU(s) failed: {exc}", flush=True)
-            result["errors"].append({"weights": weights, "gpus": gpus, "error": str(exc)[-3000:]})
+            print(f"{layout.name} failed: {exc}", flush=True)
+            result["errors"].append({"layout": layout.name, "error": str(exc)[-3000:]})
             args.out.write_text(json.dumps(result, indent=1) + "\n")
             continue
         result["runs"].append(entry)
         for case in entry["cases"]:
-            rates[(weights, gpus, case["case"])] = case["tokens_per_s"]
+            rates[(layout, case["case"])] = case["tokens_per_s"]
         if baseline is None:
-            baseline = (f"{weights}-{gpus}gpu", outputs)
+            baseline = (layout.name, outputs)
         else:
             for spec, (logits, kv) in outputs.items():
                 ref_logits, ref_kv = baseline[1][spec]
-                result["agreement"][f"{weights}-{gpus}gpu vs {baseline[0]}, {spec}, first prompt"] = {
+                result["agreement"][f"{layout.name} vs {baseline[0]}, {spec}, first prompt"] = {
                     "logits_max_rel_err": relative_error(logits, ref_logits),
                     "logits_rel_l2_err": relative_l2(logits, ref_logits),
                     "kv_max_rel_err": relative_error(kv, ref_kv),
@@ -377,11 +400,11 @@ def main() -> None:
                     "same_first_token": int(logits.argmax()) == int(ref_logits.argmax()),
                 }
         args.out.write_text(json.dumps(result, indent=1) + "\n")
-    for (weights, gpus, spec), rate in rates.items():
-        one = rates.get((weights, 1, spec))
-        if gpus > 1 and one:
-            result["scaling"][f"{weights} {spec} {gpus} GPUs"] = {
-                "tokens_per_s": rate, "one_gpu_tokens_per_s": one, "fraction_of_linear": round(rate / (gpus * one), 3)
+    for (layout, spec), rate in rates.items():
+        one = rates.get((Layout(layout.weights, 1, 1), spec))
+        if layout.gpus > 1 and one:
+            result["scaling"][f"{layout.name} {spec}"] = {
+                "tokens_per_s": rate, "one_gpu_tokens_per_s": one, "fraction_of_linear": round(rate / (layout.gpus * one), 3)
             }
     args.out.write_text(json.dumps(result, indent=1) + "\n")
     print(json.dumps({"agreement": result["agreement"], "scaling": result["scaling"]}, indent=1))

@@ -200,8 +200,8 @@ class MoE(nn.Module):
 
     :meth:`forward` runs all of it on the same tokens (one rank, or every rank of a TP group with
     the same tokens, its result then a partial sum of the shared part); the model splits tokens over
-    TP ranks itself and calls :meth:`routed` and ``shared_experts`` apart. ``load[i]`` counts the
-    (token, expert) pairs this rank computed in calls with ``layer=i``.
+    TP ranks itself and calls :meth:`routed` and ``shared_experts`` apart. ``pairs`` counts the
+    (token, expert) pairs this rank's experts have computed (the worker's expert-load report).
     """
 
     def __init__(
@@ -225,7 +225,7 @@ class MoE(nn.Module):
         self.gate = Router(config, hidden, dtype=dtype, device=device)
         self.experts = Experts(len(local), hidden, config.moe_intermediate_size, dtype=dtype, fp8=fp8, device=device)
         self.shared_experts = shared_experts
-        self.pairs = 0  # (token, expert) pairs computed here since the last read (see workers.worker)
+        self.pairs = 0  # (token, expert) pairs computed here (reset by the worker after its warm-up)
         self._tables: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def expert_tables(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
