@@ -46,6 +46,10 @@ import numpy as np
 import torch
 import torch.multiprocessing as mp
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+
+from spmd import chunk_batches  # noqa: E402 -- the tests' prompt-by-chunk batching, as the pool schedules it
+
 PEAK_TFLOPS = {"bf16": 989.0, "fp8": 1979.0}  # H200 dense, datasheet
 
 
@@ -114,16 +118,8 @@ def _timed(fn, repeats: int) -> float:
 
 def _run_prompts(worker, prompts: list[np.ndarray], chunk: int, tag: str):
     """Prefill every prompt (all in flight, each chunk by chunk); returns rank 0's results by id."""
-    from workers.worker import ChunkPiece
-
-    done, results = [0] * len(prompts), {}
-    while any(d < len(p) for d, p in zip(done, prompts)):
-        pieces = []
-        for i, prompt in enumerate(prompts):
-            if done[i] < len(prompt):
-                n = min(chunk, len(prompt) - done[i])
-                pieces.append(ChunkPiece(f"{tag}{i}", prompt[done[i] : done[i] + n], done[i], len(prompt)))
-                done[i] += n
+    results = {}
+    for pieces in chunk_batches(prompts, chunk, tag):
         out = worker.prefill(pieces)
         if out is not None:
             results.update({r.request_id: r for r in out.results})
@@ -345,7 +341,7 @@ def main() -> None:
     parser.add_argument("--model", default="deepseek-v3")
     parser.add_argument("--num-layers", type=int, default=None, help="the first N layers (DeepSeek-V3: 3 dense, then MoE)")
     parser.add_argument("--layouts", nargs="+", default=["fp8:1"],
-                        help="FORMAT:GPUS[:tpT], FORMAT fp8 or bf16, TP=T (default 1, the rest PCP); the first is the baseline")  # fmt: skip
+                        help="FORMAT:GPUS[:tpT]: fp8 or bf16, TP=T (default 1, the rest PCP); the first is the baseline")  # fmt: skip
     parser.add_argument("--prompts", nargs="+", default=["1x8192"], help="cases NxL: N prompts of L tokens in flight")
     parser.add_argument("--chunk-tokens", type=int, default=32768)
     parser.add_argument("--repeats", type=int, default=3)

@@ -6,12 +6,13 @@
 
 Each replica is one placement group of ``tp * pcp`` bundles (``placement``,
 by default ``STRICT_PACK``: one node), one actor per bundle, joined in one
-process group and split into TP and PCP groups (``workers.pcp``). A scheduler
+process group and split into TP and PCP groups (``workers.pcp``); starting,
+calling and stopping one is ``cluster.replica``. A scheduler
 thread per replica builds batches: the next chunk (at most ``chunk_tokens``) of
 every request it is prefilling, plus new requests from the shared queue, up to
 ``max_batch_tokens``; it waits ``batch_wait_ms`` for company when a batch has
 room. Every worker of the replica runs the batch (SPMD; under PCP each takes
-its zigzag share of every chunk); a request completes with its last chunk.
+its share of the chunks); a request completes with its last chunk.
 
 Requests are validated here, before they join a batch, so a bad request fails
 alone. The driver mirrors each replica's free KV blocks (of PCP rank 0, which
@@ -20,18 +21,16 @@ at submit, one that does not fit yet waits for releases. A batch that fails on t
 keeps serving. When a worker dies, the requests of its batch fail with that
 reason, the replica is restarted in place, and its other in-flight requests are
 prefilled again from the start; KV kept on the dead replica is reported lost.
-This module and ``cluster.handoff`` are the only places that call ``ray.get``/``ray.wait``.
+This module, ``cluster.replica`` and ``cluster.handoff`` are the only places that call ``ray.get``/``ray.wait``.
 """
 
 from __future__ import annotations
 
 import itertools
 import logging
-import os
 import queue
 import threading
 import time
-import uuid
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -39,15 +38,15 @@ from dataclasses import dataclass, field
 import numpy as np
 import ray
 import torch
-from ray.util.placement_group import placement_group, remove_placement_group
-from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from configs.pool import PoolConfig
-from workers.kv_cache import blocks_for
 from cluster.handoff import KVSource, pull_kv
 from cluster.metrics import PoolMetrics
+from cluster.replica import Replica, cause, connect_ray, gather, start_replica, stop_replica
+from configs.pool import PoolConfig
+from workers.kv_cache import blocks_for
 from workers.pcp import shard_rows
-from workers.worker import SAFE_NCCL_ENV, ChunkPiece, PrefillWorker, WorkerInfo
+from workers.weights import check_checkpoint_of
+from workers.worker import ChunkPiece, WorkerInfo
 
 logger = logging.getLogger(__name__)
 
@@ -110,23 +109,6 @@ class _Request:
         return len(self.tokens) - self.done
 
 
-@dataclass
-class _Replica:
-    index: int
-    workers: list
-    group: object  # the placement group the pool created for it (None: one it was given)
-    infos: list[WorkerInfo]
-    thread: threading.Thread | None = None
-    generation: int = 0
-    alive: bool = True
-    free_blocks: int = 0  # the driver's mirror of the workers' free KV blocks
-    waiting: _Request | None = None  # taken from the queue, admitted once its KV fits
-
-    @property
-    def kv_blocks(self) -> int:
-        return min(info.kv_blocks for info in self.infos)
-
-
 class PrefillPool:
     def __init__(
         self,
@@ -156,11 +138,11 @@ class PrefillPool:
         self.config = config
         self.model_config = config.model_config()  # validates the model against TP before any actor starts
         if config.checkpoint:
-            _check_checkpoint_on_driver(config, self.model_config)
+            check_checkpoint_of(self.model_config, config.checkpoint)  # every tensor, before any actor starts
         self._ray_address = ray_address
         self._start_timeout_s = start_timeout_s
         self._queue: queue.Queue = queue.Queue()
-        self._replicas: list[_Replica] = []
+        self._replicas: list[Replica] = []
         self._ids = itertools.count()
         self._live: set[str] = set()
         self._kept: dict[str, PrefillResult] = {}  # results whose KV stays on the workers
@@ -173,7 +155,7 @@ class PrefillPool:
     # ---- lifecycle -------------------------------------------------------
     def start(self) -> PrefillPool:
         cfg = self.config
-        self._owns_ray = _connect_ray(self._ray_address, cfg.replicas * cfg.workers_per_replica * cfg.worker_cpus)
+        self._owns_ray = connect_ray(self._ray_address, cfg.replicas * cfg.workers_per_replica * cfg.worker_cpus)
         use_gpus = cfg.use_gpus
         if self._placement_group is not None:
             use_gpus = self._placement_group.bundle_specs[self._bundle_offset].get("GPU", 0) > 0
@@ -199,52 +181,11 @@ class PrefillPool:
         )  # fmt: skip
         return self
 
-    def _start_replica(self, index: int, use_gpus: bool) -> _Replica:
-        cfg = self.config
-        bundle = {"CPU": cfg.worker_cpus, **({"GPU": 1} if use_gpus else {})}
-        owned = self._placement_group is None
-        if owned:
-            group = placement_group([bundle] * cfg.workers_per_replica, strategy=cfg.placement, name=f"mlapool-{uuid.uuid4().hex[:8]}-{index}")
-        else:
-            group = self._placement_group
-        if owned and not _fits_now(bundle, cfg.workers_per_replica, cfg.placement):
-            logger.warning(
-                "replica %d needs %d x %s (%s), more than the cluster's nodes have now; waiting up to %.0f s "
-                "for an autoscaler to add them", index, cfg.workers_per_replica, bundle, cfg.placement, self._start_timeout_s,
-            )  # fmt: skip
-        ready, _ = ray.wait([group.ready()], timeout=self._start_timeout_s)
-        if not ready:
-            if owned:
-                remove_placement_group(group)
-            raise RuntimeError(
-                f"replica {index} needs {cfg.workers_per_replica} x {bundle} ({cfg.placement}); the cluster has "
-                f"{ray.available_resources()} available. Lower tp, pcp or replicas, or add nodes."
-            )
-        env = {**SAFE_NCCL_ENV, **{k: v for k, v in os.environ.items() if k.startswith("NCCL_")}}
-        if not use_gpus:
-            env["OMP_NUM_THREADS"] = str(max(1, int(cfg.worker_cpus)))
-        actor = ray.remote(PrefillWorker)
-        workers = [
-            actor.options(
-                num_cpus=cfg.worker_cpus,
-                num_gpus=1 if use_gpus else 0,
-                scheduling_strategy=PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=self._bundle_offset + rank),
-                runtime_env={"env_vars": env},
-            ).remote(cfg, rank)
-            for rank in range(cfg.workers_per_replica)
-        ]
-        try:
-            addr, port = ray.get(workers[0].rendezvous_address.remote(), timeout=self._start_timeout_s)
-            infos = ray.get([w.setup.remote(addr, port) for w in workers], timeout=self._start_timeout_s)
-        except BaseException as exc:
-            for worker in workers:
-                ray.kill(worker)
-            if owned:
-                remove_placement_group(group)
-            raise RuntimeError(f"replica {index} failed to start: {_cause(exc)}") from exc
-        replica = _Replica(index, workers, group if owned else None, infos)
-        replica.free_blocks = replica.kv_blocks
-        return replica
+    def _start_replica(self, index: int, use_gpus: bool) -> Replica:
+        return start_replica(
+            self.config, index, use_gpus, placement_group_=self._placement_group, bundle_offset=self._bundle_offset,
+            timeout_s=self._start_timeout_s,
+        )
 
     def shutdown(self) -> None:
         """Stop the schedulers, fail queued requests, and release actors and placement groups."""
@@ -262,7 +203,7 @@ class PrefillPool:
             if item is not _STOP:
                 _settle(item.future, error=RuntimeError("the prefill pool was shut down"))
         for replica in self._replicas:
-            _stop_replica(replica)
+            stop_replica(replica)
         self._replicas.clear()
         if self.metrics is not None:
             self.metrics.close()
@@ -449,7 +390,7 @@ class PrefillPool:
         }
 
     # ---- scheduling --------------------------------------------------------
-    def _serve(self, replica: _Replica) -> None:
+    def _serve(self, replica: Replica) -> None:
         active: list[_Request] = []
         while replica.alive:
             batch = self._next_batch(replica, active)
@@ -460,7 +401,7 @@ class PrefillPool:
             if batch:
                 self._run_batch(replica, batch, active)
 
-    def _next_batch(self, replica: _Replica, active: list[_Request]) -> list[tuple[_Request, int]] | None:
+    def _next_batch(self, replica: Replica, active: list[_Request]) -> list[tuple[_Request, int]] | None:
         """(request, tokens) pieces for the next batch; None when the pool stops.
 
         Running requests come first; new ones are admitted in arrival order while
@@ -504,7 +445,7 @@ class PrefillPool:
             budget -= count
         return batch
 
-    def _run_batch(self, replica: _Replica, batch: list[tuple[_Request, int]], active: list[_Request]) -> None:
+    def _run_batch(self, replica: Replica, batch: list[tuple[_Request, int]], active: list[_Request]) -> None:
         pieces = [
             ChunkPiece(r.id, r.tokens[r.done : r.done + count], r.done, len(r.tokens)) for r, count in batch
         ]
@@ -512,12 +453,12 @@ class PrefillPool:
             self.stats.batches += 1
             self.stats.pieces += len(pieces)
         try:
-            outputs = _gather([w.prefill.remote(pieces) for w in replica.workers])
+            outputs = gather([w.prefill.remote(pieces) for w in replica.workers])
         except ray.exceptions.RayActorError as exc:
             self._replace_replica(replica, [r for r, _ in batch], active, exc)
             return
         except Exception as exc:  # noqa: BLE001 -- the batch's requests get the error, the pool goes on
-            logger.error("replica %d: batch of %d request(s) failed: %s", replica.index, len(batch), _cause(exc))
+            logger.error("replica %d: batch of %d request(s) failed: %s", replica.index, len(batch), cause(exc))
             failed = [r for r, _ in batch]
             with self._lock:
                 self.stats.failed += len(failed)
@@ -525,7 +466,7 @@ class PrefillPool:
             for request in failed:
                 active.remove(request)
                 self._forget(request)
-                _settle(request.future, error=RuntimeError(f"prefill of {request.id!r} failed: {_cause(exc)}"))
+                _settle(request.future, error=RuntimeError(f"prefill of {request.id!r} failed: {cause(exc)}"))
             for worker in replica.workers:
                 worker.release.remote([r.id for r in failed])
             return
@@ -551,14 +492,14 @@ class PrefillPool:
                 active.remove(request)
                 self._complete(replica, request, finished[request.id])
 
-    def _replace_replica(self, replica: _Replica, failed: list[_Request], active: list[_Request], exc) -> None:
+    def _replace_replica(self, replica: Replica, failed: list[_Request], active: list[_Request], exc) -> None:
         """A worker died: fail the batch's requests, restart the replica, retry its other requests."""
-        logger.error("replica %d: a worker died (%s); restarting the replica", replica.index, _cause(exc))
+        logger.error("replica %d: a worker died (%s); restarting the replica", replica.index, cause(exc))
         for request in failed:
             self._forget(request)
             error = RuntimeError(
                 f"prefill of {request.id!r} failed: a worker of replica {replica.index} died "
-                f"({_cause(exc)}); the replica was restarted"
+                f"({cause(exc)}); the replica was restarted"
             )
             _settle(request.future, error=error)
         with self._lock:
@@ -568,15 +509,15 @@ class PrefillPool:
             retry.append(replica.waiting)
             replica.waiting = None
         active.clear()
-        _stop_replica(replica)
+        stop_replica(replica)
         try:
             fresh = self._start_replica(replica.index, self._use_gpus)
         except Exception as start_exc:  # noqa: BLE001 -- the other replicas go on serving
-            logger.error("replica %d could not be restarted: %s", replica.index, _cause(start_exc))
+            logger.error("replica %d could not be restarted: %s", replica.index, cause(start_exc))
             replica.alive = False
             for request in retry:
                 self._forget(request)
-                _settle(request.future, error=RuntimeError(f"replica {replica.index} is gone: {_cause(start_exc)}"))
+                _settle(request.future, error=RuntimeError(f"replica {replica.index} is gone: {cause(start_exc)}"))
             return
         with self._lock:
             replica.workers, replica.group, replica.infos = fresh.workers, fresh.group, fresh.infos
@@ -586,7 +527,7 @@ class PrefillPool:
             request.done = 0
             self._queue.put(request)
 
-    def _complete(self, replica: _Replica, request: _Request, piece) -> None:
+    def _complete(self, replica: Replica, request: _Request, piece) -> None:
         with self._lock:
             self.stats.completed += 1
         if not request.keep_kv:
@@ -614,7 +555,7 @@ class PrefillPool:
         with self._lock:
             self._live.discard(request.id)
 
-    def _replica(self, index: int) -> _Replica:
+    def _replica(self, index: int) -> Replica:
         for replica in self._replicas:
             if replica.index == index:
                 return replica
@@ -649,61 +590,3 @@ def _settle(future: Future, *, result=None, error: BaseException | None = None) 
         future.set_exception(error)
     else:
         future.set_result(result)
-
-
-def _gather(refs: list) -> list:
-    """Results of one SPMD call, in order. Raises as soon as any worker fails: the others may be
-    blocked in a collective with the failed one and would never return."""
-    pending = list(refs)
-    while pending:
-        ready, pending = ray.wait(pending, num_returns=1)
-        ray.get(ready)  # raises the worker's error, or RayActorError if it died
-    return ray.get(refs)
-
-
-def _stop_replica(replica: _Replica) -> None:
-    for worker in replica.workers:
-        ray.kill(worker)
-    if replica.group is not None:  # None: a group the pool was given, not its own
-        remove_placement_group(replica.group)
-
-
-def _fits_now(bundle: dict, count: int, placement: str) -> bool:
-    """Whether the cluster's live nodes could hold ``count`` bundles now (one node for STRICT_PACK)."""
-    nodes = [n["Resources"] for n in ray.nodes() if n.get("Alive")]
-    if placement == "STRICT_PACK":
-        return any(all(node.get(k, 0) >= v * count for k, v in bundle.items()) for node in nodes)
-    return all(sum(node.get(k, 0) for node in nodes) >= v * count for k, v in bundle.items())
-
-
-def _connect_ray(address: str | None, cpus_needed: float) -> bool:
-    """Use a running Ray, connect to ``address``/``$RAY_ADDRESS``, or start an embedded one. True if started here."""
-    if ray.is_initialized():
-        return False
-    address = address or os.environ.get("RAY_ADDRESS")
-    kwargs = dict(include_dashboard=False, log_to_driver=True, logging_level=logging.WARNING)
-    if address:
-        ray.init(address=address, **kwargs)
-        return False
-    ray.init(num_cpus=max(os.cpu_count() or 1, int(np.ceil(cpus_needed))), **kwargs)
-    return True
-
-
-def _check_checkpoint_on_driver(config: PoolConfig, model_config) -> None:
-    """Check a checkpoint against every tensor the model reads (all ranks' shards and experts) from
-    metadata, before any actor starts."""
-    from attention.backends.torch_sdpa import TorchSDPAPrefillBackend
-    from workers.model import DeepseekPrefillModel
-    from workers.weights import check_checkpoint
-
-    meta = DeepseekPrefillModel.create(model_config, TorchSDPAPrefillBackend, device="meta")
-    check_checkpoint(meta, config.checkpoint)
-
-
-def _cause(exc: BaseException) -> str:
-    """One line naming the innermost error of a Ray failure (the worker's own exception):
-    its type, the first line of its message and, for Ray's long reports, the last."""
-    cause = getattr(exc, "cause", None) or exc
-    lines = [line.strip() for line in str(cause).splitlines() if line.strip()]
-    text = " ".join(dict.fromkeys([lines[0], lines[-1]])) if lines else ""
-    return f"{type(cause).__name__}: {text}"

@@ -20,21 +20,31 @@ class RankResult:
     experts: tuple | None  # the routed experts this rank holds
 
 
-def _run_rank(rank, config, port, prompts, chunk, results, prepare):
-    if prepare is not None:
-        prepare()
-    from workers.worker import ChunkPiece, PrefillWorker
+def chunk_batches(prompts: list[np.ndarray], chunk: int, prefix: str = "r"):
+    """The batches a worker runs for ``prompts`` all in flight: each batch takes the next chunk (at most
+    ``chunk`` tokens) of every unfinished prompt, as request ``f"{prefix}{i}"``."""
+    from workers.worker import ChunkPiece
 
-    worker = PrefillWorker(config, rank)
-    info = worker.setup("127.0.0.1", port)
-    done, logits, strategies = [0] * len(prompts), {}, []
+    done = [0] * len(prompts)
     while any(d < len(p) for d, p in zip(done, prompts)):
         pieces = []
         for i, prompt in enumerate(prompts):
             if done[i] < len(prompt):
                 n = min(chunk, len(prompt) - done[i])
-                pieces.append(ChunkPiece(f"r{i}", prompt[done[i] : done[i] + n], done[i], len(prompt)))
+                pieces.append(ChunkPiece(f"{prefix}{i}", prompt[done[i] : done[i] + n], done[i], len(prompt)))
                 done[i] += n
+        yield pieces
+
+
+def _run_rank(rank, config, port, prompts, chunk, results, prepare):
+    if prepare is not None:
+        prepare()
+    from workers.worker import PrefillWorker
+
+    worker = PrefillWorker(config, rank)
+    info = worker.setup("127.0.0.1", port)
+    logits, strategies = {}, []
+    for pieces in chunk_batches(prompts, chunk):
         out = worker.prefill(pieces)
         if out is not None:
             strategies.append(out.pcp_strategy)

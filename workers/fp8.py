@@ -117,16 +117,24 @@ class FP8Linear(nn.Module):
         blocks = (-(-out_features // BLOCK), in_features // BLOCK)
         self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=FP8, device=device), requires_grad=False)
         self.weight_scale_inv = nn.Parameter(torch.empty(blocks, dtype=torch.float32, device=device), requires_grad=False)
+        self._scale_b: tuple[int, torch.Tensor] | None = None  # (version of weight_scale_inv, torch's layout of it)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x2 = x.reshape(-1, self.in_features)
         q, scale = quantize_activations(x2, BLOCK, pad_rows_to=4)
-        # the weight's scales as torch takes them: [K blocks, N blocks], inner-dim-major with a 16-byte aligned stride
-        k_blocks = self.weight_scale_inv.shape[1]
-        scale_b = nn.functional.pad(self.weight_scale_inv, (0, -k_blocks % 4))[:, :k_blocks].t()
-        y = torch._scaled_mm(q, self.weight.t(), scale_a=scale.t(), scale_b=scale_b, out_dtype=self.out_dtype)
+        y = torch._scaled_mm(q, self.weight.t(), scale_a=scale.t(), scale_b=self._weight_scales(), out_dtype=self.out_dtype)
         return y[: x2.shape[0]].view(*shape[:-1], self.out_features)
+
+    def _weight_scales(self) -> torch.Tensor:
+        """The block scales as torch takes them: ``[K blocks, N blocks]``, inner-dim-major with a 16-byte
+        aligned stride; laid out once, again only after the parameter is written (e.g. reloaded)."""
+        version = self.weight_scale_inv._version
+        if self._scale_b is None or self._scale_b[0] != version:
+            k_blocks = self.weight_scale_inv.shape[1]
+            layout = nn.functional.pad(self.weight_scale_inv, (0, -k_blocks % 4))[:, :k_blocks].t()
+            self._scale_b = (version, layout)
+        return self._scale_b[1]
 
     def dequantized(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The weight ``[N, K]`` in ``dtype`` (for code that needs it whole, such as the absorbed decoder)."""

@@ -42,6 +42,7 @@ from torch import nn
 from attention.backends.base import MLAPrefillBackend
 from attention.mla import MLAAttention, PrefillBatch, RMSNorm
 from configs.model import ModelConfig
+from workers.collectives import all_gather_into, reduce_scatter_into
 from workers.fp8 import BLOCK, FP8Linear
 from workers.moe import MoE, EPGroup
 from workers.pcp import PCPPlan, context_parallel_attention
@@ -80,7 +81,7 @@ class TPShard:
         rows, mine = self.token_rows(x.shape[0]), self.my_tokens(x.shape[0])
         padded = torch.nn.functional.pad(x, (0, 0, 0, rows * self.size - x.shape[0]))
         out = x.new_empty(rows, *x.shape[1:])
-        torch.distributed.reduce_scatter_tensor(out, padded, group=self.group)
+        reduce_scatter_into(out, padded, self.group)
         return out[: mine.stop - mine.start]
 
     def all_gather(self, x: torch.Tensor, tokens: int) -> torch.Tensor:
@@ -88,7 +89,7 @@ class TPShard:
         rows = self.token_rows(tokens)
         padded = torch.nn.functional.pad(x, (0, 0, 0, rows - x.shape[0]))
         out = x.new_empty(rows * self.size, *x.shape[1:])
-        torch.distributed.all_gather_into_tensor(out, padded, group=self.group)
+        all_gather_into(out, padded, self.group)
         return out[:tokens]
 
     def split_dim(self, name: str) -> int | None:

@@ -80,6 +80,7 @@ import torch.distributed as dist
 from attention.backends.base import MLADimensions, MLAPrefillBackend
 from attention.mla import MLAAttention, offsets, plan_context_chunks
 from attention.merge import merge_attn_states_many
+from workers.collectives import all_gather_into
 
 STRATEGIES = ("auto", "sharded", "gather")
 
@@ -170,18 +171,13 @@ class PCPGroup:
         send = rows.new_zeros(padded, *rows.shape[1:])
         send[: rows.shape[0]] = rows
         buffer = rows.new_empty(self.size * padded, *rows.shape[1:])
-        return _all_gather(buffer, send, self.group), buffer
+        return all_gather_into(buffer, send, self.group, async_op=True), buffer
 
     def all_to_all(self, rows: torch.Tensor, send_counts: list[int], recv_counts: list[int]) -> tuple[Any, torch.Tensor]:
         """Start an all-to-all of ``rows``, sliced by ``send_counts`` per destination; returns ``(work, buffer)``."""
         buffer = rows.new_empty(sum(recv_counts), *rows.shape[1:])
         work = dist.all_to_all_single(buffer, rows, recv_counts, send_counts, group=self.group, async_op=True)
         return work, buffer
-
-
-def _all_gather(buffer: torch.Tensor, send: torch.Tensor, group) -> Any:
-    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # renamed in torch 2.13
-    return gather(buffer, send, group=group, async_op=True)
 
 
 # ---- cost model ------------------------------------------------------------------------------------

@@ -47,6 +47,8 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
+from attention.backends.torch_sdpa import TorchSDPAPrefillBackend
+from configs.model import ModelConfig
 from workers.fp8 import BLOCK, FP8Linear, block_dequantize, block_quantize, requantize_rows
 from workers.model import DeepseekPrefillModel
 from workers.moe import Experts
@@ -240,6 +242,12 @@ def check_checkpoint(model: DeepseekPrefillModel, path: str | Path) -> None:
         raise ValueError(f"checkpoint {path} is missing {len(missing)} tensor(s) the model needs: {shown}")
     for piece in pieces:
         _check_tensor(reader, piece.tensor, piece.full_shape, path)
+
+
+def check_checkpoint_of(config: ModelConfig, path: str | Path) -> None:
+    """:func:`check_checkpoint` for the whole model of ``config`` (every rank's shards and experts),
+    from the files' headers alone: the driver's check before any worker starts."""
+    check_checkpoint(DeepseekPrefillModel.create(config, TorchSDPAPrefillBackend, device="meta"), path)
 
 
 def _tied(piece: Piece, model: DeepseekPrefillModel, source) -> Piece:
