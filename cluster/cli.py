@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 import time
 from pathlib import Path
@@ -129,6 +130,44 @@ def save_kv(kv: torch.Tensor, path: Path) -> None:
     partial.replace(path)
 
 
+def prompt_limit(config: PoolConfig, model_config) -> tuple[int, str]:
+    """The longest prompt a pool of ``config`` takes, as far as it is known before the pool starts,
+    and what sets it: the model's positions, and the KV cache when its size does not depend on GPU
+    memory (``kv_cache_tokens`` given, or CPU workers). A GPU pool sized by memory refuses a prompt
+    that does not fit at submit, once it is up, before anything runs."""
+    from workers.kv_cache import blocks_for
+    from workers.worker import CPU_KV_CACHE_TOKENS
+
+    limit, why = model_config.max_position_embeddings, f"{model_config.name} has {model_config.max_position_embeddings} positions"
+    per_worker = config.kv_cache_tokens or (CPU_KV_CACHE_TOKENS if config.device == "cpu" else None)
+    if per_worker is not None:
+        capacity = blocks_for(per_worker, config.block_size) * config.block_size * config.pcp
+        if capacity < limit:
+            limit, why = capacity, f"the KV cache holds {capacity} tokens ({per_worker} per worker x pcp={config.pcp})"
+    return limit, why
+
+
+def check_prompt(tokens: list[int], limit: tuple[int, str], vocab_size: int) -> None:
+    """``ValueError`` for a prompt no pool of this configuration could take."""
+    if len(tokens) > limit[0]:
+        raise ValueError(f"prompt of {len(tokens)} tokens is longer than {limit[0]}: {limit[1]}")
+    bad = next((t for t in tokens if not 0 <= t < vocab_size), None)
+    if bad is not None:
+        raise ValueError(f"token id {bad} is outside the vocabulary [0, {vocab_size})")
+
+
+def check_output_dir(path: Path, option: str) -> None:
+    """Create ``path`` (a folder) now, or ``ValueError`` saying why it cannot be one."""
+    if path.exists() and not path.is_dir():
+        raise ValueError(f"{option} {path}: exists and is not a directory")
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ValueError(f"{option} {path}: cannot create it ({exc.strerror})") from None
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise ValueError(f"{option} {path}: not writable")
+
+
 def _read_tokens(path: Path) -> list[int]:
     text = path.read_text()
     try:
@@ -160,12 +199,17 @@ def _prefill(args: argparse.Namespace) -> int:
 
     config = pool_config(args)
     model_config = config.model_config()
+    limit = prompt_limit(config, model_config)  # everything that can be checked before Ray starts is
+    check_output_dir(args.output_dir, "--output-dir")
     if args.tokens:
         tokens = _read_tokens(args.tokens)
+        check_prompt(tokens, limit, model_config.vocab_size)
     else:
         count = 1024 if args.random_tokens is None else args.random_tokens
         if count <= 0:
             raise ValueError(f"--random-tokens must be positive, got {count}")
+        if count > limit[0]:
+            raise ValueError(f"--random-tokens {count} is longer than {limit[0]}: {limit[1]}")
         gen = torch.Generator().manual_seed(args.seed)
         tokens = torch.randint(0, model_config.vocab_size, (count,), generator=gen).tolist()
 
@@ -180,7 +224,6 @@ def _prefill(args: argparse.Namespace) -> int:
         stats = pool.stats
         weights, expert_load = pool.weights_report(), pool.expert_load()
 
-    args.output_dir.mkdir(parents=True, exist_ok=True)
     kv_file = args.output_dir / "kv.safetensors"
     save_kv(kv, kv_file)
     summary = {

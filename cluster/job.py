@@ -13,10 +13,16 @@ TTFT, the model's fingerprint, a hash of the token ids), both through a rename, 
 exactly when its JSON exists. At the end it writes ``OUTPUT/run_summary.json``. Progress goes to
 the job's log as one JSON object per line, with request ids.
 
+Before Ray starts the job checks the output folder, and every prompt against the model's positions,
+its vocabulary and (when its size is known then) the KV cache: a prompt that cannot run is
+recorded as failed at once and the others go on; the exit status is then 1.
+
 Resuming: run the same command again. Prompts whose JSON exists, for the same token ids and the
 same model, are skipped; the rest (never run, failed, interrupted, or changed since) are prefilled.
-A prompt the pool refuses (too long, token ids outside the vocabulary) is recorded as failed and
-the others go on; the exit status is then 1.
+
+Stopping: ``ray job stop`` (SIGTERM; also SIGINT), once the pool is up, cancels the prompts in the pool -- they leave it
+before their next chunk and their KV is freed --, writes ``run_summary.json`` with them counted as
+``cancelled``, and exits with 143 (130 for SIGINT). Finished prompts stay done for the next run.
 """
 
 from __future__ import annotations
@@ -26,14 +32,16 @@ import hashlib
 import json
 import logging
 import re
+import signal
 import sys
+import threading
 import time
 from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 
-from cluster.cli import add_pool_arguments, pool_config, save_kv
+from cluster.cli import add_pool_arguments, check_output_dir, check_prompt, pool_config, prompt_limit, save_kv
 
 ID_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 MAX_REPORTED_ERRORS = 20
@@ -137,23 +145,35 @@ def run(args: argparse.Namespace) -> int:
     from cluster.pool import PrefillPool
 
     config = pool_config(args)
-    fingerprint = config.model_config().fingerprint()
+    model_config = config.model_config()
+    fingerprint = model_config.fingerprint()
     prompts = read_prompts(args.input, args.tokenizer)
+    check_output_dir(args.output, "--output")
     folder = args.output / "prompts"
-    folder.mkdir(parents=True, exist_ok=True)
+    check_output_dir(folder, "--output")
     todo = [p for p in prompts if not is_done(folder, p, fingerprint)]
     skipped = len(prompts) - len(todo)
     started_at, started = datetime.now(timezone.utc), time.perf_counter()
     emit("start", prompts=len(prompts), already_done=skipped, to_run=len(todo), tp=config.tp, pcp=config.pcp, replicas=config.replicas)
     done, failed, tokens, ttfts, info, ready, reports = 0, {}, 0, [], None, started, {}
+    limit, runnable = prompt_limit(config, model_config), []
+    for prompt in todo:  # before Ray starts
+        try:
+            check_prompt(prompt.token_ids, limit, model_config.vocab_size)
+            runnable.append(prompt)
+        except ValueError as exc:
+            failed[prompt.id] = str(exc)
+            emit("prompt_failed", request_id=prompt.id, line=prompt.line, error=str(exc))
+    todo, cancelled, not_started, stop = runnable, [], 0, None
     if todo:
         metrics = PoolMetrics(args.name)
         with PrefillPool(config, metrics=metrics).start() as pool:
+            stop = _StopSignal()  # after Ray's start: ray.init installs a SIGTERM handler of its own
             info, ready = pool.worker_infos[0][0], time.perf_counter()
             emit("pool_ready", backend=info.backend, device=info.device, dtype=info.dtype, max_prompt_tokens=pool.max_prompt_tokens)
             pending: dict[Future, Prompt] = {}
             queue = iter(todo)
-            while True:
+            while not stop.signal:
                 while len(pending) < args.max_in_flight and (prompt := next(queue, None)) is not None:
                     try:
                         pending[pool.submit(prompt.token_ids, request_id=prompt.id, keep_kv=True)] = prompt
@@ -162,7 +182,7 @@ def run(args: argparse.Namespace) -> int:
                         emit("prompt_failed", request_id=prompt.id, line=prompt.line, error=str(exc))
                 if not pending:
                     break
-                finished, _ = wait(pending, return_when=FIRST_COMPLETED)
+                finished, _ = wait(pending, timeout=0.25, return_when=FIRST_COMPLETED)
                 for future in finished:
                     prompt = pending.pop(future)
                     try:
@@ -193,7 +213,13 @@ def run(args: argparse.Namespace) -> int:
                     emit("prompt_done", request_id=prompt.id, tokens=result.num_tokens, ttft_s=round(result.ttft_s, 4),
                          progress=f"{skipped + done}/{len(prompts)}", failed=len(failed),
                          tokens_per_s=round(tokens / (time.perf_counter() - ready), 1))  # fmt: skip
+            if stop.signal:  # out of the pool before their next chunk, KV freed
+                cancelled = [prompt.id for future, prompt in pending.items() if future.cancel()]
+                not_started = sum(1 for _ in queue)
+                emit("stopped", signal=stop.signal, cancelled=len(cancelled), not_started=not_started, prefilled=done)
             reports = {"weights": pool.weights_report(), "expert_load": pool.expert_load()}
+            stop.restore()
+    stopped_by = stop.signal if stop else None
     elapsed = time.perf_counter() - started
     ttfts.sort()
     summary = {
@@ -206,6 +232,8 @@ def run(args: argparse.Namespace) -> int:
         "prefilled": done,
         "failed": len(failed),
         "failures": failed,
+        "cancelled": len(cancelled),
+        **({"stopped_by": stopped_by, "not_started": not_started} if stopped_by else {}),
         "tokens_prefilled": tokens,
         "tokens_per_s": round(tokens / (time.perf_counter() - ready), 1) if tokens else 0.0,  # since the pool was ready
         "ttft_s": {"p50": round(ttfts[len(ttfts) // 2], 4), "max": round(ttfts[-1], 4)} if ttfts else None,
@@ -215,8 +243,28 @@ def run(args: argparse.Namespace) -> int:
         **reports,  # how each worker holds its weights, and the experts' load per layer (MoE models)
     }
     (args.output / "run_summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-    emit("finished", prefilled=done, already_done=skipped, failed=len(failed), wall_s=round(elapsed, 2))
+    emit("finished", prefilled=done, already_done=skipped, failed=len(failed), cancelled=len(cancelled), wall_s=round(elapsed, 2))
+    if stopped_by:
+        return 128 + signal.Signals[stopped_by].value
     return 1 if failed else 0
+
+
+class _StopSignal:
+    """Notes SIGTERM (``ray job stop``) and SIGINT while the job runs, instead of dying mid-write."""
+
+    def __init__(self) -> None:
+        self.signal: str | None = None
+        self._previous = {}
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                self._previous[sig] = signal.signal(sig, self._note)
+
+    def _note(self, signum, frame) -> None:
+        self.signal = signal.Signals(signum).name
+
+    def restore(self) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
 
 
 def parser() -> argparse.ArgumentParser:

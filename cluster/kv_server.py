@@ -10,13 +10,16 @@ A request's KV is freed on the workers once the receiver acknowledges it, and
 also when a started transfer fails (an error from the receiver, a lost
 connection, no acknowledgement within ``ack_timeout_s``), so a failed
 receiver never pins GPU memory; the request then has to be prefilled again.
-A receiver that is refused (bad token, unknown request) frees nothing. With
+A receiver that is refused frees nothing: a bad token, an unknown request, or a
+receiver that presents a model fingerprint, KV dtype or block size other than
+this pool's (checked on its hello, before anything is committed). With
 ``unclaimed_ttl_s`` set, KV that no receiver has claimed that long after its
 prefill finished is freed too (a client that never comes for its ticket).
 """
 
 from __future__ import annotations
 
+import contextlib
 import hmac
 import logging
 import socket
@@ -59,6 +62,8 @@ class KVServer:
     def close(self) -> None:
         self._closed = True
         self._stop.set()
+        with contextlib.suppress(OSError):
+            self._listener.shutdown(socket.SHUT_RDWR)  # wakes the accepting thread (close alone does not, on Linux)
         self._listener.close()
         self._thread.join(timeout=10)
 
@@ -93,7 +98,7 @@ class KVServer:
                 self._count("completed")
                 if self.pool.metrics is not None:
                     self.pool.metrics.shipped(sent, "tcp")
-            except (KVTransferError, OSError) as exc:
+            except Exception as exc:  # noqa: BLE001 -- a bad frame, a lost receiver, or its KV lost with a worker
                 self._count("failed")
                 logger.warning("KV transfer of %r to %s failed, its KV is freed: %s", result.request_id, peer, exc)
                 _try_error(conn, str(exc))
@@ -124,14 +129,36 @@ class KVServer:
         if self.token is not None and not hmac.compare_digest(str(hello.get("token") or ""), self.token):
             raise KVTransferError("the receiver's token does not match this KV server's")
         request_id = hello.get("request_id")
+        self._check_receiver(hello)
         result = self.pool.kept_result(request_id) if isinstance(request_id, str) else None
         if result is None:
             raise KVTransferError(f"no kept KV for request {request_id!r} (not prefilled with keep_kv, or already sent)")
+        try:
+            self.pool.kv_source(result)
+        except RuntimeError as exc:  # a worker holding it died: there is nothing to send
+            self.pool.release(result)
+            raise KVTransferError(str(exc)) from None
         with self._lock:
             if request_id in self._busy:
                 raise KVTransferError(f"the KV of request {request_id!r} is already being sent")
             self._busy.add(request_id)
         return result
+
+    def _check_receiver(self, hello: dict) -> None:
+        """Refuse a receiver that says it runs another model, KV dtype or block size."""
+        pool = self.pool
+        ours = {
+            "model_fingerprint": pool.model_config.fingerprint(),
+            "dtype": pool.worker_infos[0][0].dtype,
+            "block_size": pool.config.block_size,
+        }
+        for key, value in ours.items():
+            theirs = hello.get(key)
+            if theirs is not None and theirs != value:
+                raise KVTransferError(
+                    f"the receiver expects {key} {theirs!r}; this prefill pool's KV has {value!r} "
+                    f"(request {hello.get('request_id')!r} is kept for a matching receiver)"
+                )
 
     def _stream(self, conn: socket.socket, result) -> int:
         """Send the request's frames; returns the KV payload bytes."""

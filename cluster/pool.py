@@ -7,20 +7,20 @@
 Each replica is one placement group of ``tp * pcp`` bundles (``placement``,
 by default ``STRICT_PACK``: one node), one actor per bundle, joined in one
 process group and split into TP and PCP groups (``workers.pcp``); starting,
-calling and stopping one is ``cluster.replica``. A scheduler
-thread per replica builds batches: the next chunk (at most ``chunk_tokens``) of
-every request it is prefilling, plus new requests from the shared queue, up to
-``max_batch_tokens``; it waits ``batch_wait_ms`` for company when a batch has
-room. Every worker of the replica runs the batch (SPMD; under PCP each takes
-its share of the chunks); a request completes with its last chunk.
+calling and stopping one is ``cluster.replica``. Requests wait in one queue for
+the whole pool (``cluster.queueing``); a scheduler thread per replica
+(``cluster.scheduler``) admits the ones whose KV fits in its free blocks and
+runs them chunk by chunk in batches.
 
 Requests are validated here, before they join a batch, so a bad request fails
 alone. The driver mirrors each replica's free KV blocks (of PCP rank 0, which
 holds the most of a striped request): a prompt that could never fit is refused
-at submit, one that does not fit yet waits for releases. A batch that fails on the workers fails its own requests; the replica
-keeps serving. When a worker dies, the requests of its batch fail with that
-reason, the replica is restarted in place, and its other in-flight requests are
-prefilled again from the start; KV kept on the dead replica is reported lost.
+at submit, one that does not fit yet waits for releases. A request's future can
+be cancelled (``future.cancel()`` or :meth:`PrefillPool.cancel`): it is taken out
+before its next chunk and its KV blocks are freed. A batch that fails (a worker
+raised, died or got stuck) replaces its replica; its requests are retried once
+(``cluster.scheduler``). ``stats`` counts every outcome, ``stats.recoveries``
+times each replacement.
 This module, ``cluster.replica`` and ``cluster.handoff`` are the only places that call ``ray.get``/``ray.wait``.
 """
 
@@ -28,11 +28,10 @@ from __future__ import annotations
 
 import itertools
 import logging
-import queue
 import threading
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future
+from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -41,12 +40,14 @@ import torch
 
 from cluster.handoff import KVSource, pull_kv
 from cluster.metrics import PoolMetrics
-from cluster.replica import Replica, cause, connect_ray, gather, start_replica, stop_replica
+from cluster.queueing import Request, RequestQueue
+from cluster.replica import Replica, connect_ray, start_replica, stop_replica
+from cluster.scheduler import Recovery, ReplicaScheduler
 from configs.pool import PoolConfig
 from workers.kv_cache import blocks_for
 from workers.pcp import shard_rows
 from workers.weights import check_checkpoint_of
-from workers.worker import ChunkPiece, WorkerInfo
+from workers.worker import WorkerInfo
 
 logger = logging.getLogger(__name__)
 
@@ -56,9 +57,7 @@ class PromptTooLong(ValueError):
 
 
 class DuplicateRequest(ValueError):
-    """A request id already in flight or holding KV (an HTTP front end answers 409)."""
-
-_STOP = object()
+    """A request id already in flight or holding KV."""
 
 
 @dataclass
@@ -82,31 +81,20 @@ class PrefillResult:
 
 @dataclass
 class PoolStats:
-    """Counters since start: batches run, chunk pieces in them, requests completed or failed, and
-    under PCP the batches per context strategy and the bytes one worker received for them."""
+    """Counters since start: batches run, chunk pieces in them; requests completed, failed,
+    cancelled, and retried after a replica fault; each replica fault (``recoveries``); under PCP
+    the batches per context strategy and the bytes one worker received for them. Every submitted
+    request ends up in exactly one of completed, failed and cancelled."""
 
     batches: int = 0
     pieces: int = 0
     completed: int = 0
     failed: int = 0
+    cancelled: int = 0
+    retried: int = 0
+    recoveries: list[Recovery] = field(default_factory=list)
     pcp_strategies: dict[str, int] = field(default_factory=dict)
     pcp_bytes: int = 0
-
-
-@dataclass(eq=False)
-class _Request:
-    id: str
-    tokens: np.ndarray
-    future: Future
-    keep_kv: bool
-    on_progress: Callable[[int, int], None] | None
-    kv_blocks: int  # blocks its KV takes on each worker of its replica
-    submitted: float = field(default_factory=time.perf_counter)
-    done: int = 0
-
-    @property
-    def remaining(self) -> int:
-        return len(self.tokens) - self.done
 
 
 class PrefillPool:
@@ -141,15 +129,15 @@ class PrefillPool:
             check_checkpoint_of(self.model_config, config.checkpoint)  # every tensor, before any actor starts
         self._ray_address = ray_address
         self._start_timeout_s = start_timeout_s
-        self._queue: queue.Queue = queue.Queue()
+        self.queue = RequestQueue()
         self._replicas: list[Replica] = []
         self._ids = itertools.count()
-        self._live: set[str] = set()
+        self._live: dict[str, Request | None] = {}  # ids in flight (their request) or holding KV (None)
         self._kept: dict[str, PrefillResult] = {}  # results whose KV stays on the workers
-        self._lock = threading.Lock()
+        self.lock = threading.Lock()
         self._owns_ray = False
         self._use_gpus = False
-        self._stopping = False
+        self.stopping = False
         self.stats = PoolStats()
 
     # ---- lifecycle -------------------------------------------------------
@@ -169,7 +157,8 @@ class PrefillPool:
             self.shutdown()
             raise
         for replica in self._replicas:
-            replica.thread = threading.Thread(target=self._serve, args=(replica,), name=f"mlapool-replica-{replica.index}", daemon=True)
+            scheduler = ReplicaScheduler(self, replica)
+            replica.thread = threading.Thread(target=scheduler.run, name=f"mlapool-replica-{replica.index}", daemon=True)
             replica.thread.start()
         info = self._replicas[0].infos[0]
         if self.metrics is not None:
@@ -188,20 +177,14 @@ class PrefillPool:
         )
 
     def shutdown(self) -> None:
-        """Stop the schedulers, fail queued requests, and release actors and placement groups."""
-        self._stopping = True
-        for _ in self._replicas:
-            self._queue.put(_STOP)
+        """Stop the schedulers (running requests finish), fail queued requests, and release actors
+        and placement groups."""
+        self.stopping = True
+        for request in self.queue.close():
+            self.settle_failed(request, RuntimeError("the prefill pool was shut down"))
         for replica in self._replicas:
             if replica.thread is not None:
                 replica.thread.join(timeout=60)
-        while True:
-            try:
-                item = self._queue.get_nowait()
-            except queue.Empty:
-                break
-            if item is not _STOP:
-                _settle(item.future, error=RuntimeError("the prefill pool was shut down"))
         for replica in self._replicas:
             stop_replica(replica)
         self._replicas.clear()
@@ -232,25 +215,36 @@ class PrefillPool:
         take. ``keep_kv`` keeps the latent KV on the workers for :meth:`fetch_kv`
         until :meth:`release`. ``on_progress(done, total)`` is called after each chunk.
         """
-        if self._stopping or not self._replicas:
+        if self.stopping or not self._replicas:
             raise RuntimeError("the prefill pool is not running: call start() first")
+        if not self.alive:
+            raise RuntimeError("the prefill pool has no live replica: every replica failed to restart")
         try:
-            tokens, kv_blocks, request_id = self._admit(token_ids, request_id)
+            request = self._admit(token_ids, request_id, keep_kv, on_progress)
         except (TypeError, ValueError):
             if self.metrics is not None:
                 self.metrics.failed("rejected")
             raise
-        request = _Request(request_id, tokens, Future(), keep_kv, on_progress, kv_blocks)
-        with self._lock:
-            self._in_flight += 1
         request.future.add_done_callback(self._finished)
         if self.metrics is not None:
             self.metrics.queued(self._in_flight)
-        self._queue.put(request)
+        if not self.queue.put(request):  # shut down meanwhile
+            self.settle_failed(request, RuntimeError("the prefill pool was shut down"))
         return request.future
 
-    def _admit(self, token_ids, request_id: str | None) -> tuple[np.ndarray, int, str]:
-        """Validate a prompt and reserve its id: its tokens, KV blocks per worker and id."""
+    def cancel(self, request_id: str) -> bool:
+        """Cancel a request that has not finished (the same as its ``future.cancel()``): it is taken
+        out before its next chunk and its KV blocks are freed. False if there is no such request
+        in flight (unknown, finished, or already cancelled)."""
+        with self.lock:
+            request = self._live.get(request_id)
+        if request is None or not request.future.cancel():
+            return False
+        self.queue.notify()
+        return True
+
+    def _admit(self, token_ids, request_id: str | None, keep_kv: bool, on_progress) -> Request:
+        """Validate a prompt and reserve its id."""
         tokens = self._validate_tokens(token_ids)
         kv_blocks = self._kv_blocks(len(tokens))
         if len(tokens) > self.max_prompt_tokens:
@@ -260,22 +254,29 @@ class PrefillPool:
                 f"{max(r.kv_blocks for r in self._replicas)}, so the longest prompt is {self.max_prompt_tokens} tokens. "
                 "Raise kv_cache_tokens or gpu_memory_utilization, or use a larger pcp"
             )
-        with self._lock:
+        with self.lock:
             request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
             if not isinstance(request_id, str) or not request_id:
                 raise TypeError(f"request_id must be a non-empty string, got {request_id!r}")
             if request_id in self._live:
                 raise DuplicateRequest(f"request id {request_id!r} is already in flight or holds KV; ids must be unique")
-            self._live.add(request_id)
-        return tokens, kv_blocks, request_id
+            request = Request(request_id, tokens, Future(), keep_kv, on_progress, kv_blocks)
+            self._live[request_id] = request
+            self._in_flight += 1
+        return request
 
     def _finished(self, future: Future) -> None:
-        with self._lock:
+        with self.lock:
             self._in_flight -= 1
             depth = self._in_flight
+        if future.cancelled():
+            self.queue.notify()  # its scheduler takes it out now, not at its next batch
         if self.metrics is None:
             return
         self.metrics.queued(depth)
+        if future.cancelled():
+            self.metrics.failed("cancelled")
+            return
         error = future.exception()
         if error is None:
             result = future.result()
@@ -286,12 +287,12 @@ class PrefillPool:
     @property
     def alive(self) -> bool:
         """Whether the pool is running with at least one live replica."""
-        return not self._stopping and any(r.alive for r in self._replicas)
+        return not self.stopping and any(r.alive for r in self._replicas)
 
     @property
     def in_flight(self) -> int:
         """Requests submitted and not finished (queued, waiting for KV, or prefilling)."""
-        with self._lock:
+        with self.lock:
             return self._in_flight
 
     @property
@@ -329,30 +330,57 @@ class PrefillPool:
                 "and the replica was restarted"
             )
         tp = self.config.tp  # TP ranks hold the same latent: read TP rank 0 of every PCP rank
-        holders = tuple(replica.workers[p * tp] for p in range(self.config.pcp))
-        return KVSource(result.request_id, holders, self.config.block_size, result.num_tokens, replica.infos[0].dtype)
+        ranks = [p * tp for p in range(self.config.pcp)]
+        return KVSource(
+            result.request_id, tuple(replica.workers[r] for r in ranks), self.config.block_size, result.num_tokens,
+            replica.infos[0].dtype, tuple((replica.infos[r].host, replica.infos[r].device_uuid) for r in ranks),
+        )
 
     def release(self, result: PrefillResult) -> None:
         """Free a kept request's KV on its workers (a no-op if its replica restarted since)."""
         replica = self._replica(result.replica)
-        with self._lock:  # one release wins, however many callers race (a KV server and the user, say)
+        with self.lock:  # one release wins, however many callers race (a KV server and the user, say)
             held = replica.generation == result.generation and result.kv_kept
             result.kv_kept = False
-            self._live.discard(result.request_id)
+            if self._live.get(result.request_id, 0) is None:
+                del self._live[result.request_id]
             self._kept.pop(result.request_id, None)
+            workers = replica.workers
         if held:
-            ray.get([w.release.remote([result.request_id]) for w in replica.workers])
-            with self._lock:
-                replica.free_blocks += self._kv_blocks(result.num_tokens)
+            try:
+                ray.get([w.release.remote([result.request_id]) for w in workers])
+            except ray.exceptions.RayActorError:
+                return  # the replica failed meanwhile: its KV is gone with it
+            with self.lock:
+                if replica.generation == result.generation:
+                    replica.free_blocks += self._kv_blocks(result.num_tokens)
+            self.queue.notify()
+
+    def counts(self) -> dict:
+        """The request and fault counters of ``stats``, as plain values."""
+        with self.lock:
+            stats = self.stats
+            return {
+                "completed": stats.completed, "failed": stats.failed, "cancelled": stats.cancelled,
+                "retried": stats.retried, "replica_faults": len(stats.recoveries),
+            }  # fmt: skip
+
+    def inject_fault(self, replica: int, rank: int, kind: str, layer: int = 0, after_batches: int = 0) -> None:
+        """Chaos testing: make worker ``rank`` of ``replica`` fail inside a coming batch
+        (``PrefillWorker.inject_fault``: ``raise``, ``exit`` or ``hang`` at ``layer``)."""
+        workers = self._replica(replica).workers
+        if not 0 <= rank < len(workers):
+            raise ValueError(f"replica {replica} has ranks 0..{len(workers) - 1}, got {rank}")
+        ray.get(workers[rank].inject_fault.remote(kind, layer, after_batches), timeout=60)
 
     def kept_results(self) -> list[PrefillResult]:
         """Every result whose KV is kept on the workers."""
-        with self._lock:
+        with self.lock:
             return list(self._kept.values())
 
     def kept_result(self, request_id: str) -> PrefillResult | None:
         """The result of a request whose KV is kept on the workers (None if none is)."""
-        with self._lock:
+        with self.lock:
             return self._kept.get(request_id)
 
     def health(self) -> list[list[dict]]:
@@ -389,153 +417,60 @@ class PrefillPool:
             "peak_host_mib": [[i.peak_host_mib for i in r] for r in infos],
         }
 
-    # ---- scheduling --------------------------------------------------------
-    def _serve(self, replica: Replica) -> None:
-        active: list[_Request] = []
-        while replica.alive:
-            batch = self._next_batch(replica, active)
-            if batch is None:
-                for request in active + ([replica.waiting] if replica.waiting else []):
-                    _settle(request.future, error=RuntimeError("the prefill pool was shut down"))
-                return
-            if batch:
-                self._run_batch(replica, batch, active)
+    # ---- what the replicas' schedulers report (cluster.scheduler) ------------------------------
+    def start_replica(self, index: int) -> Replica:
+        return self._start_replica(index, self._use_gpus)
 
-    def _next_batch(self, replica: Replica, active: list[_Request]) -> list[tuple[_Request, int]] | None:
-        """(request, tokens) pieces for the next batch; None when the pool stops.
+    def requeue(self, request: Request) -> None:
+        if not self.queue.put(request, front=True):
+            self.settle_failed(request, RuntimeError("the prefill pool was shut down"))
 
-        Running requests come first; new ones are admitted in arrival order while
-        the batch has room and their KV fits in the replica's free blocks (one that
-        does not fit waits, holding back those behind it, until KV is released)."""
-        cfg = self.config
-        budget = cfg.max_batch_tokens
-        batch = []
-        for request in active:
-            count = min(cfg.chunk_tokens, request.remaining, budget)
-            if count == 0:
-                break
-            batch.append((request, count))
-            budget -= count
-        if self._stopping and not batch:
-            return None  # running requests are drained first; queued and waiting ones fail
-        deadline = time.monotonic() + cfg.batch_wait_ms / 1000
-        while budget > 0 and not (self._stopping and batch):
-            if replica.waiting is None:
-                wait = max(0.0, deadline - time.monotonic()) if batch else 0.5
-                try:
-                    item = self._queue.get(timeout=wait) if wait > 0 else self._queue.get_nowait()
-                except queue.Empty:
-                    return batch if (batch or not self._stopping) else None
-                if item is _STOP:
-                    return None if not active else batch
-                replica.waiting = item
-            request = replica.waiting
-            with self._lock:
-                fits = request.kv_blocks <= replica.free_blocks
-                if fits:
-                    replica.free_blocks -= request.kv_blocks
-            if not fits:
-                if not batch:
-                    time.sleep(0.05)  # nothing to run: wait for a release
-                return batch
-            replica.waiting = None
-            active.append(request)
-            count = min(cfg.chunk_tokens, request.remaining, budget)
-            batch.append((request, count))
-            budget -= count
-        return batch
-
-    def _run_batch(self, replica: Replica, batch: list[tuple[_Request, int]], active: list[_Request]) -> None:
-        pieces = [
-            ChunkPiece(r.id, r.tokens[r.done : r.done + count], r.done, len(r.tokens)) for r, count in batch
-        ]
-        with self._lock:
+    def count_batch(self, pieces: int) -> None:
+        with self.lock:
             self.stats.batches += 1
-            self.stats.pieces += len(pieces)
-        try:
-            outputs = gather([w.prefill.remote(pieces) for w in replica.workers])
-        except ray.exceptions.RayActorError as exc:
-            self._replace_replica(replica, [r for r, _ in batch], active, exc)
-            return
-        except Exception as exc:  # noqa: BLE001 -- the batch's requests get the error, the pool goes on
-            logger.error("replica %d: batch of %d request(s) failed: %s", replica.index, len(batch), cause(exc))
-            failed = [r for r, _ in batch]
-            with self._lock:
-                self.stats.failed += len(failed)
-                replica.free_blocks += sum(r.kv_blocks for r in failed)
-            for request in failed:
-                active.remove(request)
-                self._forget(request)
-                _settle(request.future, error=RuntimeError(f"prefill of {request.id!r} failed: {cause(exc)}"))
-            for worker in replica.workers:
-                worker.release.remote([r.id for r in failed])
-            return
-        report = outputs[0]
-        finished = {result.request_id: result for result in report.results}
-        if report.pcp_strategy is not None:
-            logger.debug(
-                "replica %d: batch of %d piece(s), PCP context strategy %s, %d bytes received per worker",
-                replica.index, len(pieces), report.pcp_strategy, report.pcp_bytes,
-            )  # fmt: skip
-            with self._lock:
-                counts = self.stats.pcp_strategies
-                counts[report.pcp_strategy] = counts.get(report.pcp_strategy, 0) + 1
-                self.stats.pcp_bytes += report.pcp_bytes
-        for request, count in batch:
-            request.done += count
-            if request.on_progress is not None:
-                try:
-                    request.on_progress(request.done, len(request.tokens))
-                except Exception:  # noqa: BLE001 -- a caller's callback must not stop the scheduler
-                    logger.exception("on_progress of request %r raised; continuing", request.id)
-            if request.remaining == 0:
-                active.remove(request)
-                self._complete(replica, request, finished[request.id])
+            self.stats.pieces += pieces
 
-    def _replace_replica(self, replica: Replica, failed: list[_Request], active: list[_Request], exc) -> None:
-        """A worker died: fail the batch's requests, restart the replica, retry its other requests."""
-        logger.error("replica %d: a worker died (%s); restarting the replica", replica.index, cause(exc))
-        for request in failed:
-            self._forget(request)
-            error = RuntimeError(
-                f"prefill of {request.id!r} failed: a worker of replica {replica.index} died "
-                f"({cause(exc)}); the replica was restarted"
-            )
-            _settle(request.future, error=error)
-        with self._lock:
-            self.stats.failed += len(failed)
-        retry = [r for r in active if r not in failed]
-        if replica.waiting is not None:
-            retry.append(replica.waiting)
-            replica.waiting = None
-        active.clear()
-        stop_replica(replica)
-        try:
-            fresh = self._start_replica(replica.index, self._use_gpus)
-        except Exception as start_exc:  # noqa: BLE001 -- the other replicas go on serving
-            logger.error("replica %d could not be restarted: %s", replica.index, cause(start_exc))
-            replica.alive = False
-            for request in retry:
-                self._forget(request)
-                _settle(request.future, error=RuntimeError(f"replica {replica.index} is gone: {cause(start_exc)}"))
+    def count_pcp(self, report) -> None:
+        if report.pcp_strategy is None:
             return
-        with self._lock:
-            replica.workers, replica.group, replica.infos = fresh.workers, fresh.group, fresh.infos
-            replica.generation += 1
-            replica.free_blocks = fresh.free_blocks  # the dead replica's KV is gone
-        for request in retry:  # their KV died with the worker: prefill them again from the start
-            request.done = 0
-            self._queue.put(request)
+        with self.lock:
+            counts = self.stats.pcp_strategies
+            counts[report.pcp_strategy] = counts.get(report.pcp_strategy, 0) + 1
+            self.stats.pcp_bytes += report.pcp_bytes
 
-    def _complete(self, replica: Replica, request: _Request, piece) -> None:
-        with self._lock:
-            self.stats.completed += 1
-        if not request.keep_kv:
-            for worker in replica.workers:
-                worker.release.remote([request.id])  # actor calls run in order: before any later batch
-            with self._lock:
-                replica.free_blocks += request.kv_blocks
-            self._forget(request)
+    def record_recovery(self, recovery: Recovery) -> None:
+        with self.lock:
+            self.stats.recoveries.append(recovery)
+            self.stats.retried += recovery.retried
+
+    def replica_lost(self, replica: Replica, reason: str) -> None:
+        """A replica that could not be restarted: if it was the last, fail what is queued."""
+        if not self.alive:
+            for request in self.queue.close():
+                self.settle_failed(request, RuntimeError(f"every replica of the pool is gone; the last: {reason}"))
+
+    def settle_failed(self, request: Request, error: BaseException) -> None:
+        """Fail a request (its KV, if any, is already freed or gone)."""
+        with self.lock:
+            self._live.pop(request.id, None)
+            if not request.cancelled:
+                self.stats.failed += 1
+            else:
+                self.stats.cancelled += 1
+        _settle(request.future, error=error)
+
+    def drop_cancelled(self, request: Request, replica: Replica | None) -> None:
+        """Take out a cancelled request: free its KV blocks on ``replica`` (None: it never ran)."""
+        if replica is not None:
+            self._free(replica, request)
+        with self.lock:
+            self._live.pop(request.id, None)
+            self.stats.cancelled += 1
+
+    def complete(self, replica: Replica, request: Request, piece) -> None:
+        cancelled = request.cancelled
+        if cancelled or not request.keep_kv:
+            self._free(replica, request)
         result = PrefillResult(
             request_id=request.id,
             num_tokens=len(request.tokens),
@@ -543,17 +478,33 @@ class PrefillPool:
             last_hidden=piece.last_hidden,
             replica=replica.index,
             ttft_s=time.perf_counter() - request.submitted,
-            kv_kept=request.keep_kv,
+            kv_kept=request.keep_kv and not cancelled,
             generation=replica.generation,
         )
-        if request.keep_kv:
-            with self._lock:
-                self._kept[request.id] = result
-        _settle(request.future, result=result)
+        with self.lock:
+            if cancelled:
+                self.stats.cancelled += 1
+                self._live.pop(request.id, None)
+            else:
+                self.stats.completed += 1
+                if result.kv_kept:
+                    self._live[request.id] = None  # the id stays taken while its KV is held
+                    self._kept[request.id] = result
+                else:
+                    self._live.pop(request.id, None)
+        if not _settle(request.future, result=result) and not cancelled:  # cancelled since the check above
+            with self.lock:
+                self.stats.completed -= 1
+                self.stats.cancelled += 1
+            self.release(result)
 
-    def _forget(self, request: _Request) -> None:
-        with self._lock:
-            self._live.discard(request.id)
+    def _free(self, replica: Replica, request: Request) -> None:
+        """Free a request's KV on the replica's workers (actor calls run in order: before any later batch)."""
+        for worker in replica.workers:
+            worker.release.remote([request.id])
+        with self.lock:
+            replica.free_blocks += request.kv_blocks
+        self.queue.notify()
 
     def _replica(self, index: int) -> Replica:
         for replica in self._replicas:
@@ -582,11 +533,13 @@ class PrefillPool:
         return array.astype(np.int32)
 
 
-def _settle(future: Future, *, result=None, error: BaseException | None = None) -> None:
-    """Resolve a request's future, unless its caller cancelled it (then the outcome is dropped)."""
-    if future.cancelled():
-        return
-    if error is not None:
-        future.set_exception(error)
-    else:
-        future.set_result(result)
+def _settle(future: Future, *, result=None, error: BaseException | None = None) -> bool:
+    """Resolve a request's future; False if its caller cancelled it (then the outcome is dropped)."""
+    try:
+        if error is not None:
+            future.set_exception(error)
+        else:
+            future.set_result(result)
+    except InvalidStateError:  # cancelled, also in a race with this call
+        return False
+    return True

@@ -10,9 +10,9 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import time
 import uuid
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 import ray
@@ -23,6 +23,8 @@ from configs.pool import PoolConfig
 from workers.worker import SAFE_NCCL_ENV, PrefillWorker, WorkerInfo
 
 logger = logging.getLogger(__name__)
+MAX_CAUSE_CHARS = 300
+FA4_CACHE_ENV = "FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED"
 
 
 @dataclass
@@ -37,7 +39,7 @@ class Replica:
     generation: int = 0
     alive: bool = True
     free_blocks: int = 0  # the driver's mirror of the workers' free KV blocks
-    waiting: Any = None  # the pool's request taken from the queue, admitted once its KV fits
+    start_s: dict | None = None  # how long starting it took: worker processes (to the first call), setup, warm-up, loading
 
     @property
     def kv_blocks(self) -> int:
@@ -50,7 +52,7 @@ def start_replica(
     """Reserve the replica's bundles (or use ``placement_group_``'s, from ``bundle_offset`` on), start one
     worker actor per bundle and set them up (process group, weights, KV cache, warm-up); raises
     ``RuntimeError`` with the reason, leaving nothing behind, when any of that fails."""
-    bundle = {"CPU": config.worker_cpus, **({"GPU": 1} if use_gpus else {})}
+    bundle = {"CPU": config.worker_cpus, **({"GPU": config.worker_gpus} if use_gpus else {})}
     owned = placement_group_ is None
     if owned:
         name = f"mlapool-{uuid.uuid4().hex[:8]}-{index}"
@@ -70,21 +72,31 @@ def start_replica(
             f"replica {index} needs {config.workers_per_replica} x {bundle} ({config.placement}); the cluster has "
             f"{ray.available_resources()} available. Lower tp, pcp or replicas, or add nodes."
         )
+    # set by each worker before it touches NCCL, not as a runtime_env: actors without one of their
+    # own start in Ray's pre-started worker processes (a replica replaced after a fault is up sooner)
     env = {**SAFE_NCCL_ENV, **{k: v for k, v in os.environ.items() if k.startswith("NCCL_")}}
+    # FA4 (CuTe DSL) kernels compiled once per node, not per process: a replacement replica's workers
+    # load them from disk instead of compiling them again in their warm-up
+    env.setdefault(FA4_CACHE_ENV, os.environ.get(FA4_CACHE_ENV, "1"))
+    options = {}
     if not use_gpus:
         env["OMP_NUM_THREADS"] = str(max(1, int(config.worker_cpus)))
+    elif config.worker_gpus < 1:  # shared GPUs: Ray may give two ranks one GPU; rank r takes GPU r itself
+        options["runtime_env"] = {"env_vars": {"RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES": "1"}}
     actor = ray.remote(PrefillWorker)
     workers = [
         actor.options(
             num_cpus=config.worker_cpus,
-            num_gpus=1 if use_gpus else 0,
+            num_gpus=config.worker_gpus if use_gpus else 0,
             scheduling_strategy=PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=bundle_offset + rank),
-            runtime_env={"env_vars": env},
-        ).remote(config, rank)
+            **options,
+        ).remote(config, rank, env)
         for rank in range(config.workers_per_replica)
     ]
+    started = time.perf_counter()
     try:
         addr, port = ray.get(workers[0].rendezvous_address.remote(), timeout=timeout_s)
+        processes_s = time.perf_counter() - started
         infos = ray.get([w.setup.remote(addr, port) for w in workers], timeout=timeout_s)
     except BaseException as exc:
         for worker in workers:
@@ -94,22 +106,40 @@ def start_replica(
         raise RuntimeError(f"replica {index} failed to start: {cause(exc)}") from exc
     replica = Replica(index, workers, group if owned else None, infos)
     replica.free_blocks = replica.kv_blocks
+    replica.start_s = {
+        "processes": round(processes_s, 2),
+        "setup": round(time.perf_counter() - started - processes_s, 2),
+        "warmup": max(info.warmup_s for info in infos),
+        "load": max(info.load_s for info in infos),
+    }
+    logger.info("replica %d started: %s s", index, replica.start_s)
     return replica
 
 
 def stop_replica(replica: Replica) -> None:
+    """Kill the replica's actors (at once: a rank blocked in a collective is not waited for) and
+    remove its placement group."""
     for worker in replica.workers:
         ray.kill(worker)
     if replica.group is not None:  # None: a group the pool was given, not its own
         remove_placement_group(replica.group)
 
 
-def gather(refs: list) -> list:
-    """Results of one SPMD call, in order. Raises as soon as any worker fails: the others may be
-    blocked in a collective with the failed one and would never return."""
+class BatchTimeout(RuntimeError):
+    """An SPMD call that did not finish in time (a rank is stuck)."""
+
+
+def gather(refs: list, timeout_s: float | None = None) -> list:
+    """Results of one SPMD call, in order. Raises as soon as any worker fails (its error, or
+    ``RayActorError`` if it died): the others may be blocked in a collective with the failed one
+    and would never return. Raises :class:`BatchTimeout` when the call outlives ``timeout_s``."""
     pending = list(refs)
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
     while pending:
-        ready, pending = ray.wait(pending, num_returns=1)
+        wait_s = None if deadline is None else max(0.0, deadline - time.monotonic())
+        ready, pending = ray.wait(pending, num_returns=1, timeout=wait_s)
+        if not ready:
+            raise BatchTimeout(f"{len(pending)} of {len(refs)} workers did not finish within {timeout_s:g} s")
         ray.get(ready)  # raises the worker's error, or RayActorError if it died
     return ray.get(refs)
 
@@ -131,7 +161,15 @@ def connect_ray(address: str | None, cpus_needed: float) -> bool:
     if address:
         ray.init(address=address, **kwargs)
         return False
-    ray.init(num_cpus=max(os.cpu_count() or 1, int(np.ceil(cpus_needed))), **kwargs)
+    # Ray (2.52+) enables token authentication for a cluster ray.init starts and warns about it on
+    # every run; this embedded cluster is local to the process, so keep the default and drop the notice
+    notice = logging.getLogger("ray._private.authentication.authentication_token_setup")
+    level = notice.level
+    notice.setLevel(logging.ERROR)
+    try:
+        ray.init(num_cpus=max(os.cpu_count() or 1, int(np.ceil(cpus_needed))), **kwargs)
+    finally:
+        notice.setLevel(level)
     return True
 
 
@@ -141,4 +179,6 @@ def cause(exc: BaseException) -> str:
     inner = getattr(exc, "cause", None) or exc
     lines = [line.strip() for line in str(inner).splitlines() if line.strip()]
     text = " ".join(dict.fromkeys([lines[0], lines[-1]])) if lines else ""
-    return f"{type(inner).__name__}: {text}"
+    if isinstance(inner, ray.exceptions.RayActorError):  # Ray's account of a death runs to a paragraph
+        text = text.split(" Some common causes include")[0]
+    return f"{type(inner).__name__}: {text[:MAX_CAUSE_CHARS]}"

@@ -11,17 +11,23 @@ the cluster autoscaler) place and scale whole TP x PCP groups. Every replica run
 HTTP API (JSON, or msgpack with ``content-type: application/msgpack``; the answer uses the same):
 
 ``POST /prefill`` ``{"token_ids": [int, ...], "request_id": str?, "handoff": bool?, "return_logits": bool?}``
-    200 ``{"request_id", "num_tokens", "first_token", "ttft_s", "logits"?, "ticket"?}``: ``logits``
+    200 ``{"request_id", "client_request_id"?, "num_tokens", "first_token", "ttft_s", "logits"?, "ticket"?}``.
+    ``request_id`` is unique across the tier (every replica): the client's ``request_id`` with a
+    random suffix (as vLLM's servers do), or a random one; tickets, logs and metrics use it.
+    ``logits``
     are the last token's float32 logits (a list in JSON, little-endian bytes in msgpack), unless
     ``return_logits`` is false. With ``handoff`` the KV stays on the replica and ``ticket`` says
     where a decode server fetches it (``workers.kv_transfer.KVReceiver(host, port, token,
     model_fingerprint).fetch(request_id)``) within ``expires_in_s``; without it the KV is freed.
-``GET /`` the model, layout, backend and limits of this replica.
+    A client that disconnects cancels its request: it leaves the pool before its next chunk and
+    its KV is freed.
+``GET /`` the model, layout, backend and limits of this replica, and its request counters.
 
-Errors are ``{"error": message}`` with 400 (not JSON/msgpack), 404/405 (path, method), 409 (request
-id in use on this replica: ids are unique per replica), 413 (body over ``max_body_bytes``, prompt longer than the cache holds), 415 (content
-type), 422 (wrong keys, types or token ids outside the vocabulary), 503 (the pool is down); a bad
-request never reaches the workers, and a failed prefill fails only its own request (500).
+Errors are ``{"error": message}`` with 400 (not JSON/msgpack), 404/405 (path, method), 413 (body
+over ``max_body_bytes``, prompt longer than the cache holds), 415 (content type), 422 (wrong keys,
+types or token ids outside the vocabulary), 503 (the pool is down); a bad request never reaches
+the workers, and a failed prefill fails only its own request (500, after the pool's one retry
+when a worker failed).
 """
 
 from __future__ import annotations
@@ -42,7 +48,7 @@ from starlette.responses import Response
 
 from cluster.kv_server import KVServer
 from cluster.metrics import PoolMetrics
-from cluster.pool import DuplicateRequest, PrefillPool, PromptTooLong
+from cluster.pool import PrefillPool, PromptTooLong
 from configs.serve import ServeConfig
 
 logger = logging.getLogger("ray.serve")
@@ -137,6 +143,7 @@ class PrefillServer:
             "max_prompt_tokens": self.pool.max_prompt_tokens,
             "vocab_size": self.pool.model_config.vocab_size,
             "in_flight": self.pool.in_flight,
+            "requests": self.pool.counts(),
         }
 
     def check_health(self) -> None:
@@ -164,23 +171,27 @@ class PrefillServer:
     async def _prefill(self, req: dict[str, Any]) -> dict[str, Any]:
         if not self.pool.alive:
             raise HTTPError(503, "the prefill pool of this replica is down")
+        client_id = req["request_id"]
+        request_id = f"{client_id}-{uuid.uuid4().hex[:16]}" if client_id else uuid.uuid4().hex  # unique across the tier
         try:
-            request_id = req["request_id"] or uuid.uuid4().hex  # unique across replicas: tickets and logs name it
             future = self.pool.submit(req["tokens"], request_id=request_id, keep_kv=req["handoff"])
         except PromptTooLong as exc:
             raise HTTPError(413, str(exc)) from None
-        except DuplicateRequest as exc:
-            raise HTTPError(409, str(exc)) from None
         except (TypeError, ValueError) as exc:
             raise HTTPError(422, str(exc)) from None
         try:
             result = await asyncio.wrap_future(future)
+        except asyncio.CancelledError:  # Serve cancels the call when the HTTP client disconnects
+            future.cancel()  # out of the pool before its next chunk, its KV freed
+            logger.info("cancelled: the client disconnected", extra={"mlapool_request_id": request_id})
+            raise
         except Exception as exc:  # noqa: BLE001 -- a failed prefill fails this request alone
             logger.warning("prefill failed", extra={"mlapool_request_id": request_id, "error": str(exc)})
             raise HTTPError(500, f"prefill failed: {exc}") from None
         logger.info("prefilled", extra={"mlapool_request_id": result.request_id, "tokens": result.num_tokens, "ttft_s": round(result.ttft_s, 4)})
         answer: dict[str, Any] = {
             "request_id": result.request_id,
+            **({"client_request_id": client_id} if client_id else {}),
             "num_tokens": result.num_tokens,
             "first_token": result.first_token,
             "ttft_s": round(result.ttft_s, 6),

@@ -56,8 +56,16 @@ class PoolConfig:
                      pcp workers of a TP rank, so a replica holds pcp times more); None = on GPU what gpu_memory_utilization
                      leaves after the weights and a profile prefill of one chunk, on CPU 262144
     gpu_memory_utilization  fraction of a GPU's memory a worker may use (weights, activations, KV)
+    collective_timeout_s  bound on one collective of a batch once the replica is up: a rank waiting this
+                     long for a peer (a stuck rank) raises, and the replica is replaced. Not a bound on a
+                     batch: work between collectives is not counted (setup uses the start timeout)
+    batch_timeout_s  bound on one batch seen from the driver (a rank stuck outside any collective, or a
+                     replica of one worker); None: no bound
     worker_cpus      CPUs reserved per worker (fractional on small hosts)
-    use_gpus         reserve one GPU per worker: True, False, or None (= when the cluster has enough)
+    worker_gpus      GPUs reserved per worker when the pool uses GPUs: 1, or a fraction to pack the
+                     workers of several small replicas on the same GPUs (a replica's own workers are
+                     always on distinct GPUs: NCCL needs that)
+    use_gpus         reserve GPUs for the workers: True, False, or None (= when the cluster has enough)
     seed             seed of random weights
     """
 
@@ -81,7 +89,10 @@ class PoolConfig:
     block_size: int = 64
     kv_cache_tokens: int | None = None
     gpu_memory_utilization: float = 0.9
+    collective_timeout_s: float = 60.0
+    batch_timeout_s: float | None = 900.0
     worker_cpus: float = 1.0
+    worker_gpus: float = 1.0
     use_gpus: bool | None = None
     seed: int = 0
 
@@ -119,6 +130,12 @@ class PoolConfig:
             raise ValueError(f"pool config: gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if not self.worker_cpus > 0:
             raise ValueError(f"pool config: worker_cpus must be positive, got {self.worker_cpus}")
+        if not 0 < self.worker_gpus <= 1:
+            raise ValueError(f"pool config: worker_gpus must be in (0, 1], got {self.worker_gpus}")
+        if not self.collective_timeout_s > 0:
+            raise ValueError(f"pool config: collective_timeout_s must be positive, got {self.collective_timeout_s}")
+        if self.batch_timeout_s is not None and not self.batch_timeout_s > 0:
+            raise ValueError(f"pool config: batch_timeout_s must be positive or None, got {self.batch_timeout_s}")
         if self.batch_wait_ms < 0:
             raise ValueError(f"pool config: batch_wait_ms must be >= 0, got {self.batch_wait_ms}")
 

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import select
 import socket
 import threading
 import time
@@ -46,6 +47,7 @@ from workers.kv_transfer import expect, read_frame, send_frame
 logger = logging.getLogger(__name__)
 
 _TAG = 0
+WATCH_S = 0.002  # how often a wait looks at the control connections (a transfer ends within this of its last byte)
 
 # what a holder serves: request id -> a context holding (layer views, rows written) while they are
 # sent; KeyError(reason) when it has no such request
@@ -54,6 +56,10 @@ ShardSource = Callable[[str], ContextManager[tuple[Sequence[torch.Tensor], int]]
 
 class KVLinkError(RuntimeError):
     """A pull was refused: a holder had no such request. The link stays usable."""
+
+
+class KVLinkBroken(RuntimeError):
+    """The other end went away mid-transfer (its control connection closed). The link is dead."""
 
 
 @dataclass(frozen=True)
@@ -189,14 +195,15 @@ class KVLink:
 
     # ---- the receiver's end ----------------------------------------------------------------------
     def pull(
-        self, request_id: str, rows: Sequence[int], layers: int, dtype: torch.dtype, block_size: int, width: int
+        self, request_id: str, rows: Sequence[int], layers: int, dtype: torch.dtype, block_size: int, width: int,
+        on_asked: Callable[[], None] | None = None,
     ) -> tuple[list[KVShard], dict[str, float]]:
         """Every holder's shard of ``request_id``: holder ``r`` (1-based) is expected to hold
         ``rows[r - 1]`` rows in ``layers`` layers of ``dtype``, so every receive is posted at once,
         without waiting for a header. Returns the shards in holder order, and where the time went:
         ``ask_s`` (sending the ask to every holder) and ``transfer_s`` (from there to the last
         byte in). Raises :class:`KVLinkError` with each refusing holder's reason (the link stays
-        usable)."""
+        usable). ``on_asked`` is called once every holder has been asked."""
         if self.rank != 0:
             raise RuntimeError("only the receiver's end (rank 0) pulls")
         if self._closed:
@@ -213,6 +220,8 @@ class KVLink:
         for rank in range(1, self.size):
             send_frame(self._control[rank], "pull", ask)
         asked = time.perf_counter()
+        if on_asked is not None:
+            on_asked()
         statuses = torch.empty(self.size - 1, dtype=torch.int64, device=self.device)
         shards, works = [], []
         for src, count in enumerate(rows, start=1):  # the holders send in this order: status, then layers
@@ -254,13 +263,62 @@ class KVLink:
         return [self.group._end_coalescing()]
 
     def _wait(self, works) -> None:
+        """Wait for ``works`` while watching the other ends' control connections: one that closes
+        (its process died) breaks the link at once, instead of a receive or send that waits for
+        a dead peer until the timeout (gloo) or forever (NCCL)."""
+        peers = list(self._control.values())
+        if self.device.type == "cuda":
+            done = lambda: all(work.is_completed() for work in works)  # noqa: E731
+        else:  # gloo's point-to-point works complete only inside wait(): wait on a thread of their own
+            finished, errors = threading.Event(), []
+            threading.Thread(target=_wait_all, args=(works, finished, errors), name="kv-link-wait", daemon=True).start()
+            done = finished.is_set
+        while not done():
+            readable, _, _ = select.select(peers, [], [], WATCH_S)
+            gone = [conn for conn in readable if _closed(conn)]
+            if gone:
+                self._abort()
+                raise KVLinkBroken(f"KV link rank {self.rank}: {len(gone)} peer(s) went away mid-transfer")
+            if readable:  # a frame waiting (the next ask, a refusal): it is read later, do not spin on it
+                time.sleep(WATCH_S)
+        if self.device.type != "cuda":
+            if errors:
+                raise errors[0]
+            return
         for work in works:
-            work.wait()
+            work.wait()  # raises the transport's own error, if any
         if self.device.type == "cuda":
             torch.cuda.current_stream(self.device).synchronize()  # NCCL's wait only orders the stream
 
+    def _abort(self) -> None:
+        """Abort the link's communicator, so that nothing stays queued on a dead peer (NCCL)."""
+        abort = getattr(self.group, "abort", None)
+        if abort is not None:
+            with contextlib.suppress(Exception):  # already broken
+                abort()
+
 
 # ---- the control connection: kv_transfer frames ("hello", "pull", "refused", "close") ---------------
+def _wait_all(works, finished: threading.Event, errors: list) -> None:
+    try:
+        for work in works:
+            work.wait()
+    except Exception as exc:  # noqa: BLE001 -- handed to the waiting thread
+        errors.append(exc)
+    finally:
+        finished.set()
+
+
+def _closed(conn: socket.socket) -> bool:
+    """Whether a readable control connection was closed by its peer (not a frame waiting)."""
+    try:
+        return conn.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
+    except BlockingIOError:
+        return False
+    except OSError:
+        return True
+
+
 def _fast(sock: socket.socket) -> socket.socket:
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # an ask is one small frame: send it now
     return sock

@@ -12,7 +12,9 @@ sizes or checksum it does not accept, with :class:`KVTransferError` naming why.
 
 A transfer, one request per TCP connection::
 
-    receiver -> hello  {request_id, token?, model_fingerprint?}
+    receiver -> hello  {request_id, token?, model_fingerprint?, dtype?, block_size?}
+                        (the sender refuses, freeing nothing, a receiver whose model, KV dtype
+                        or block size differs from its own)
     sender   -> begin  {request_id, tokens, layers, dtype, block_size, width, num_blocks,
                         model_fingerprint, shard_map}          (or error {message})
     sender   -> layer  {layer, shape} + the layer's rows, vLLM's MLA paged layout
@@ -196,7 +198,9 @@ class KVReceiver:
         receiver = KVReceiver("10.0.0.5", 7431, token=..., model_fingerprint=config.fingerprint())
         kv = receiver.fetch("req-17")       # ReceivedKV; the prefill side frees it once acknowledged
 
-    ``model_fingerprint``, when given, makes the receiver refuse KV of another model.
+    ``model_fingerprint``, ``dtype`` and ``block_size``, when given, are presented to the server
+    first: one that holds KV of another model, dtype or block size refuses before sending, and
+    keeps the KV for a matching receiver.
     """
 
     def __init__(
@@ -206,11 +210,18 @@ class KVReceiver:
         *,
         token: str | None = None,
         model_fingerprint: str | None = None,
+        dtype: str | None = None,
+        block_size: int | None = None,
         timeout_s: float = 60.0,
         max_layer_bytes: int = 1 << 36,
     ) -> None:
+        if dtype is not None and dtype not in DTYPES:
+            raise ValueError(f"dtype {dtype!r} is not one of {', '.join(DTYPES)}")
+        if block_size is not None and (type(block_size) is not int or block_size < 1):
+            raise ValueError(f"block_size must be a positive integer, got {block_size!r}")
         self.address = (host, port)
         self.token, self.model_fingerprint = token, model_fingerprint
+        self.dtype, self.block_size = dtype, block_size
         self.timeout_s, self.max_layer_bytes = timeout_s, max_layer_bytes
 
     def fetch(self, request_id: str) -> ReceivedKV:
@@ -219,7 +230,10 @@ class KVReceiver:
         except OSError as exc:
             raise KVTransferError(f"cannot reach the KV server at {self.address[0]}:{self.address[1]} ({exc})") from None
         with sock:
-            send_frame(sock, "hello", {"request_id": request_id, "token": self.token, "model_fingerprint": self.model_fingerprint})
+            send_frame(sock, "hello", {
+                "request_id": request_id, "token": self.token, "model_fingerprint": self.model_fingerprint,
+                "dtype": self.dtype, "block_size": self.block_size,
+            })  # fmt: skip
             try:
                 kv = self._receive(sock, request_id)
             except KVTransferError as exc:

@@ -27,6 +27,7 @@ Nothing here imports Ray: the worker is plain Python and testable in-process.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import os
 import socket
@@ -39,6 +40,7 @@ from datetime import timedelta
 
 import numpy as np
 import torch
+from torch.distributed.distributed_c10d import _set_pg_timeout
 
 from attention.backends.base import DeviceCapability, MLAPrefillSelectorConfig
 from attention.backends.selector import get_mla_prefill_backend
@@ -61,6 +63,11 @@ logger = logging.getLogger(__name__)
 WARMUP_REQUEST = "__mlapool_warmup__"
 CPU_KV_CACHE_TOKENS = 262144
 SAFE_NCCL_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
+FAULTS = ("raise", "exit", "hang")
+
+
+class InjectedFault(RuntimeError):
+    """The failure :meth:`PrefillWorker.inject_fault` was asked for."""
 
 
 @dataclass(frozen=True)
@@ -112,6 +119,7 @@ class WorkerInfo:
     experts: tuple[int, int] | None  # the routed experts [first, last] this rank holds (None: no MoE layers)
     load_s: float  # reading (or drawing) this rank's weights
     peak_host_mib: float  # the worker process's peak resident host memory after loading (ru_maxrss)
+    device_uuid: str | None = None  # the GPU's UUID (None on the CPU): who else uses this GPU
 
 
 def rendezvous_address() -> tuple[str, int]:
@@ -123,7 +131,11 @@ def rendezvous_address() -> tuple[str, int]:
 
 
 class PrefillWorker:
-    def __init__(self, config: PoolConfig, rank: int) -> None:
+    def __init__(self, config: PoolConfig, rank: int, env: dict[str, str] | None = None) -> None:
+        """``env``: variables for this process (NCCL's, OMP_NUM_THREADS), set before anything reads them."""
+        os.environ.update(env or {})
+        if env and "OMP_NUM_THREADS" in env:
+            torch.set_num_threads(int(env["OMP_NUM_THREADS"]))
         self.config, self.rank = config, rank
         self.world_size = config.workers_per_replica
         self.pcp_rank, self.tp_rank = divmod(rank, config.tp)
@@ -138,6 +150,9 @@ class PrefillWorker:
         self._kv_sending: Counter[str] = Counter()
         self._kv_free_after_send: set[str] = set()
         self._kv_ready: dict[str, torch.cuda.Event] = {}
+        self._groups: list = []  # every process group of the replica this rank is in
+        self._batches = 0
+        self._fault: tuple[str, int, int] | None = None  # (kind, layer, the batch it fires in)
 
     def rendezvous_address(self) -> tuple[str, int]:
         return rendezvous_address()
@@ -147,7 +162,7 @@ class PrefillWorker:
         paged KV cache and run the warm-up prefill (kernel JIT happens here, not in a request)."""
         config = self.config
         model_config = config.model_config()
-        device = _device(config.device)
+        device = _device(config.device, self.rank if config.worker_gpus < 1 else None)
         dtype = _dtype(config.dtype, device, model_config.dtype)
         if device.type == "cuda":
             torch.cuda.set_device(device)
@@ -161,6 +176,7 @@ class PrefillWorker:
                 timeout=timedelta(seconds=timeout_s),
             )
             tp_group, pcp_group = self._grid_groups()
+            self._groups = [torch.distributed.group.WORLD, *{g for g in (tp_group, pcp_group) if g is not None}]
             if config.pcp > 1:
                 self.pcp = PCPGroup(self.pcp_rank, config.pcp, pcp_group)
             ep = EPGroup(self.rank, self.world_size, torch.distributed.group.WORLD)
@@ -184,6 +200,10 @@ class PrefillWorker:
         self._warm_up()
         for _, moe in self.model.moe_layers():
             moe.pairs = 0  # the warm-up and profile prefills are not load
+        for group in self._groups:  # up and warm: from now on a peer that long silent is stuck
+            _set_pg_timeout(timedelta(seconds=config.collective_timeout_s), group)
+        for index, layer in enumerate(self.model.model.layers):
+            layer.input_layernorm.register_forward_pre_hook(functools.partial(self._maybe_fail, index))
         return WorkerInfo(
             rank=self.rank,
             world_size=self.world_size,
@@ -201,7 +221,34 @@ class PrefillWorker:
             experts=self._experts(),
             load_s=report.seconds,
             peak_host_mib=report.peak_host_mib,
+            device_uuid=str(torch.cuda.get_device_properties(device).uuid) if device.type == "cuda" else None,
         )
+
+    def inject_fault(self, kind: str, layer: int = 0, after_batches: int = 0) -> None:
+        """Chaos testing: fail inside the model, at the start of ``layer``, in the batch after the
+        next ``after_batches`` ones: ``raise`` an :class:`InjectedFault`, ``exit`` the process, or
+        ``hang`` (sleep for an hour). The other ranks of the replica are then inside the layer's
+        collectives, which is what the pool must recover from."""
+        if kind not in FAULTS:
+            raise ValueError(f"fault kind {kind!r} is not one of {', '.join(FAULTS)}")
+        layers = self._model().config.num_hidden_layers
+        if not 0 <= layer < layers:
+            raise ValueError(f"fault layer {layer} is outside [0, {layers})")
+        self._fault = (kind, layer, self._batches + after_batches + 1)
+
+    def _maybe_fail(self, index: int, module, args) -> None:
+        if self._fault is None:
+            return
+        kind, layer, batch = self._fault
+        if index != layer or self._batches != batch:
+            return
+        self._fault = None
+        logger.warning("rank %d: injected fault %r at layer %d of batch %d", self.rank, kind, layer, batch)
+        if kind == "exit":
+            os._exit(1)
+        if kind == "hang":
+            time.sleep(3600)
+        raise InjectedFault(f"rank {self.rank}: injected fault at layer {layer} (t={time.time():.3f})")
 
     def _use_fp8(self, model_config: ModelConfig, device: torch.device, dtype: torch.dtype) -> bool:
         """FP8 GEMMs for an FP8 model (``quantization="auto"``) where torch runs DeepSeek's block-scaled
@@ -255,6 +302,7 @@ class PrefillWorker:
         global rank 0 returns the finished requests' results and the batch's PCP report."""
         model = self._model()
         device = model.lm_head.weight.device
+        self._batches += 1
         for piece in pieces:  # identical on every rank, so all ranks fail together
             self._check_piece(piece)
         with self._kv_lock:
@@ -482,13 +530,16 @@ def _host_available_bytes() -> int | None:
     return None
 
 
-def _device(name: str) -> torch.device:
+def _device(name: str, shared_rank: int | None = None) -> torch.device:
+    """The worker's device; with GPUs shared between replicas (``worker_gpus < 1``) rank ``r`` of a
+    replica takes the node's GPU ``r`` (modulo their number), so a replica's ranks never share one."""
     if name == "auto":
         name = "cuda" if torch.cuda.is_available() else "cpu"
     if name == "cuda":
         if not torch.cuda.is_available():
             raise ValueError("pool config device='cuda' but this worker sees no GPU; valid here: cpu, auto")
-        return torch.device("cuda", torch.cuda.current_device())
+        index = torch.cuda.current_device() if shared_rank is None else shared_rank % torch.cuda.device_count()
+        return torch.device("cuda", index)
     return torch.device(name)
 
 

@@ -1,6 +1,8 @@
 """The mlapool command line, in-process, on the module's Ray (logical GPUs, CPU workers)."""
 
 import json
+import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -44,7 +46,6 @@ def test_prefill_from_a_token_file(ray_cluster, tmp_path, capsys):
         (["--tp", "3"], 2, "TP=3 does not divide tiny's 8 attention heads"),
         (["--pcp", "0"], 2, "pcp must be a positive integer, got 0"),
         (["--kv-cache-tokens", "10"], 2, "kv_cache_tokens must be None or an integer >= block_size (64), got 10"),
-        (["--kv-cache-tokens", "256", "--random-tokens", "300"], 2, "prompt of 300 tokens does not fit in the KV cache"),
         (["--tokens", "/no/such/file"], 2, "No such file"),
         (["--num-layers", "1", "--backend", "aiter_flash_attn"], 1, "replica 0 failed to start: ValueError: MLA prefill backend AITER_FLASH_ATTN cannot run"),
     ],
@@ -53,6 +54,34 @@ def test_prefill_errors_exit_with_the_reason(ray_cluster, argv, code, message, t
     with pytest.raises(SystemExit) as exit_info:
         main(["prefill", "--device", "cpu", "--output-dir", str(tmp_path), *argv])
     assert exit_info.value.code == code
+    assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "argv,message",
+    [
+        (["--random-tokens", "1000000000"], "--random-tokens 1000000000 is longer than 8192: tiny has 8192 positions"),
+        (["--kv-cache-tokens", "256", "--random-tokens", "300"], "--random-tokens 300 is longer than 256: the KV cache holds 256 tokens (256 per worker x pcp=1)"),
+        (["--kv-cache-tokens", "256", "--pcp", "2", "--tokens", "{long}"], "prompt of 600 tokens is longer than 512: the KV cache holds 512 tokens (256 per worker x pcp=2)"),
+        (["--tokens", "{outside}"], "token id 512 is outside the vocabulary [0, 512)"),
+        (["--output-dir", "{file}"], "exists and is not a directory"),
+        (["--checkpoint", "{empty}"], "has no *.safetensors files"),
+    ],
+    ids=["positions", "kv-cache", "kv-cache-pcp", "vocabulary", "output-is-a-file", "checkpoint"],
+)
+def test_what_can_be_checked_before_ray_starts_is_refused_before_it_starts(argv, message, tmp_path, capsys, monkeypatch):
+    import cluster.pool
+
+    monkeypatch.setattr(cluster.pool, "connect_ray", lambda *a: pytest.fail("Ray was started for an input error"))
+    paths = {"long": tmp_path / "long.json", "outside": tmp_path / "outside.json", "file": tmp_path / "a-file", "empty": tmp_path / "empty"}
+    paths["long"].write_text(str(list(range(600)))), paths["outside"].write_text("[1, 2, 512]"), paths["file"].write_text("")
+    paths["empty"].mkdir()
+    (paths["empty"] / "config.json").write_text((Path(cluster.pool.__file__).parents[1] / "configs/models/tiny.json").read_text())
+    argv = [a.format(**{k: str(v) for k, v in paths.items()}) for a in argv]
+    started = time.perf_counter()
+    with pytest.raises(SystemExit) as exit_info:
+        main(["prefill", "--device", "cpu", "--output-dir", str(tmp_path / "out"), *argv])
+    assert exit_info.value.code == 2 and time.perf_counter() - started < 5
     assert message in capsys.readouterr().err
 
 

@@ -2,6 +2,10 @@
 interruption, prompts the pool refuses, text through a tokenizer, and input errors before any pool starts."""
 
 import json
+import os
+import signal
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -86,7 +90,39 @@ def test_prompts_the_pool_refuses_are_recorded_and_the_others_finish(ray_cluster
     assert _run(tmp_path, _write(tmp_path / "in.jsonl", records)) == 1
     summary = json.loads((tmp_path / "out" / "run_summary.json").read_text())
     assert summary["prefilled"] == 1 and set(summary["failures"]) == {"long", "oov"}
-    assert "longest prompt is 1024 tokens" in summary["failures"]["long"] and "99999" in summary["failures"]["oov"]
+    assert summary["failures"]["long"] == "prompt of 1025 tokens is longer than 1024: the KV cache holds 1024 tokens (1024 per worker x pcp=1)"
+    assert summary["failures"]["oov"] == "token id 99999 is outside the vocabulary [0, 512)"
+    events = [json.loads(line)["event"] for line in capsys.readouterr().out.splitlines() if line.startswith("{")]
+    assert events.index("pool_ready") > max(i for i, e in enumerate(events) if e == "prompt_failed")  # refused before Ray
+
+
+def test_an_output_folder_that_is_a_file_is_refused_before_any_pool_starts(tmp_path, capsys):
+    (tmp_path / "out").write_text("")
+    assert _run(tmp_path, _write(tmp_path / "in.jsonl", [{"token_ids": [1]}])) == 2
+    assert "--output " + str(tmp_path / "out") + ": exists and is not a directory" in capsys.readouterr().err
+
+
+def test_a_stopped_job_cancels_its_prompts_in_the_pool_and_says_so(ray_cluster, tmp_path):
+    """``ray job stop`` sends SIGTERM to the job's driver: here, the job in a subprocess of its own."""
+    records = [{"id": f"p{i}", "token_ids": (np.arange(1000) * (i + 1) % 512).tolist()} for i in range(40)]
+    path = _write(tmp_path / "in.jsonl", records)
+    command = [sys.executable, "-m", "cluster.job", "--input", str(path), "--output", str(tmp_path / "out"),
+               *POOL_ARGS, "--chunk-tokens", "16", "--max-in-flight", "4"]  # fmt: skip
+    env = {**os.environ, "RAY_ADDRESS": ray_cluster.get_runtime_context().gcs_address}
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, text=True, env=env)
+    for line in proc.stdout:  # stop it once its first prompt is done
+        if '"prompt_done"' in line:
+            break
+    proc.send_signal(signal.SIGTERM)
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 143, out
+    events = {json.loads(line)["event"]: json.loads(line) for line in out.splitlines() if line.startswith("{")}
+    summary = json.loads((tmp_path / "out" / "run_summary.json").read_text())
+    assert summary["stopped_by"] == "SIGTERM" and summary["cancelled"] >= 1 and summary["failed"] == 0
+    assert summary["prefilled"] + summary["cancelled"] + summary["not_started"] == 40
+    assert events["stopped"]["cancelled"] == summary["cancelled"]
+    done = sorted(p.name for p in (tmp_path / "out" / "prompts").glob("*.json"))
+    assert len(done) == summary["prefilled"] >= 1  # finished prompts stay done for the next run
 
 
 def test_text_lines_are_tokenized_with_the_given_tokenizer(ray_cluster, tmp_path, reference):

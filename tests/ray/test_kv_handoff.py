@@ -72,13 +72,23 @@ def test_a_wrong_token_is_refused_and_frees_nothing(pool, server):
     assert _wait_freed(pool)
 
 
-def test_kv_of_another_model_is_refused_by_the_receiver_and_freed_and_the_next_transfer_works(pool, server):
+@pytest.mark.parametrize("presented, message", [
+    ({"model_fingerprint": "other"}, "the receiver expects model_fingerprint 'other'; this prefill pool's KV has '[0-9a-f]+'"),
+    ({"dtype": "bfloat16"}, "the receiver expects dtype 'bfloat16'; this prefill pool's KV has 'float32'"),
+    ({"block_size": 64}, "the receiver expects block_size 64; this prefill pool's KV has 16"),
+], ids=["model", "dtype", "block-size"])  # fmt: skip
+def test_a_receiver_for_another_model_dtype_or_block_size_is_refused_before_anything_is_sent_and_frees_nothing(
+    pool, server, presented, message
+):
     result = _kept(pool)
-    with pytest.raises(KVTransferError, match="is from model .*; this decode server runs 'other'"):
-        KVReceiver(server.host, server.port, token=TOKEN, model_fingerprint="other").fetch(result.request_id)
+    refused = server.transfers["refused"]
+    with pytest.raises(KVTransferError, match=message + r" \(request 'req-\d+' is kept for a matching receiver\)"):
+        KVReceiver(server.host, server.port, token=TOKEN, **presented).fetch(result.request_id)
+    assert server.transfers["refused"] == refused + 1
+    assert _kv_requests(pool) == 2  # still held: the matching receiver gets it at once, not after a timeout
+    matching = {"model_fingerprint": pool.model_config.fingerprint(), "dtype": "float32", "block_size": 16}
+    assert KVReceiver(server.host, server.port, token=TOKEN, **matching).fetch(result.request_id).tokens == 130
     assert _wait_freed(pool)
-    again = _kept(pool)
-    assert KVReceiver(server.host, server.port, token=TOKEN).fetch(again.request_id).tokens == 130
 
 
 def test_a_receiver_that_disconnects_mid_stream_frees_the_kv(pool, server):

@@ -5,9 +5,11 @@ Its own Ray: the module-scoped TP pools of test_pool hold every logical GPU of t
 import concurrent.futures
 import json
 import threading
+import time
 
 import numpy as np
 import pytest
+import ray
 import torch
 from safetensors.torch import load_file, save_file
 from hf_models import tiny_deepseek_v3
@@ -100,26 +102,59 @@ def test_shutdown_refuses_new_requests(ray_cluster):
 
 
 @pytest.mark.parametrize("grid", [dict(tp=2), dict(pcp=2)], ids=["tp2", "pcp2"])
-def test_a_dead_worker_fails_its_request_and_the_replica_recovers(ray_cluster, grid):
+def test_a_killed_worker_replaces_the_replica_and_its_request_is_retried(ray_cluster, grid):
     prompts = [np.arange(1, 40), np.arange(3, 300) % 512, np.arange(7, 90)]
     model = DeepseekPrefillModel.create(BASE.model_config(), TorchSDPAPrefillBackend, dtype=torch.float32)
     load_weights(model, None, BASE.seed)
-    expected = model(torch.from_numpy(prompts[2]), plan_prefill_batch([len(prompts[2])])).logits[0]
+    expected = [model(torch.from_numpy(p), plan_prefill_batch([len(p)])).logits[0] for p in prompts[1:]]
 
     with PrefillPool(BASE.replace(**grid, chunk_tokens=4, max_batch_tokens=8)).start() as pool:
         kept = pool.prefill(prompts[0], keep_kv=True)
         started = threading.Event()
-        doomed = pool.submit(prompts[1], on_progress=lambda done, total: started.set())
+        survivor = pool.submit(prompts[1], on_progress=lambda done, total: started.set())
         assert started.wait(60)
         ray_cluster.kill(pool._replicas[0].workers[1])
-        with pytest.raises(RuntimeError, match="a worker of replica 0 died .*; the replica was restarted"):
-            doomed.result(timeout=120)
-        # the pool serves the next request correctly, on new workers
-        torch.testing.assert_close(pool.prefill(prompts[2]).logits, expected, atol=2e-5, rtol=1e-5)
-        assert pool.stats.failed == 1
+        # its batch failed with the replica: retried once, alone, on the new workers, from the start
+        torch.testing.assert_close(survivor.result(timeout=120).logits, expected[0], atol=2e-5, rtol=1e-5)
+        torch.testing.assert_close(pool.prefill(prompts[2]).logits, expected[1], atol=2e-5, rtol=1e-5)
+        assert (pool.stats.failed, pool.stats.retried, len(pool.stats.recoveries)) == (0, 1, 1)
+        recovery = pool.stats.recoveries[0]
+        assert "ActorDiedError" in recovery.cause and recovery.restart_s < 60
         with pytest.raises(RuntimeError, match="the KV of request 'req-0' was lost"):
             pool.fetch_kv(kept)
         pool.release(kept)  # nothing left to free; the id is usable again
+        assert [w["kv_free_blocks"] for w in pool.health()[0]] == [pool.worker_infos[0][0].kv_blocks] * 2
+
+
+@pytest.mark.parametrize("kind", ["raise", "exit", "hang"])
+def test_a_rank_that_fails_inside_a_collective_is_noticed_in_seconds_and_a_twice_failing_request_fails_alone(
+    ray_cluster, kind
+):
+    """Rank 1 fails at the start of layer 1 while rank 0 is already in layer 1's all-reduce: the
+    replica is replaced (a hang: once rank 0's collective times out), the request is retried alone;
+    failing again, it fails with the reason, and the next request is served."""
+    config = BASE.replace(tp=2, chunk_tokens=16, max_batch_tokens=32, collective_timeout_s=2.0)
+    with PrefillPool(config).start() as pool:
+        ray.get(pool._replicas[0].workers[1].inject_fault.remote(kind, layer=1))
+        doomed = pool.submit(np.arange(1, 50))
+        deadline = time.monotonic() + 60
+        while not pool.stats.recoveries and time.monotonic() < deadline:
+            time.sleep(0.02)
+        detected = pool.stats.recoveries[0].detected
+        while pool.stats.recoveries[0].restart_s is None and time.monotonic() < deadline:
+            time.sleep(0.02)
+        ray.get(pool._replicas[0].workers[1].inject_fault.remote(kind, layer=1))  # the retry fails too
+        with pytest.raises(RuntimeError, match=r"prefill of 'req-0' failed twice with its replica; last: "):
+            doomed.result(timeout=60)
+        assert pool.prefill(np.arange(5, 40)).num_tokens == 35
+        assert (pool.stats.completed, pool.stats.failed, pool.stats.retried) == (1, 1, 1)
+        first = pool.stats.recoveries[0]
+        if kind == "raise":  # the rank's own error, with the time it was raised
+            raised = float(first.cause.split("(t=")[1].rstrip(")"))
+            assert first.cause.startswith("InjectedFault: rank 1: injected fault at layer 1") and detected - raised < 2.0
+        elif kind == "hang":  # rank 0's collective gave up on it
+            assert "Timed out" in first.cause or "timeout" in first.cause.lower()
+        assert all(r.restart_s < 60 for r in pool.stats.recoveries)
 
 
 def test_kv_capacity_refuses_what_never_fits_and_queues_what_fits_later(ray_cluster):

@@ -5,6 +5,7 @@ serving, the handoff ticket works, and the metrics reach Ray's Prometheus endpoi
 
 import json
 import os
+import socket
 import threading
 import time
 import urllib.error
@@ -180,7 +181,7 @@ def test_malformed_requests_get_4xx_and_the_service_keeps_serving(url, reference
     _check(answer, [5, 6, 7], reference)
 
 
-def test_wrong_paths_methods_and_duplicate_ids_get_4xx(url):
+def test_wrong_paths_and_methods_get_4xx_and_request_ids_are_unique_across_the_tier(url):
     for path, method, status in (("/nope", "GET", 404), ("/prefill", "GET", 405), ("/", "POST", 405)):
         try:
             urllib.request.urlopen(urllib.request.Request(f"{url}{path}", method=method, data=b"" if method == "POST" else None))
@@ -188,12 +189,33 @@ def test_wrong_paths_methods_and_duplicate_ids_get_4xx(url):
         except urllib.error.HTTPError as exc:
             code = exc.code
         assert code == status, (path, method)
-    assert _wait_for_one_replica()  # request ids are unique per replica: both must reach the same one
     info = json.loads(urllib.request.urlopen(f"{url}/").read())
     assert info["max_prompt_tokens"] == 2048 and info["backend"] == "TORCH_SDPA"
-    first = post(url, {"token_ids": [1, 2], "request_id": "dup", "handoff": True})
-    assert first[0] == 200
-    assert post(url, {"token_ids": [1, 2], "request_id": "dup"})[0] == 409  # its KV is still held
+    # the same client id twice, the first one's KV still held: two requests, two tier-wide ids
+    answers = [post(url, {"token_ids": [1, 2], "request_id": "dup", "handoff": h}) for h in (True, False)]
+    assert [status for status, _ in answers] == [200, 200]
+    ids = [answer["request_id"] for _, answer in answers]
+    assert all(i.startswith("dup-") and len(i) == len("dup-") + 16 for i in ids) and ids[0] != ids[1]
+    assert [answer["client_request_id"] for _, answer in answers] == ["dup", "dup"]
+    assert answers[0][1]["ticket"]["request_id"] == ids[0]
+
+
+def test_a_client_that_disconnects_cancels_its_request_and_frees_its_place(url):
+    assert _wait_for_one_replica()  # the counters below are one replica's
+    before = json.loads(urllib.request.urlopen(f"{url}/").read())["requests"]
+    body = json.dumps({"token_ids": (np.arange(2040) % 512).tolist()}).encode()  # 32 chunks: long enough to leave
+    host, port = url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=10) as sock:
+        sock.sendall(b"POST /prefill HTTP/1.1\r\nHost: x\r\ncontent-type: application/json\r\n"
+                     + f"content-length: {len(body)}\r\n\r\n".encode() + body)  # fmt: skip
+        time.sleep(0.3)  # in the pool now
+    deadline, counts = time.monotonic() + 30, before
+    while counts["cancelled"] == before["cancelled"] and time.monotonic() < deadline:
+        time.sleep(0.2)
+        counts = json.loads(urllib.request.urlopen(f"{url}/").read())["requests"]
+    assert counts["cancelled"] == before["cancelled"] + 1 and counts["completed"] == before["completed"]
+    info = json.loads(urllib.request.urlopen(f"{url}/").read())
+    assert info["in_flight"] == 0
 
 
 def test_a_handoff_ticket_fetches_the_kv_once(url, reference):

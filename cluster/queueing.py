@@ -1,0 +1,134 @@
+"""The pool's requests and the queue that every replica's scheduler admits them from.
+
+One queue for the whole pool, in arrival order. A replica's scheduler takes, oldest first, the
+requests whose KV fits in *its* free blocks now, so a request that does not fit on one replica
+runs on another that has room instead of waiting for the first. Younger requests may pass one
+that fits nowhere yet, but only for ``STARVATION_S``: after that no replica admits anything
+younger until it has run (its KV fits once enough is released), so a long prompt is never
+starved by a stream of short ones.
+
+A request that failed with its replica comes back to the front and runs *alone* (a batch of its
+own): a request that breaks its batch then cannot break another request's retry.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+
+import numpy as np
+
+STARVATION_S = 2.0  # how long younger requests may pass one whose KV fits no replica yet
+
+
+@dataclass(eq=False)
+class Request:
+    id: str
+    tokens: np.ndarray
+    future: Future
+    keep_kv: bool
+    on_progress: Callable[[int, int], None] | None
+    kv_blocks: int  # blocks its KV takes on each worker of a replica
+    submitted: float = field(default_factory=time.perf_counter)
+    done: int = 0  # tokens prefilled so far
+    attempts: int = 0  # batches of it that failed with their replica
+    alone: bool = False  # runs in a batch of its own (a retry)
+    blocked_since: float | None = None  # when a replica first found it did not fit
+
+    @property
+    def remaining(self) -> int:
+        return len(self.tokens) - self.done
+
+    @property
+    def cancelled(self) -> bool:
+        return self.future.cancelled()
+
+
+class RequestQueue:
+    """Requests waiting for a replica, shared by every replica's scheduler (thread-safe)."""
+
+    def __init__(self) -> None:
+        self._items: deque[Request] = deque()
+        self._changed = threading.Condition()
+        self.closed = False
+
+    def put(self, request: Request, *, front: bool = False) -> bool:
+        """Queue a request (``front``: ahead of all); False once the queue is closed."""
+        with self._changed:
+            if self.closed:
+                return False
+            if front:
+                self._items.appendleft(request)
+            else:
+                self._items.append(request)
+            self._changed.notify_all()
+        return True
+
+    def notify(self) -> None:
+        """Wake the schedulers: KV was released, a request was cancelled, or the pool is stopping."""
+        with self._changed:
+            self._changed.notify_all()
+
+    def close(self) -> list[Request]:
+        """Stop admitting; returns the requests still waiting."""
+        with self._changed:
+            self.closed = True
+            left = list(self._items)
+            self._items.clear()
+            self._changed.notify_all()
+        return left
+
+    def __len__(self) -> int:
+        with self._changed:
+            return len(self._items)
+
+    def take(
+        self, reserve: Callable[[Request], bool], budget: int, chunk_tokens: int, *, alone_ok: bool, timeout_s: float
+    ) -> tuple[list[tuple[Request, int]], list[Request]]:
+        """Admit requests into one replica's batch: ``(admitted, cancelled)``, ``admitted`` as
+        ``(request, tokens of its first chunk)``.
+
+        Scans in arrival order while the batch has ``budget`` tokens left; ``reserve(request)``
+        reserves its KV blocks on the replica and says whether they fit. Stops at a retry (taken
+        only when ``alone_ok``, and then by itself) and at a request that fits nowhere and has
+        waited ``STARVATION_S``. Waits up to ``timeout_s`` for something to admit. Cancelled
+        requests are dropped from the queue and returned for accounting."""
+        deadline = time.monotonic() + timeout_s
+        with self._changed:
+            while True:
+                admitted, cancelled = self._scan(reserve, budget, chunk_tokens, alone_ok)
+                remaining = deadline - time.monotonic()
+                if admitted or cancelled or self.closed or remaining <= 0:
+                    return admitted, cancelled
+                self._changed.wait(remaining)
+
+    def _scan(self, reserve, budget: int, chunk_tokens: int, alone_ok: bool):
+        admitted, cancelled, now = [], [], time.monotonic()
+        for request in list(self._items):
+            if budget <= 0:
+                break
+            if request.cancelled:
+                self._items.remove(request)
+                cancelled.append(request)
+                continue
+            if request.alone:
+                if alone_ok and not admitted and reserve(request):
+                    self._items.remove(request)
+                    admitted.append((request, min(chunk_tokens, request.remaining)))
+                break  # nothing passes a retry: it runs next, by itself
+            if reserve(request):
+                self._items.remove(request)
+                request.blocked_since = None
+                count = min(chunk_tokens, request.remaining, budget)
+                admitted.append((request, count))
+                budget -= count
+                continue
+            if request.blocked_since is None:
+                request.blocked_since = now
+            elif now - request.blocked_since > STARVATION_S:
+                break  # it has waited long enough: nothing younger passes it
+        return admitted, cancelled

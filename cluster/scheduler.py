@@ -1,0 +1,183 @@
+"""One replica's scheduler thread: it builds batches from the pool's queue, runs them on the
+replica's workers, and recovers the replica when a batch fails.
+
+A batch is the next chunk (at most ``chunk_tokens``) of every request the replica is
+prefilling, plus requests admitted from the shared queue (``cluster.queueing``) while the
+batch has room and their KV fits in the replica's free blocks; it waits ``batch_wait_ms`` for
+company when there is room. Every worker runs the batch (SPMD); a request completes with its
+last chunk. Before each batch, requests whose future was cancelled are taken out and their KV
+blocks freed.
+
+Faults. A batch fails when a worker raises, dies, or the batch outlives ``batch_timeout_s``
+(a rank stuck in a collective raises after ``collective_timeout_s``). The other workers of the
+replica may then be blocked in a collective with the failed one, so the replica is never
+reused: its actors are killed at once (which ends every collective and KV link they are in)
+and a new replica is started in its place. Its requests go back to the queue first, so the other
+replicas take them meanwhile: the failed batch's requests are retried once, each in a batch of
+its own (a request that breaks a batch fails alone, with the reason, on its second failure);
+the replica's other requests start over. KV kept on the failed replica is lost and reported as
+such by ``PrefillPool.kv_source``.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import ray
+
+from cluster.queueing import Request
+from cluster.replica import BatchTimeout, Replica, cause, gather, stop_replica
+from workers.worker import ChunkPiece
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class Recovery:
+    """One replica fault: what failed, and how long until the replica served again (seconds from
+    the fault's detection to the replacement's start, and to its first finished batch)."""
+
+    replica: int
+    cause: str
+    detected: float  # time.time()
+    restart_s: float | None = None
+    serving_s: float | None = None
+    start_s: dict | None = None  # the replacement's start, by phase (``Replica.start_s``)
+    retried: int = 0
+    failed: int = 0
+
+    def as_dict(self) -> dict:
+        return {k: (round(v, 3) if isinstance(v, float) else v) for k, v in self.__dict__.items()}
+
+
+class ReplicaScheduler:
+    def __init__(self, pool, replica: Replica) -> None:
+        self.pool, self.replica = pool, replica
+        self.active: list[Request] = []
+        self._recovering: Recovery | None = None
+
+    def run(self) -> None:
+        replica, pool = self.replica, self.pool
+        while replica.alive:
+            batch = self._next_batch()
+            if batch is None:
+                for request in self.active:
+                    pool.settle_failed(request, RuntimeError("the prefill pool was shut down"))
+                self.active.clear()
+                return
+            if batch:
+                self._run_batch(batch)
+
+    # ---- building a batch --------------------------------------------------------------------
+    def _next_batch(self) -> list[tuple[Request, int]] | None:
+        """``(request, tokens)`` pieces of the next batch; None when the pool stops."""
+        pool, cfg = self.pool, self.pool.config
+        for request in [r for r in self.active if r.cancelled]:
+            self.active.remove(request)
+            pool.drop_cancelled(request, self.replica)
+        budget, batch = cfg.max_batch_tokens, []
+        for request in self.active:
+            count = min(cfg.chunk_tokens, request.remaining, budget)
+            if count == 0:
+                break
+            batch.append((request, count))
+            budget -= count
+        if pool.stopping:
+            return batch or None  # running requests are drained first; queued ones fail
+        solo = any(r.alone for r in self.active)
+        wait_s = cfg.batch_wait_ms / 1000 if batch else 0.5
+        deadline = time.monotonic() + wait_s
+        while budget > 0 and not solo:
+            admitted, cancelled = pool.queue.take(
+                self._reserve, budget, cfg.chunk_tokens, alone_ok=not batch, timeout_s=max(0.0, deadline - time.monotonic())
+            )
+            for request in cancelled:
+                pool.drop_cancelled(request, None)
+            for request, count in admitted:
+                self.active.append(request)
+                batch.append((request, count))
+                budget -= count
+                solo = request.alone
+            if not admitted and (time.monotonic() >= deadline or pool.stopping):
+                break
+        return batch
+
+    def _reserve(self, request: Request) -> bool:
+        with self.pool.lock:
+            if request.kv_blocks > self.replica.free_blocks:
+                return False
+            self.replica.free_blocks -= request.kv_blocks
+            return True
+
+    # ---- running it ---------------------------------------------------------------------------
+    def _run_batch(self, batch: list[tuple[Request, int]]) -> None:
+        pool, replica = self.pool, self.replica
+        pieces = [ChunkPiece(r.id, r.tokens[r.done : r.done + count], r.done, len(r.tokens)) for r, count in batch]
+        pool.count_batch(len(pieces))
+        try:
+            outputs = gather([w.prefill.remote(pieces) for w in replica.workers], timeout_s=pool.config.batch_timeout_s)
+        except (ray.exceptions.RayError, BatchTimeout) as exc:
+            self._recover([r for r, _ in batch], exc)
+            return
+        if self._recovering is not None:
+            self._recovering.serving_s = time.time() - self._recovering.detected
+            logger.warning("replica %d serves again %.1f s after its fault", replica.index, self._recovering.serving_s)
+            self._recovering = None
+        report = outputs[0]
+        finished = {result.request_id: result for result in report.results}
+        pool.count_pcp(report)
+        for request, count in batch:
+            request.done += count
+            if request.on_progress is not None:
+                try:
+                    request.on_progress(request.done, len(request.tokens))
+                except Exception:  # noqa: BLE001 -- a caller's callback must not stop the scheduler
+                    logger.exception("on_progress of request %r raised; continuing", request.id)
+            if request.remaining == 0:
+                self.active.remove(request)
+                pool.complete(replica, request, finished[request.id])
+
+    def _recover(self, batch: list[Request], exc: BaseException) -> None:
+        """Replace the replica after a failed batch: requeue or fail its requests, kill its actors,
+        start new ones (see the module docstring)."""
+        pool, replica = self.pool, self.replica
+        reason = cause(exc)
+        recovery = Recovery(replica.index, reason, time.time())
+        logger.error("replica %d: batch of %d request(s) failed (%s); replacing the replica", replica.index, len(batch), reason)
+        with pool.lock:
+            replica.generation += 1  # its kept KV is gone from here on
+            replica.free_blocks = 0  # nothing is admitted until the new workers are up
+        stop_replica(replica)  # kill first: a rank blocked in a collective would never return
+        retry = []
+        for request in self.active:
+            request.done = 0
+            if request in batch:
+                request.attempts += 1
+                if request.attempts > 1:
+                    recovery.failed += 1
+                    pool.settle_failed(request, RuntimeError(
+                        f"prefill of {request.id!r} failed twice with its replica; last: {reason}"
+                    ))  # fmt: skip
+                    continue
+                request.alone = True
+                recovery.retried += 1
+            retry.append(request)
+        self.active.clear()
+        for request in reversed(retry):  # back at the front, in their order, for any replica
+            pool.requeue(request)
+        pool.record_recovery(recovery)
+        try:
+            fresh = pool.start_replica(replica.index)
+        except Exception as start_exc:  # noqa: BLE001 -- the other replicas go on serving
+            logger.error("replica %d could not be restarted: %s", replica.index, cause(start_exc))
+            replica.alive = False
+            pool.replica_lost(replica, cause(start_exc))
+            return
+        with pool.lock:
+            replica.workers, replica.group, replica.infos = fresh.workers, fresh.group, fresh.infos
+            replica.free_blocks = fresh.free_blocks
+        recovery.restart_s, recovery.start_s = time.time() - recovery.detected, fresh.start_s
+        self._recovering = recovery
+        pool.queue.notify()
