@@ -238,7 +238,7 @@ class PrefillPool:
         in flight (unknown, finished, or already cancelled)."""
         with self.lock:
             request = self._live.get(request_id)
-        if request is None or not request.future.cancel():
+        if request is None or request.future.done() or not request.future.cancel():
             return False
         self.queue.notify()
         return True

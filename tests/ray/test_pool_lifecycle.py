@@ -178,3 +178,38 @@ def test_kv_capacity_refuses_what_never_fits_and_queues_what_fits_later(ray_clus
         stuck = pool.submit(np.arange(10))  # waits for blocks that are never released
     with pytest.raises(RuntimeError, match="the prefill pool was shut down"):
         stuck.result(timeout=10)
+
+
+def test_a_cancelled_request_leaves_before_its_next_chunk_and_frees_its_kv(ray_cluster):
+    config = BASE.replace(tp=2, num_layers=1, chunk_tokens=8, max_batch_tokens=16, block_size=16, kv_cache_tokens=1024)
+    with PrefillPool(config).start() as pool:
+        capacity = pool.worker_infos[0][0].kv_blocks
+        progress = []
+        running = pool.submit(np.arange(500) % 512, on_progress=lambda done, total: progress.append(done))
+        queued = pool.submit(np.arange(900) % 512, request_id="queued")  # waits: its KV does not fit yet
+        deadline = time.monotonic() + 60
+        while not progress and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert running.cancel() and pool.cancel("queued") and not pool.cancel("queued") and not pool.cancel("nope")
+        while pool.stats.cancelled < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert (pool.stats.cancelled, pool.stats.completed, pool.stats.failed) == (2, 0, 0)
+        assert progress[-1] < 500 and pool.in_flight == 0
+        deadline = time.monotonic() + 10
+        while any(w["kv_requests"] for w in pool.health()[0]) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert [w["kv_free_blocks"] for w in pool.health()[0]] == [capacity] * 2
+        assert pool.counts()["cancelled"] == 2
+        assert pool.prefill(np.arange(40), request_id="queued").num_tokens == 40  # its id is free again
+
+
+def test_a_request_that_does_not_fit_one_replica_runs_on_the_other_at_once(ray_cluster):
+    """One replica holds 15 of its 16 blocks; each request needing 13 must run on the other one, at
+    once (with one queue per replica, each would wait on the full one half of the time)."""
+    config = BASE.replace(num_layers=1, replicas=2, block_size=16, kv_cache_tokens=256, chunk_tokens=64, max_batch_tokens=128)
+    with PrefillPool(config).start() as pool:
+        held = pool.prefill(np.arange(240) % 512, keep_kv=True)  # 15 blocks
+        for i in range(6):
+            result = pool.submit(np.arange(i, 200 + i) % 512).result(timeout=10)  # 13 blocks
+            assert result.replica != held.replica
+        pool.release(held)

@@ -142,7 +142,8 @@ def test_it_scales_up_under_load_and_down_when_idle_losing_and_duplicating_nothi
     assert sorted(a[0] for a in answers) == sorted(s[0] for s in sent)  # each request answered exactly once
     tokens = dict(sent)
     for request_id, status, answer in answers:
-        assert status == 200 and answer["request_id"] == request_id, answer
+        assert status == 200 and answer["client_request_id"] == request_id, answer
+        assert answer["request_id"].startswith(f"{request_id}-"), answer  # made unique across the tier
         _check(answer, tokens[request_id], reference)
 
 

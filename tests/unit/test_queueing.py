@@ -1,0 +1,102 @@
+"""The pool's request queue (``cluster.queueing``): admission by fit, arrival order, retries alone,
+cancellations taken out, and no starvation of a request that fits nowhere yet."""
+
+import threading
+import time
+from concurrent.futures import Future
+
+import numpy as np
+
+from cluster import queueing
+from cluster.queueing import Request, RequestQueue
+
+
+def _request(name, blocks, tokens=10):
+    return Request(name, np.zeros(tokens, dtype=np.int32), Future(), False, None, blocks)
+
+
+class Replica:
+    """A replica's free blocks, reserved as the scheduler does."""
+
+    def __init__(self, free):
+        self.free = free
+
+    def reserve(self, request):
+        if request.kv_blocks > self.free:
+            return False
+        self.free -= request.kv_blocks
+        return True
+
+
+def _names(admitted):
+    return [request.id for request, _ in admitted]
+
+
+def test_a_replica_takes_what_fits_it_in_arrival_order_and_leaves_the_rest_to_another():
+    queue = RequestQueue()
+    for name, blocks in (("big", 8), ("a", 2), ("b", 3), ("c", 1)):
+        queue.put(_request(name, blocks))
+    small = Replica(free=4)
+    admitted, _ = queue.take(small.reserve, budget=100, chunk_tokens=4, alone_ok=True, timeout_s=0)
+    assert _names(admitted) == ["a", "c"] and small.free == 1  # "big" and "b" do not fit here
+    assert [count for _, count in admitted] == [4, 4]  # the first chunk of each
+    roomy = Replica(free=16)
+    admitted, _ = queue.take(roomy.reserve, budget=100, chunk_tokens=4, alone_ok=True, timeout_s=0)
+    assert _names(admitted) == ["big", "b"] and len(queue) == 0  # the other replica runs them at once
+
+
+def test_the_token_budget_bounds_a_batch():
+    queue = RequestQueue()
+    for name in "abc":
+        queue.put(_request(name, 1, tokens=30))
+    admitted, _ = queue.take(Replica(99).reserve, budget=50, chunk_tokens=32, alone_ok=True, timeout_s=0)
+    assert [(r.id, n) for r, n in admitted] == [("a", 30), ("b", 20)]
+
+
+def test_a_retry_runs_alone_and_nothing_passes_it():
+    queue = RequestQueue()
+    queue.put(_request("new", 1))
+    retry = _request("retry", 1)
+    retry.alone = True
+    queue.put(retry, front=True)
+    replica = Replica(99)
+    admitted, _ = queue.take(replica.reserve, budget=100, chunk_tokens=4, alone_ok=False, timeout_s=0)
+    assert admitted == []  # a batch with requests already in it does not take a retry, nor anything behind it
+    admitted, _ = queue.take(replica.reserve, budget=100, chunk_tokens=4, alone_ok=True, timeout_s=0)
+    assert _names(admitted) == ["retry"]  # an empty batch takes it, and only it
+    assert _names(queue.take(replica.reserve, budget=100, chunk_tokens=4, alone_ok=False, timeout_s=0)[0]) == ["new"]
+
+
+def test_cancelled_requests_are_taken_out_and_returned_for_accounting():
+    queue = RequestQueue()
+    gone, kept = _request("gone", 1), _request("kept", 1)
+    queue.put(gone), queue.put(kept)
+    assert gone.future.cancel()
+    admitted, cancelled = queue.take(Replica(99).reserve, budget=100, chunk_tokens=4, alone_ok=True, timeout_s=0)
+    assert _names(admitted) == ["kept"] and cancelled == [gone] and len(queue) == 0
+
+
+def test_a_request_that_fits_nowhere_is_passed_for_a_while_then_nothing_younger_is_admitted(monkeypatch):
+    monkeypatch.setattr(queueing, "STARVATION_S", 0.2)
+    queue = RequestQueue()
+    queue.put(_request("long", 10))
+    queue.put(_request("short-1", 1))
+    replica = Replica(free=5)
+    assert _names(queue.take(replica.reserve, 100, 4, alone_ok=True, timeout_s=0)[0]) == ["short-1"]
+    time.sleep(0.3)
+    queue.put(_request("short-2", 1))
+    assert queue.take(replica.reserve, 100, 4, alone_ok=True, timeout_s=0)[0] == []  # "long" has waited enough
+    replica.free = 10  # KV released
+    assert _names(queue.take(replica.reserve, 100, 4, alone_ok=True, timeout_s=0)[0]) == ["long"]
+
+
+def test_take_waits_for_a_request_and_close_returns_the_waiting_ones():
+    queue = RequestQueue()
+    threading.Timer(0.1, queue.put, args=(_request("late", 1),)).start()
+    started = time.monotonic()
+    admitted, _ = queue.take(Replica(9).reserve, 100, 4, alone_ok=True, timeout_s=5)
+    assert _names(admitted) == ["late"] and time.monotonic() - started < 2
+    queue.put(_request("left", 1))
+    assert [r.id for r in queue.close()] == ["left"]
+    assert not queue.put(_request("after", 1))  # closed: the caller fails it
+    assert queue.take(Replica(9).reserve, 100, 4, alone_ok=True, timeout_s=5) == ([], [])  # at once
