@@ -1,6 +1,9 @@
 """The mlapool command line, in-process, on the module's Ray (logical GPUs, CPU workers)."""
 
 import json
+import os
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -90,3 +93,14 @@ def test_backends_lists_reasons(capsys):
     out = capsys.readouterr().out
     assert "TORCH_SDPA        ok" in out and "selected: TORCH_SDPA" in out
     assert "FLASHINFER        no: runs on cuda devices, not on cpu" in out
+
+
+def test_the_embedded_cluster_starts_without_rays_authentication_notice(tmp_path):
+    """The cluster ``mlapool prefill`` starts for itself is local: Ray's token-authentication notice is
+    not printed on every run (the authentication itself stays as Ray sets it)."""
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    run = subprocess.run([sys.executable, "-m", "cluster.cli", "prefill", "--device", "cpu", "--num-layers", "1",
+                          "--random-tokens", "16", "--output-dir", str(tmp_path)],
+                         capture_output=True, text=True, timeout=300, env=env)  # fmt: skip
+    assert run.returncode == 0, run.stderr
+    assert "Token authentication" not in run.stderr and json.loads(run.stdout)["tokens"] == 16
