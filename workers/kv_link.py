@@ -47,7 +47,9 @@ from workers.kv_transfer import expect, read_frame, send_frame
 logger = logging.getLogger(__name__)
 
 _TAG = 0
-WATCH_S = 0.002  # how often a wait looks at the control connections (a transfer ends within this of its last byte)
+# how often a wait looks at the control connections and its works: a transfer is seen done within this
+# of its last byte (on GPUs a pull takes milliseconds: 0.1 ms; gloo's waits wake the watcher themselves)
+WATCH_S = {"cuda": 1e-4, "cpu": 2e-3}
 
 # what a holder serves: request id -> a context holding (layer views, rows written) while they are
 # sent; KeyError(reason) when it has no such request
@@ -266,7 +268,7 @@ class KVLink:
         """Wait for ``works`` while watching the other ends' control connections: one that closes
         (its process died) breaks the link at once, instead of a receive or send that waits for
         a dead peer until the timeout (gloo) or forever (NCCL)."""
-        peers = list(self._control.values())
+        peers, watch_s = list(self._control.values()), WATCH_S[self.device.type]
         if self.device.type == "cuda":
             done = lambda: all(work.is_completed() for work in works)  # noqa: E731
         else:  # gloo's point-to-point works complete only inside wait(): wait on a thread of their own
@@ -274,21 +276,20 @@ class KVLink:
             threading.Thread(target=_wait_all, args=(works, finished, errors), name="kv-link-wait", daemon=True).start()
             done = finished.is_set
         while not done():
-            readable, _, _ = select.select(peers, [], [], WATCH_S)
+            readable, _, _ = select.select(peers, [], [], watch_s)
             gone = [conn for conn in readable if _closed(conn)]
             if gone:
                 self._abort()
                 raise KVLinkBroken(f"KV link rank {self.rank}: {len(gone)} peer(s) went away mid-transfer")
             if readable:  # a frame waiting (the next ask, a refusal): it is read later, do not spin on it
-                time.sleep(WATCH_S)
+                time.sleep(watch_s)
         if self.device.type != "cuda":
             if errors:
-                raise errors[0]
+                raise errors[0]  # the transport's own error
             return
         for work in works:
             work.wait()  # raises the transport's own error, if any
-        if self.device.type == "cuda":
-            torch.cuda.current_stream(self.device).synchronize()  # NCCL's wait only orders the stream
+        torch.cuda.current_stream(self.device).synchronize()  # NCCL's wait only orders the stream
 
     def _abort(self) -> None:
         """Abort the link's communicator, so that nothing stays queued on a dead peer (NCCL)."""
