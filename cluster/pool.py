@@ -152,7 +152,7 @@ class PrefillPool:
         self._use_gpus = use_gpus
         try:
             for index in range(cfg.replicas):
-                self._replicas.append(self._start_replica(index, use_gpus))
+                self._replicas.append(self.start_replica(index))
         except BaseException:
             self.shutdown()
             raise
@@ -169,12 +169,6 @@ class PrefillPool:
             f", PCP all-gather {info.pcp_link_gbps} GB/s per worker" if info.pcp_link_gbps else "",
         )  # fmt: skip
         return self
-
-    def _start_replica(self, index: int, use_gpus: bool) -> Replica:
-        return start_replica(
-            self.config, index, use_gpus, placement_group_=self._placement_group, bundle_offset=self._bundle_offset,
-            timeout_s=self._start_timeout_s,
-        )
 
     def shutdown(self) -> None:
         """Stop the schedulers (running requests finish), fail queued requests, and release actors
@@ -419,7 +413,11 @@ class PrefillPool:
 
     # ---- what the replicas' schedulers report (cluster.scheduler) ------------------------------
     def start_replica(self, index: int) -> Replica:
-        return self._start_replica(index, self._use_gpus)
+        """Start replica ``index`` (at start, and in place of a failed one)."""
+        return start_replica(
+            self.config, index, self._use_gpus, placement_group_=self._placement_group,
+            bundle_offset=self._bundle_offset, timeout_s=self._start_timeout_s,
+        )
 
     def requeue(self, request: Request) -> None:
         if not self.queue.put(request, front=True):
