@@ -33,7 +33,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import sys
 import time
@@ -49,6 +48,8 @@ import torch.multiprocessing as mp
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 from spmd import chunk_batches  # noqa: E402 -- the tests' prompt-by-chunk batching, as the pool schedules it
+
+from machine import machine  # noqa: E402 -- benchmarks/machine.py
 
 PEAK_TFLOPS = {"bf16": 989.0, "fp8": 1979.0}  # H200 dense, datasheet
 
@@ -324,18 +325,6 @@ def summarize(args, model_config, layout: Layout, ranks: list[dict]) -> dict:
     return entry, outputs
 
 
-def machine() -> dict:
-    info = {"host": platform.node(), "python": platform.python_version(), "torch": torch.__version__}
-    if torch.cuda.is_available():
-        info.update(gpu=torch.cuda.get_device_name(0), gpus=torch.cuda.device_count(), cuda=torch.version.cuda)
-    for module in ("flash_attn", "flashinfer", "triton"):
-        try:
-            info[module] = getattr(__import__(module), "__version__", "installed")
-        except ImportError:
-            info[module] = None
-    return info
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="deepseek-v3")
@@ -361,7 +350,7 @@ def main() -> None:
     result = {
         "benchmark": "MoE prefill, random weights, one process per GPU (no Ray)",
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "machine": machine(),
+        "machine": machine(("flash_attn", "flashinfer", "triton")),
         "command": " ".join([Path(sys.executable).name, *sys.argv]),
         "model": args.model, "layers": model_config.num_hidden_layers, "moe_layers": model_config.moe_layers,
         "runs": [], "agreement": {}, "scaling": {}, "errors": [],

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import statistics
 import sys
 import time
@@ -26,17 +25,7 @@ import torch
 from cluster.pool import PrefillPool
 from configs.pool import PoolConfig
 
-
-def machine() -> dict:
-    info = {"host": platform.node(), "python": platform.python_version(), "torch": torch.__version__}
-    if torch.cuda.is_available():
-        info.update(gpu=torch.cuda.get_device_name(0), gpus=torch.cuda.device_count(), cuda=torch.version.cuda)
-    for module in ("ray", "flashinfer", "triton"):
-        try:
-            info[module] = __import__(module).__version__
-        except ImportError:
-            info[module] = None
-    return info
+from machine import machine  # benchmarks/machine.py
 
 
 def run_tp(args: argparse.Namespace, tp: int, prompts: dict[int, np.ndarray]) -> tuple[dict, torch.Tensor, torch.Tensor]:
@@ -107,7 +96,7 @@ def main() -> None:
     result = {
         "benchmark": "pool prefill, random weights",
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "machine": machine(),
+        "machine": machine(("ray", "flashinfer", "triton")),
         "command": " ".join([Path(sys.executable).name, *sys.argv]),
         "model": args.model, "layers": args.layers, "chunk_tokens": args.chunk_tokens,
         "runs": runs, "agreement": agreement,

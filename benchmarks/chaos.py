@@ -30,7 +30,6 @@ import argparse
 import json
 import logging
 import os
-import platform
 import random
 import socket
 import threading
@@ -49,6 +48,8 @@ from cluster.pool import PrefillPool
 from configs.pool import PoolConfig
 from workers.kv_transfer import KVReceiver, expect, read_frame, send_frame
 from workers.worker import SAFE_NCCL_ENV
+
+from machine import machine  # benchmarks/machine.py
 
 # logits and KV agreement with the reference run, relative to the largest magnitude (as mlapool --verify)
 RTOL = {"float32": 1e-4, "bfloat16": 5e-2, "float16": 1e-2}
@@ -323,8 +324,7 @@ def main() -> None:
                         decode_device="cpu" if args.device == "cpu" else "cuda:0")  # fmt: skip
     summary.update({
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "machine": torch.cuda.get_device_name(0) + f" x{torch.cuda.device_count()}" if args.device == "cuda" else platform.processor() or platform.machine(),
-        "host_cpus": os.cpu_count(), "torch": torch.__version__, "ray": ray.__version__,
+        "machine": machine(("ray", "flash_attn")),
         "pool": {"replicas": config.replicas, "tp": config.tp, "device": config.device, "worker_gpus": config.worker_gpus,
                  "model": config.model, "num_layers": config.num_layers, "chunk_tokens": config.chunk_tokens},
     })  # fmt: skip

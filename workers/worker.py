@@ -152,7 +152,7 @@ class PrefillWorker:
         self._kv_ready: dict[str, torch.cuda.Event] = {}
         self._groups: list = []  # every process group of the replica this rank is in
         self._batches = 0
-        self._fault: tuple[str, int, int] | None = None  # (kind, layer, the batch it fires in)
+        self._fault = None  # the hook of an armed inject_fault, removed when it fires
 
     def rendezvous_address(self) -> tuple[str, int]:
         return rendezvous_address()
@@ -202,8 +202,6 @@ class PrefillWorker:
             moe.pairs = 0  # the warm-up and profile prefills are not load
         for group in self._groups:  # up and warm: from now on a peer that long silent is stuck
             _set_pg_timeout(timedelta(seconds=config.collective_timeout_s), group)
-        for index, layer in enumerate(self.model.model.layers):
-            layer.input_layernorm.register_forward_pre_hook(functools.partial(self._maybe_fail, index))
         return WorkerInfo(
             rank=self.rank,
             world_size=self.world_size,
@@ -234,14 +232,17 @@ class PrefillWorker:
         layers = self._model().config.num_hidden_layers
         if not 0 <= layer < layers:
             raise ValueError(f"fault layer {layer} is outside [0, {layers})")
-        self._fault = (kind, layer, self._batches + after_batches + 1)
+        if self._fault is not None:
+            self._fault.remove()  # a later fault replaces one not yet fired
+        # a hook on that one layer while armed: nothing is added to the layers of a pool without faults
+        at_batch = self._batches + after_batches + 1
+        hook = functools.partial(self._maybe_fail, kind, layer, at_batch)
+        self._fault = self._model().model.layers[layer].input_layernorm.register_forward_pre_hook(hook)
 
-    def _maybe_fail(self, index: int, module, args) -> None:
-        if self._fault is None:
+    def _maybe_fail(self, kind: str, layer: int, batch: int, module, args) -> None:
+        if self._batches != batch:
             return
-        kind, layer, batch = self._fault
-        if index != layer or self._batches != batch:
-            return
+        self._fault.remove()
         self._fault = None
         logger.warning("rank %d: injected fault %r at layer %d of batch %d", self.rank, kind, layer, batch)
         if kind == "exit":
