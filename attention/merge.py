@@ -44,7 +44,8 @@ def merge_attn_states(
     """Merge two partial states into ``output`` (and ``output_lse``) in place.
 
     ``output`` may be the same tensor as either input, and ``output_lse`` the
-    same as either LSE: every element is read before it is written.
+    same as either LSE (the Triton path then writes the merged LSE to a
+    temporary first: see ``attention.merge_triton``).
     """
     _check_outputs("output", output, [prefix_output, suffix_output])
     for name, lse in (("prefix_lse", prefix_lse), ("suffix_lse", suffix_lse), ("output_lse", output_lse)):

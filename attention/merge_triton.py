@@ -3,6 +3,17 @@
 One program handles a tile of BLOCK_T tokens x one head x the whole head dim;
 LSEs are read through their strides (``[H, T]`` views of ``[T, H]`` storage
 work), outputs need a contiguous last dim. Offsets are 64-bit.
+
+The merged LSE is never written over an input LSE. Triton loads each LSE twice,
+in two register layouts (one for the output tile's weights, one for the LSE
+store), so the warps of one program read a token's LSE at different times; with
+the output LSE on the same memory, one warp could store the merged LSE before
+another read the input, and weight that token's output with the wrong LSE
+(seen on H200 with FlashInfer's ``[T, H]`` LSE merged in place: one head of two
+adjacent tokens off by up to 30% in 9 of 10 runs at 8K tokens x 128 heads). An
+output LSE that shares memory with an input is written to a temporary and
+copied back. The output tile is read and written in one layout, by the same
+threads, so it may be an input.
 """
 
 from __future__ import annotations
@@ -100,6 +111,12 @@ def _last_dim_contiguous(*tensors: torch.Tensor) -> None:
             raise ValueError(f"the Triton merge needs a contiguous head dim, got strides {tensor.stride()}")
 
 
+def _shares_memory(tensor: torch.Tensor, others: tuple[torch.Tensor, ...]) -> bool:
+    """Whether ``tensor`` lies in the same storage as any of ``others`` (views of one buffer count)."""
+    base = tensor.untyped_storage().data_ptr()
+    return any(other.untyped_storage().data_ptr() == base for other in others)
+
+
 def merge_two(
     output: torch.Tensor,
     prefix_output: torch.Tensor,
@@ -109,6 +126,11 @@ def merge_two(
     output_lse: torch.Tensor | None,
 ) -> None:
     _last_dim_contiguous(output, prefix_output, suffix_output)
+    if output_lse is not None and _shares_memory(output_lse, (prefix_lse, suffix_lse)):
+        merged_lse = torch.empty(output_lse.shape, dtype=torch.float32, device=output_lse.device)
+        merge_two(output, prefix_output, prefix_lse, suffix_output, suffix_lse, merged_lse)
+        output_lse.copy_(merged_lse)
+        return
     grid, block_t, block_d = _tiles(output)
     lse_out = output_lse if output_lse is not None else prefix_lse  # not written when absent
     _merge_two_kernel[grid](
@@ -126,6 +148,11 @@ def merge_many(
     output: torch.Tensor, output_lse: torch.Tensor, outputs: torch.Tensor, lses: torch.Tensor
 ) -> None:
     _last_dim_contiguous(output, outputs)
+    if _shares_memory(output_lse, (lses,)):
+        merged_lse = torch.empty(output_lse.shape, dtype=torch.float32, device=output_lse.device)
+        merge_many(output, merged_lse, outputs, lses)
+        output_lse.copy_(merged_lse)
+        return
     grid, block_t, block_d = _tiles(output)
     _merge_many_kernel[grid](
         output, output_lse, outputs, lses,

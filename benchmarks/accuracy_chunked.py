@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -26,6 +25,7 @@ from attention.backends.selector import get_mla_prefill_backend
 from attention.backends.torch_sdpa import TorchSDPAPrefillBackend
 from attention.mla import plan_prefill_batch
 from configs.model import load_model_config
+from machine import machine  # benchmarks/machine.py
 from workers.model import DeepseekPrefillModel
 from workers.weights import load_weights
 
@@ -84,15 +84,18 @@ def main() -> None:
             "same_first_token": int(logits.argmax()) == int(ref_logits.argmax()),
         }
         print(name, json.dumps(runs[name]), flush=True)
+    one, chunked = runs["one_chunk"], runs[f"chunks_of_{args.chunk}"]
+    ratios = [round(c["max_rel"] / o["max_rel"], 3) for c, o in zip(chunked["latent_per_layer"], one["latent_per_layer"])]
+    print("per-layer latent max error, chunked over one chunk:", ratios, flush=True)
     payload = {
         "benchmark": "accuracy_chunked",
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "machine": {"host": platform.node(), "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-                    "torch": torch.__version__},
+        "machine": machine(),
         "model": args.model, "layers": args.layers, "tokens": args.tokens, "backend": backend_cls.name,
         "reference": "float32 TORCH_SDPA (exact blocked attention), one chunk, same weights",
         "errors": "relative to the reference's largest (max_rel) and mean (mean_rel) magnitude",
         "runs": runs,
+        "chunked_over_one_chunk_max_error_per_layer": ratios,
     }  # fmt: skip
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(payload, indent=2) + "\n")
