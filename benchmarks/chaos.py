@@ -8,9 +8,11 @@ the schedule, drawn from ``--seed``:
 - arms worker faults inside a batch (``PrefillWorker.inject_fault``: a rank exits or raises at
   the start of a layer, while its peers are in that layer's collectives),
 - cancels requests at random moments after their submission,
-- hands kept requests' KV off: over TCP (``KVServer`` -> ``KVReceiver``), or to a
-  ``DecodeActor`` that pulls it from the holders; some receivers drop the connection mid-frame
-  and some decode actors die mid-pull (then a fresh actor pulls the KV again).
+- hands kept requests' KV off: to a ``KVReceiver`` outside the cluster (admitted by the
+  ``KVServer``, it takes the blocks from the holders by TCP pulls or, where NIXL is installed,
+  NIXL READs), or to a ``DecodeActor`` that pulls it from the holders; some TCP receivers drop
+  the connection mid-frame and some decode actors die mid-pull (then a fresh actor pulls the
+  KV again).
 
 At the end every request must be accounted for exactly once: completed (its logits equal to the
 reference run's), failed with a reason, or cancelled, and the pool's own counters must agree;
@@ -46,7 +48,9 @@ from cluster.handoff import DecodeActor
 from cluster.kv_server import KVServer
 from cluster.pool import PrefillPool
 from configs.pool import PoolConfig
-from workers.kv_transfer import KVReceiver, expect, read_frame, send_frame
+from workers.kv_nixl import nixl_unavailable
+from workers.kv_receiver import KVReceiver
+from workers.kv_transfer import expect, read_frame, send_frame
 from workers.worker import SAFE_NCCL_ENV
 
 from machine import machine  # benchmarks/machine.py
@@ -66,15 +70,16 @@ def chaos_config(device: str = "cpu", worker_gpus: float = 1.0, **overrides) -> 
     return PoolConfig(**{**base, **overrides})
 
 
-def plan(requests: int, seed: int, max_len: int, vocab: int) -> dict:
-    """The seeded workload and fault schedule."""
+def plan(requests: int, seed: int, max_len: int, vocab: int, nixl: bool = False) -> dict:
+    """The seeded workload and fault schedule (``nixl``: some external receivers READ over NIXL)."""
     rng = random.Random(seed)
     lengths = [rng.randint(1, max_len) for _ in range(requests)]
     prompts = [np.array([rng.randrange(vocab) for _ in range(n)], dtype=np.int32) for n in lengths]
     kept = sorted(rng.sample(range(requests), requests * 3 // 10))
-    handoff = {i: ("tcp" if k % 2 else "actor") for k, i in enumerate(kept)}
-    tcp, actor = [i for i in kept if handoff[i] == "tcp"], [i for i in kept if handoff[i] == "actor"]
-    drops = set(rng.sample(tcp, min(3, len(tcp))))
+    kinds = ("actor", "tcp", "actor", "nixl") if nixl else ("actor", "tcp")  # half to decode actors, half outside
+    handoff = {i: kinds[k % len(kinds)] for k, i in enumerate(kept)}
+    outside, actor = [i for i in kept if handoff[i] != "actor"], [i for i in kept if handoff[i] == "actor"]
+    drops = set(rng.sample(outside, min(3, len(outside))))  # these receivers pull over TCP and drop mid-frame
     decode_kills = set(rng.sample(actor, min(2, len(actor))))
     others = [i for i in range(requests) if i not in drops and i not in decode_kills]
     cancels = {i: rng.uniform(0.0, 0.3) for i in rng.sample(others, requests // 10)}
@@ -98,11 +103,13 @@ def _alive_actors() -> int:
 
 
 def _drop_mid_frame(server: KVServer, request_id: str) -> None:
-    """A receiver that reads the begin frame and part of the first layer, then disconnects."""
+    """A receiver that reads the begin frame and part of the first holder's first frame, then disconnects."""
     with socket.create_connection((server.host, server.port), timeout=30) as sock:
-        send_frame(sock, "hello", {"request_id": request_id})
-        expect(read_frame(sock, max_payload=0)[0], "begin")
-        sock.recv(64)
+        send_frame(sock, "hello", {"request_id": request_id, "transports": ["tcp"]})
+        tcp = expect(read_frame(sock, max_payload=0)[0], "begin")["shards"][0]["tcp"]
+        with socket.create_connection((tcp["host"], tcp["port"]), timeout=30) as pull:
+            send_frame(pull, "pull", {"request_id": request_id, "ticket": tcp["ticket"]})
+            pull.recv(64)
 
 
 def run_chaos(config: PoolConfig, *, requests: int = 200, seed: int = 0, in_flight: int = 16, max_len: int = 300,
@@ -111,7 +118,7 @@ def run_chaos(config: PoolConfig, *, requests: int = 200, seed: int = 0, in_flig
     summary (see the module docstring). Raises nothing for a broken invariant: the summary says
     ``ok`` and lists the ``violations``."""
     model_config = config.model_config()
-    work = plan(requests, seed, max_len, model_config.vocab_size)
+    work = plan(requests, seed, max_len, model_config.vocab_size, nixl=nixl_unavailable() is None)
     prompts, handoff = work["prompts"], work["handoff"]
     decode_options = decode_options or {"num_cpus": 0.25}
     threads_before, actors_before = _pool_threads(), _alive_actors()
@@ -153,7 +160,7 @@ def run_chaos(config: PoolConfig, *, requests: int = 200, seed: int = 0, in_flig
         def hand_off(i: int, result) -> None:
             rid = result.request_id
             try:
-                if handoff[i] == "tcp":
+                if handoff[i] in ("tcp", "nixl"):
                     if i in work["drops"]:
                         _drop_mid_frame(server, rid)
                         deadline = time.monotonic() + 30  # the server frees it: the transfer failed
@@ -161,8 +168,9 @@ def run_chaos(config: PoolConfig, *, requests: int = 200, seed: int = 0, in_flig
                             time.sleep(0.05)
                         handoffs[i] = "dropped, freed" if pool.kept_result(rid) is None else "dropped, still held"
                         return
-                    got = KVReceiver(server.host, server.port, model_fingerprint=model_config.fingerprint()).fetch(rid).rows()
-                    handoffs[i] = "tcp" if _close(got, ref_kv[i], rtol) else "tcp, KV differs"
+                    receiver = KVReceiver(server.host, server.port, model_fingerprint=model_config.fingerprint(), transport=handoff[i])
+                    got = receiver.fetch(rid).rows()
+                    handoffs[i] = handoff[i] if _close(got, ref_kv[i], rtol) else f"{handoff[i]}, KV differs"
                     return
                 if i in work["decode_kills"]:
                     with lock:
@@ -182,11 +190,8 @@ def run_chaos(config: PoolConfig, *, requests: int = 200, seed: int = 0, in_flig
                 kind = "actor after a kill" if i in work["decode_kills"] else "actor"
                 handoffs[i] = kind if _close(got, ref_kv[i], rtol) else f"{kind}, KV differs"
             except Exception as exc:  # noqa: BLE001 -- recorded: a handoff that fails is accounted, then released
-                try:
-                    pool.kv_source(result)
-                    handoffs[i] = f"failed: {type(exc).__name__}: {exc}"
-                except (RuntimeError, ValueError):  # a worker fault replaced its replica: the KV went with it
-                    handoffs[i] = "lost with its replica"
+                # a worker fault replaced its replica (before or during the handoff): the KV went with it
+                handoffs[i] = "lost with its replica" if pool.kv_lost(result) else f"failed: {type(exc).__name__}: {exc}"
                 pool.release(result)
 
         def settle(i: int, future) -> None:
@@ -250,7 +255,7 @@ def run_chaos(config: PoolConfig, *, requests: int = 200, seed: int = 0, in_flig
         delta = {k: pool_counts[k] - base[k] for k in ("completed", "failed", "cancelled")}
         if delta != counts:
             violations.append(f"the pool counted {delta}, the clients saw {counts}")
-        fine = ("tcp", "actor", "actor after a kill", "dropped, freed", "lost with its replica")
+        fine = ("tcp", "nixl", "actor", "actor after a kill", "dropped, freed", "lost with its replica")
         bad_handoffs = {i: h for i, h in handoffs.items() if h not in fine}
         expected_handoffs = {i for i in handoff if outcomes.get(i, ("",))[0] == "completed"}
         if set(handoffs) != expected_handoffs:

@@ -57,6 +57,7 @@ class KVSource:
     num_tokens: int
     dtype: str  # of the KV cache
     devices: tuple = ()  # per holder (host, GPU UUID or None on the CPU)
+    transports: tuple[str, ...] = ()  # how every holder serves its shard to decode servers outside the cluster
 
 
 def pull_kv(source: KVSource, on_asked: Callable[[], None] | None = None) -> torch.Tensor:

@@ -1,20 +1,23 @@
-"""Serve a prefill pool's kept KV caches over TCP to decode servers (the frames of ``workers.kv_transfer``).
+"""The front door of a prefill pool's kept KV for decode servers outside the Ray cluster.
 
     with PrefillPool(config).start() as pool, KVServer(pool, token="s3cret") as server:
         result = pool.prefill(tokens, keep_kv=True)
         # a decode server: KVReceiver(host, server.port, token="s3cret").fetch(result.request_id)
 
-Binds to 127.0.0.1 unless ``host`` says otherwise; with ``token`` set, a
-receiver must present it (compared in constant time) before anything is sent.
-A request's KV is freed on the workers once the receiver acknowledges it, and
-also when a started transfer fails (an error from the receiver, a lost
-connection, no acknowledgement within ``ack_timeout_s``), so a failed
-receiver never pins GPU memory; the request then has to be prefilled again.
-A receiver that is refused frees nothing: a bad token, an unknown request, or a
-receiver that presents a model fingerprint, KV dtype or block size other than
-this pool's (checked on its hello, before anything is committed). With
-``unclaimed_ttl_s`` set, KV that no receiver has claimed that long after its
-prefill finished is freed too (a client that never comes for its ticket).
+The server carries no KV: it admits a receiver (``workers.kv_receiver`` has the protocol), asks the
+workers holding the request's shards where its blocks are (a call in their ``kv`` concurrency group,
+answered beside a running prefill batch), and tells the receiver, who takes the blocks from the
+holders themselves: by NIXL READs, or TCP pulls from each holder (``workers.kv_export``).
+
+Binds to 127.0.0.1 unless ``host`` says otherwise; with ``token`` set, a receiver must present it
+(compared in constant time) before anything is said. A request's KV is freed on the workers once
+the receiver acknowledges it, and also when a started transfer fails (an error from the receiver,
+a holder that died, a lost connection, no acknowledgement within ``ack_timeout_s``), so a failed
+receiver never pins GPU memory; the request then has to be prefilled again. A receiver that is
+refused frees nothing: a bad token, an unknown request, a model fingerprint, KV dtype, block size
+or cache shape other than this pool's, fewer free blocks than the request needs, or no transport
+in common (all checked on its hello, before anything is committed). With ``unclaimed_ttl_s`` set,
+KV that no receiver has claimed that long after its prefill finished is freed too.
 """
 
 from __future__ import annotations
@@ -26,8 +29,12 @@ import socket
 import threading
 import time
 
+import ray
+
 from cluster.pool import PrefillPool
-from workers.kv_transfer import KVTransferError, expect, paged, read_frame, send_frame, tensor_buffer
+from cluster.replica import KV_GROUP, cause
+from configs.model import DTYPES
+from workers.kv_transfer import KVTransferError, expect, read_frame, send_frame, try_send
 
 logger = logging.getLogger(__name__)
 
@@ -85,23 +92,23 @@ class KVServer:
         with conn:
             conn.settimeout(self.io_timeout_s)
             try:
-                result = self._admit(conn)
+                result, source, transport = self._admit(conn)
             except KVTransferError as exc:
                 self._count("refused")
                 logger.warning("KV transfer to %s refused: %s", peer, exc)
-                _try_error(conn, str(exc))
+                try_send(conn, "error", {"message": str(exc)})
                 return
             try:
-                sent = self._stream(conn, result)
-                conn.settimeout(self.ack_timeout_s)
+                send_frame(conn, "begin", self._begin(result, source, transport))
+                conn.settimeout(self.ack_timeout_s)  # the receiver takes the blocks from the holders meanwhile
                 expect(read_frame(conn, max_payload=0)[0], "ack")
                 self._count("completed")
                 if self.pool.metrics is not None:
-                    self.pool.metrics.shipped(sent, "tcp")
-            except Exception as exc:  # noqa: BLE001 -- a bad frame, a lost receiver, or its KV lost with a worker
+                    self.pool.metrics.shipped(self._bytes(result), transport)
+            except Exception as exc:  # noqa: BLE001 -- the receiver's error, a lost receiver, a holder gone
                 self._count("failed")
                 logger.warning("KV transfer of %r to %s failed, its KV is freed: %s", result.request_id, peer, exc)
-                _try_error(conn, str(exc))
+                try_send(conn, "error", {"message": str(exc)})
             finally:
                 self.pool.release(result)
                 with self._lock:
@@ -134,23 +141,33 @@ class KVServer:
         if result is None:
             raise KVTransferError(f"no kept KV for request {request_id!r} (not prefilled with keep_kv, or already sent)")
         try:
-            self.pool.kv_source(result)
+            source = self.pool.kv_source(result)
         except RuntimeError as exc:  # a worker holding it died: there is nothing to send
             self.pool.release(result)
             raise KVTransferError(str(exc)) from None
+        transport = self._transport(hello, source)
+        needed, offered = -(-result.num_tokens // self.pool.config.block_size), hello.get("max_blocks")
+        if offered is not None and (type(offered) is not int or offered < needed):
+            raise KVTransferError(
+                f"request {request_id!r} needs {needed} KV blocks; the receiver offered {offered!r} "
+                "(the KV is kept for a receiver with room)"
+            )
         with self._lock:
             if request_id in self._busy:
                 raise KVTransferError(f"the KV of request {request_id!r} is already being sent")
             self._busy.add(request_id)
-        return result
+        return result, source, transport
 
     def _check_receiver(self, hello: dict) -> None:
-        """Refuse a receiver that says it runs another model, KV dtype or block size."""
+        """Refuse a receiver that says it runs another model, KV dtype, block size or cache shape."""
         pool = self.pool
+        model = pool.model_config
         ours = {
-            "model_fingerprint": pool.model_config.fingerprint(),
+            "model_fingerprint": model.fingerprint(),
             "dtype": pool.worker_infos[0][0].dtype,
             "block_size": pool.config.block_size,
+            "layers": model.num_hidden_layers,
+            "width": model.attention.latent_dim,
         }
         for key, value in ours.items():
             theirs = hello.get(key)
@@ -160,39 +177,48 @@ class KVServer:
                     f"(request {hello.get('request_id')!r} is kept for a matching receiver)"
                 )
 
-    def _stream(self, conn: socket.socket, result) -> int:
-        """Send the request's frames; returns the KV payload bytes."""
-        pool = self.pool
-        cfg = pool.config
-        kv = pool.fetch_kv(result)  # [layers, tokens, width] in token order
-        send_frame(conn, "begin", {
+    def _transport(self, hello: dict, source) -> str:
+        """The first of the receiver's transports (in its order) that every holder serves."""
+        wanted = hello.get("transports") or ["tcp"]
+        if not isinstance(wanted, list) or not all(isinstance(t, str) for t in wanted):
+            raise KVTransferError(f"the receiver's transports must be a list of names, got {wanted!r}")
+        for transport in wanted:
+            if transport in source.transports:
+                return transport
+        raise KVTransferError(
+            f"the receiver takes KV over {wanted}; this pool's workers serve it over {list(source.transports)} "
+            "(NIXL is not installed on them, or the pool runs with nixl='off')"
+        )
+
+    def _begin(self, result, source, transport: str) -> dict:
+        """Ask every holder where its shard's blocks are (once their KV is complete), and say it all."""
+        cfg, model = self.pool.config, self.pool.model_config
+        try:
+            shards = ray.get(
+                [holder.describe_kv.options(concurrency_group=KV_GROUP).remote(result.request_id, transport) for holder in source.holders],
+                timeout=self.io_timeout_s,
+            )
+        except (ray.exceptions.RayError, ray.exceptions.GetTimeoutError) as exc:
+            raise RuntimeError(f"a worker holding request {result.request_id!r} did not say where its KV is: {cause(exc)}") from None
+        return {
             "request_id": result.request_id,
             "tokens": result.num_tokens,
-            "layers": kv.shape[0],
-            "dtype": str(kv.dtype).removeprefix("torch."),
+            "layers": model.num_hidden_layers,
+            "dtype": source.dtype,
             "block_size": cfg.block_size,
-            "width": kv.shape[2],
+            "width": model.attention.latent_dim,
             "num_blocks": -(-result.num_tokens // cfg.block_size),
-            "model_fingerprint": pool.model_config.fingerprint(),
-            "shard_map": {"tp": cfg.tp, "pcp": cfg.pcp, "block_size": cfg.block_size,
-                          "layout": "block j of the request was on PCP rank j % pcp; TP ranks hold the same rows"},
-        })  # fmt: skip
-        sent = 0
-        for layer in range(kv.shape[0]):
-            blocks = paged(kv[layer], cfg.block_size)
-            payload = tensor_buffer(blocks)
-            send_frame(conn, "layer", {"layer": layer, "shape": list(blocks.shape)}, payload)
-            sent += payload.nbytes
-        send_frame(conn, "end", {"request_id": result.request_id, "layers": kv.shape[0]})
-        return sent
+            "model_fingerprint": model.fingerprint(),
+            "transport": transport,
+            "pcp": cfg.pcp,
+            "shards": shards,
+        }
+
+    def _bytes(self, result) -> int:
+        model = self.pool.model_config
+        blocks = -(-result.num_tokens // self.pool.config.block_size)
+        return blocks * self.pool.config.block_size * model.attention.latent_dim * model.num_hidden_layers * DTYPES[self.pool.worker_infos[0][0].dtype].itemsize
 
     def _count(self, outcome: str) -> None:
         with self._lock:
             self.transfers[outcome] += 1
-
-
-def _try_error(conn: socket.socket, message: str) -> None:
-    try:
-        send_frame(conn, "error", {"message": message})
-    except OSError:
-        pass  # the receiver is gone

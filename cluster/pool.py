@@ -328,7 +328,13 @@ class PrefillPool:
         return KVSource(
             result.request_id, tuple(replica.workers[r] for r in ranks), self.config.block_size, result.num_tokens,
             replica.infos[0].dtype, tuple((replica.infos[r].host, replica.infos[r].device_uuid) for r in ranks),
+            tuple(t for t in ("nixl", "tcp") if all(t in replica.infos[r].kv_transports for r in ranks)),
         )
+
+    def kv_lost(self, result: PrefillResult) -> bool:
+        """Whether the replica that held a request's KV was replaced since it was prefilled (a worker
+        died: its KV went with it)."""
+        return self._replica(result.replica).generation != result.generation
 
     def release(self, result: PrefillResult) -> None:
         """Free a kept request's KV on its workers (a no-op if its replica restarted since)."""

@@ -24,6 +24,7 @@ from workers.worker import SAFE_NCCL_ENV, PrefillWorker, WorkerInfo
 
 logger = logging.getLogger(__name__)
 MAX_CAUSE_CHARS = 300
+KV_GROUP = "kv"  # the workers' concurrency group for the KV server's calls (describe_kv)
 FA4_CACHE_ENV = "FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED"
 
 
@@ -83,7 +84,8 @@ def start_replica(
         env["OMP_NUM_THREADS"] = str(max(1, int(config.worker_cpus)))
     elif config.worker_gpus < 1:  # shared GPUs: Ray may give two ranks one GPU; rank r takes GPU r itself
         options["runtime_env"] = {"env_vars": {"RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES": "1"}}
-    actor = ray.remote(PrefillWorker)
+    # the "kv" group answers the KV server (where a request's blocks are) while a prefill batch runs
+    actor = ray.remote(concurrency_groups={KV_GROUP: 2})(PrefillWorker)
     workers = [
         actor.options(
             num_cpus=config.worker_cpus,
@@ -111,6 +113,8 @@ def start_replica(
         "setup": round(time.perf_counter() - started - processes_s, 2),
         "warmup": max(info.warmup_s for info in infos),
         "load": max(info.load_s for info in infos),
+        # each step of the workers' setup, the slowest worker's (workers.worker.PrefillWorker.setup)
+        "setup_steps": {step: max(info.start_phases_s[step] for info in infos) for step in infos[0].start_phases_s},
     }
     logger.info("replica %d started: %s s", index, replica.start_s)
     return replica

@@ -17,7 +17,7 @@ HTTP API (JSON, or msgpack with ``content-type: application/msgpack``; the answe
     ``logits``
     are the last token's float32 logits (a list in JSON, little-endian bytes in msgpack), unless
     ``return_logits`` is false. With ``handoff`` the KV stays on the replica and ``ticket`` says
-    where a decode server fetches it (``workers.kv_transfer.KVReceiver(host, port, token,
+    where a decode server fetches it (``workers.kv_receiver.KVReceiver(host, port, token,
     model_fingerprint).fetch(request_id)``) within ``expires_in_s``; without it the KV is freed.
     A client that disconnects cancels its request: it leaves the pool before its next chunk and
     its KV is freed.

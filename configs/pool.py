@@ -18,6 +18,7 @@ from workers.pcp import STRATEGIES as PCP_STRATEGIES
 DEVICES = ("auto", "cpu", "cuda")
 QUANTIZATIONS = ("auto", "none")
 PLACEMENTS = ("STRICT_PACK", "PACK", "SPREAD", "STRICT_SPREAD")
+NIXL_MODES = ("auto", "on", "off")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -66,6 +67,9 @@ class PoolConfig:
                      workers of several small replicas on the same GPUs (a replica's own workers are
                      always on distinct GPUs: NCCL needs that)
     use_gpus         reserve GPUs for the workers: True, False, or None (= when the cluster has enough)
+    nixl             KV handoff to decode servers outside the cluster: "auto" registers each holder's KV
+                     cache with NIXL where it is installed (receivers READ it; TCP otherwise), "on"
+                     requires it (a worker without NIXL fails to start), "off" serves TCP only
     seed             seed of random weights
     """
 
@@ -94,6 +98,7 @@ class PoolConfig:
     worker_cpus: float = 1.0
     worker_gpus: float = 1.0
     use_gpus: bool | None = None
+    nixl: str = "auto"
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -136,6 +141,8 @@ class PoolConfig:
             raise ValueError(f"pool config: collective_timeout_s must be positive, got {self.collective_timeout_s}")
         if self.batch_timeout_s is not None and not self.batch_timeout_s > 0:
             raise ValueError(f"pool config: batch_timeout_s must be positive or None, got {self.batch_timeout_s}")
+        if self.nixl not in NIXL_MODES:
+            raise ValueError(f"pool config: nixl {self.nixl!r} is not one of {', '.join(NIXL_MODES)}")
         if self.batch_wait_ms < 0:
             raise ValueError(f"pool config: batch_wait_ms must be >= 0, got {self.batch_wait_ms}")
 

@@ -29,7 +29,8 @@ def blocks_for(tokens: int, block_size: int) -> int:
 
 @dataclass
 class _Entry:
-    blocks: torch.Tensor  # int64 [n_blocks]: the request's block table
+    ids: list[int]  # the request's block table, on the host
+    blocks: torch.Tensor  # int64 [n_blocks]: the same, on the cache's device
     slots: torch.Tensor  # int64 [capacity]: flat row index of every token of the request
     first: int | None  # the first block when the table is one ascending run, else None
     length: int = 0  # rows written so far
@@ -82,7 +83,7 @@ class PagedKVCache:
         positions = torch.arange(tokens, device=self.blocks.device)
         slots = blocks[positions // self.block_size] * self.block_size + positions % self.block_size
         run = ids == list(range(ids[0], ids[0] + need)) if ids else False
-        self._requests[request_id] = _Entry(blocks, slots, ids[0] if run else None)
+        self._requests[request_id] = _Entry(ids, blocks, slots, ids[0] if run else None)
 
     def append(self, request_id: str, latents: list[torch.Tensor], rows: slice | torch.Tensor) -> None:
         """Append rows ``rows`` (a slice or an index tensor) of every layer's batch latent ``[T, width]``."""
@@ -103,6 +104,10 @@ class PagedKVCache:
         count = entry.length if count is None else count
         return self._rows[layer].index_select(0, entry.slots[:count])
 
+    def block_table(self, request_id: str) -> list[int]:
+        """A request's block ids, in the order its rows fill them (no device sync)."""
+        return list(self._entry(request_id).ids)
+
     def block_views(self, request_id: str) -> list[torch.Tensor]:
         """A request's blocks, ``[n_blocks, block_size, width]`` per layer, in block-table order: views
         of the cache when the table is one ascending run (no copy), gathered copies otherwise."""
@@ -116,7 +121,7 @@ class PagedKVCache:
         entry = self._requests.pop(request_id, None)
         if entry is None:
             return 0
-        for block in entry.blocks.tolist():
+        for block in entry.ids:
             heapq.heappush(self._free, block)
         return len(entry.blocks)
 

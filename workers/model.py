@@ -143,7 +143,9 @@ class Backbone(nn.Module):
     def __init__(self, config: ModelConfig, backend: MLAPrefillBackend, tp: TPShard, ep: EPGroup, **kw) -> None:
         super().__init__()
         plain = {"dtype": kw["dtype"], "device": kw["device"]}
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, **plain)
+        # built with its (uninitialized) weight: nn.Embedding's own init of a meta weight imports torch._dynamo,
+        # a second of every worker's start
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, _weight=torch.empty(config.vocab_size, config.hidden_size, **plain))
         self.layers = nn.ModuleList(DecoderLayer(config, i, backend, tp, ep, **kw) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.attention.rms_norm_eps, **plain)
 
@@ -177,7 +179,9 @@ class DeepseekPrefillModel(nn.Module):
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False, dtype=dtype, device="meta")
         if fp8:
             self._use_fp8_linears()
-        self.to_empty(device=device)
+        # to_empty(device), without its empty_like of meta tensors (that imports sympy, a third of a
+        # second of every worker's start)
+        self._apply(lambda t: torch.empty(t.shape, dtype=t.dtype, device=device))
 
     @classmethod
     def create(

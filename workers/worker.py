@@ -19,22 +19,21 @@ batch. Each worker:
   zigzag share of the tokens), so long prompts never need all their activations
   at once;
 * returns, from rank 0 only, the logits and last hidden state of every request
-  whose final chunk was in the batch, and the batch's PCP strategy and bytes.
+  whose final chunk was in the batch, and the batch's PCP strategy and bytes;
+* hands its kept KV to decode actors and decode servers, beside running batches
+  (``workers.kv_holder``).
 
 Nothing here imports Ray: the worker is plain Python and testable in-process.
 """
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import logging
 import os
 import socket
-import threading
 import time
-from collections import Counter
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -50,8 +49,7 @@ from configs.model import DTYPES, ModelConfig
 from configs.pool import PoolConfig
 from workers.fp8 import fp8_gemm_supported
 from workers.kv_cache import PagedKVCache, blocks_for
-from workers.kv_link import KVLink
-from workers.kv_transfer import HostKV
+from workers.kv_holder import KVHolder
 from workers.model import DeepseekPrefillModel, TPShard
 from workers.moe import EPGroup
 from workers.pcp import PCPCostModel, PCPGroup, PCPPlan, measure_cost_model, shard_rows
@@ -120,6 +118,8 @@ class WorkerInfo:
     load_s: float  # reading (or drawing) this rank's weights
     peak_host_mib: float  # the worker process's peak resident host memory after loading (ru_maxrss)
     device_uuid: str | None = None  # the GPU's UUID (None on the CPU): who else uses this GPU
+    kv_transports: tuple[str, ...] = ()  # how it serves its KV shards to decode servers (workers.kv_export)
+    start_phases_s: dict | None = None  # seconds of each step of setup(), in order
 
 
 def rendezvous_address() -> tuple[str, int]:
@@ -130,7 +130,7 @@ def rendezvous_address() -> tuple[str, int]:
         return host, sock.getsockname()[1]
 
 
-class PrefillWorker:
+class PrefillWorker(KVHolder):
     def __init__(self, config: PoolConfig, rank: int, env: dict[str, str] | None = None) -> None:
         """``env``: variables for this process (NCCL's, OMP_NUM_THREADS), set before anything reads them."""
         os.environ.update(env or {})
@@ -142,14 +142,7 @@ class PrefillWorker:
         self.model: DeepseekPrefillModel | None = None
         self.pcp = PCPGroup()
         self.cost_model: PCPCostModel | None = None
-        self.kv_links: dict[str, KVLink] = {}
-        # KV links' threads read the cache while prefill runs: the block tables change under this
-        # lock, a request being sent is freed only when its sends finish, and a finished request's
-        # KV is marked by a CUDA event that a send waits for
-        self._kv_lock = threading.Lock()
-        self._kv_sending: Counter[str] = Counter()
-        self._kv_free_after_send: set[str] = set()
-        self._kv_ready: dict[str, torch.cuda.Event] = {}
+        self._init_kv_holder(config, rank, self.tp_rank)
         self._groups: list = []  # every process group of the replica this rank is in
         self._batches = 0
         self._fault = None  # the hook of an armed inject_fault, removed when it fires
@@ -159,8 +152,9 @@ class PrefillWorker:
 
     def setup(self, master_addr: str, master_port: int, timeout_s: float = 600.0) -> WorkerInfo:
         """Join the process group, build this rank's shard, load (or draw) its weights, size the
-        paged KV cache and run the warm-up prefill (kernel JIT happens here, not in a request)."""
-        config = self.config
+        paged KV cache and run the warm-up prefill (kernel JIT happens here, not in a request).
+        ``WorkerInfo.start_phases_s`` says how long each step took."""
+        config, laps = self.config, _Laps()
         model_config = config.model_config()
         device = _device(config.device, self.rank if config.worker_gpus < 1 else None)
         dtype = _dtype(config.dtype, device, model_config.dtype)
@@ -180,28 +174,36 @@ class PrefillWorker:
             if config.pcp > 1:
                 self.pcp = PCPGroup(self.pcp_rank, config.pcp, pcp_group)
             ep = EPGroup(self.rank, self.world_size, torch.distributed.group.WORLD)
+        laps.lap("process_group")
         backend_cls = get_mla_prefill_backend(
             MLAPrefillSelectorConfig(dtype, model_config.attention.dims),
             DeviceCapability.of(device),
             None if config.backend.upper() == "AUTO" else config.backend,
         )
+        laps.lap("backend")  # importing its library (FA4's CuTe DSL: seconds)
         tp = TPShard(self.tp_rank, config.tp, tp_group)
         fp8 = self._use_fp8(model_config, device, dtype)
         shard = {"tp": tp, "ep": ep, "fp8": fp8, "ep_micro_batches": config.ep_micro_batches, "dtype": dtype}
         weight_bytes = DeepseekPrefillModel.create(model_config, TorchSDPAPrefillBackend, device="meta", **shard).weight_bytes()
         _check_weights_fit(weight_bytes, device, config, model_config)
         self.model = DeepseekPrefillModel.create(model_config, backend_cls, device=device, **shard)
+        laps.lap("model")
         report = load_weights(self.model, config.checkpoint, config.seed)
+        laps.lap("load")
         if self.pcp.size > 1:
             attn = self.model.model.layers[0].self_attn
             self.cost_model = measure_cost_model(self.pcp, torch.distributed.group.WORLD, attn)
         self.kv = self._allocate_kv_cache(model_config, dtype, device)
-        started = time.perf_counter()
+        laps.lap("kv_cache")
+        if self.tp_rank == 0:  # TP ranks hold the same latent rows: one exporter per PCP rank
+            self.export = self._start_export()
+        laps.lap("kv_export")
         self._warm_up()
         for _, moe in self.model.moe_layers():
             moe.pairs = 0  # the warm-up and profile prefills are not load
         for group in self._groups:  # up and warm: from now on a peer that long silent is stuck
             _set_pg_timeout(timedelta(seconds=config.collective_timeout_s), group)
+        laps.lap("warmup")
         return WorkerInfo(
             rank=self.rank,
             world_size=self.world_size,
@@ -210,7 +212,7 @@ class PrefillWorker:
             dtype=str(dtype).removeprefix("torch."),
             host=socket.gethostname(),
             pid=os.getpid(),
-            warmup_s=round(time.perf_counter() - started, 2),
+            warmup_s=laps.phases["warmup"],
             kv_blocks=self.kv.num_blocks,
             block_size=self.kv.block_size,
             pcp_link_gbps=round(self.cost_model.link_bytes_per_s / 1e9, 2) if self.cost_model else None,
@@ -220,6 +222,8 @@ class PrefillWorker:
             load_s=report.seconds,
             peak_host_mib=report.peak_host_mib,
             device_uuid=str(torch.cuda.get_device_properties(device).uuid) if device.type == "cuda" else None,
+            kv_transports=self.export.transports if self.export is not None else (),
+            start_phases_s=laps.phases,
         )
 
     def inject_fault(self, kind: str, layer: int = 0, after_batches: int = 0) -> None:
@@ -407,54 +411,6 @@ class PrefillWorker:
             self.prefill([ChunkPiece(WARMUP_REQUEST, ids[start : start + 16], start, 32)])
         self.release([WARMUP_REQUEST])
 
-    def fetch_kv(self, request_id: str) -> HostKV:
-        """This worker's latent rows of a request, ``[layers, rows, latent]`` on the host."""
-        layers = self._model().config.num_hidden_layers
-        return HostKV.of(torch.stack([self.kv.rows(request_id, layer) for layer in range(layers)]))
-
-    def join_kv_link(self, name: str, address: tuple[str, int], rank: int, size: int, timeout_s: float) -> None:
-        """Join a decode actor's point-to-point link (``workers.kv_link``) as ``rank``. Returns once
-        the connection to the receiver is open; a thread then answers the receiver's pulls until
-        the link closes."""
-        link = KVLink.join(address, rank, size, self.kv.blocks.device, timeout_s)
-        link.warm_up()
-        self.kv_links[name] = link
-        link.serve(self._kv_shard, on_close=lambda: self.kv_links.pop(name, None))
-
-    @contextlib.contextmanager
-    def _kv_shard(self, request_id: str) -> Iterator[tuple[list[torch.Tensor], int]]:
-        """A kept request's paged blocks per layer and its rows, for a link's thread to send: the
-        request cannot be freed meanwhile, and the thread's stream first waits for its KV."""
-        with self._kv_lock:
-            ready = self._kv_ready.get(request_id)
-            if ready is not None:
-                torch.cuda.current_stream().wait_event(ready)
-            blocks, rows = self.kv.block_views(request_id), self.kv.length(request_id)
-            self._kv_sending[request_id] += 1
-        try:
-            yield blocks, rows
-        finally:
-            with self._kv_lock:
-                self._kv_sending[request_id] -= 1
-                if not self._kv_sending[request_id]:
-                    del self._kv_sending[request_id]
-                    if request_id in self._kv_free_after_send:
-                        self._kv_free_after_send.discard(request_id)
-                        self.kv.release(request_id)
-
-    def release(self, request_ids: Sequence[str]) -> int:
-        """Free the requests' KV; returns the blocks freed (a request a link is sending is freed
-        when the send ends, and not counted)."""
-        freed = 0
-        with self._kv_lock:
-            for request_id in request_ids:
-                self._kv_ready.pop(request_id, None)
-                if self._kv_sending[request_id]:
-                    self._kv_free_after_send.add(request_id)
-                else:
-                    freed += self.kv.release(request_id)
-        return freed
-
     def health(self) -> dict:
         info = {"rank": self.rank, "ready": self.model is not None, "kv_requests": 0, "kv_free_blocks": 0}
         if self.model is not None:
@@ -529,6 +485,19 @@ def _host_available_bytes() -> int | None:
     except OSError:
         return None
     return None
+
+
+class _Laps:
+    """Seconds between successive ``lap(name)`` calls."""
+
+    def __init__(self) -> None:
+        self.phases: dict[str, float] = {}
+        self._last = time.perf_counter()
+
+    def lap(self, name: str) -> None:
+        now = time.perf_counter()
+        self.phases[name] = round(now - self._last, 3)
+        self._last = now
 
 
 def _device(name: str, shared_rank: int | None = None) -> torch.device:

@@ -107,7 +107,10 @@ class BackendCapabilities:
 
     ``min_capability``/``max_capability`` (inclusive) apply to GPU kinds only.
     ``requires`` lists importable modules; the first one that fails to import
-    makes the backend unavailable, with the import error as the reason.
+    makes the backend unavailable, with the import error as the reason. They are
+    imported only when everything else fits: importing a kernel library takes
+    seconds (FA4 and FlashInfer about 8 s each on an H200 node), which a worker
+    that would reject it anyway (another dtype, say) must not spend.
     """
 
     device_kinds: tuple[str, ...]
@@ -134,7 +137,8 @@ class BackendCapabilities:
             reasons.append(
                 f"MLA head dims {config.mla_dims} not supported (supported: {', '.join(map(str, self.mla_dims))})"
             )
-        reasons.extend(_import_failures(self.requires))
+        if not reasons:
+            reasons.extend(_import_failures(self.requires))
         return reasons
 
 

@@ -60,7 +60,9 @@ class FlashAttnPrefillBackend(MLAPrefillBackend):
     def validate_configuration(
         cls, device_capability: DeviceCapability, selector_config: MLAPrefillSelectorConfig
     ) -> list[str]:
-        reasons = cls.capabilities.reasons(device_capability, selector_config) + cls.unavailable_reasons()
+        reasons = cls.capabilities.reasons(device_capability, selector_config)  # no import unless it fits
+        if not reasons:
+            reasons = cls.unavailable_reasons()
         if not reasons and not any(_importable(v) for v in default_versions(device_capability.major)):
             reasons.append(
                 f"no flash-attention version for compute capability {device_capability.major}.x is installed"

@@ -1,7 +1,7 @@
 """End to end on CPU: prefill in a TP=2 x PCP=2 pool, hand the KV to the reference decoder over each
-transport (TCP; a decode actor pulling Ray objects or using its point-to-point link), decode
-greedily; the tokens equal a single process that prefills and decodes by itself, and transformers'
-generate."""
+transport (a receiver outside the cluster, into its own paged cache over NIXL or TCP; a decode actor
+pulling Ray objects or using its point-to-point link), decode greedily; the tokens equal a single
+process that prefills and decodes by itself, and transformers' generate."""
 
 import numpy as np
 import pytest
@@ -16,7 +16,7 @@ from cluster.kv_server import KVServer
 from cluster.pool import PrefillPool
 from configs.pool import PoolConfig
 from workers.decode import ReferenceDecoder
-from workers.kv_transfer import KVReceiver
+from workers.kv_receiver import KVReceiver
 from workers.model import DeepseekPrefillModel
 from workers.weights import load_weights
 
@@ -45,12 +45,19 @@ def test_a_single_process_prefill_and_decode_equals_transformers(setup):
     assert tokens == expected
 
 
-def test_tcp_handoff_from_the_grid_decodes_the_same_tokens(setup):
+@pytest.mark.parametrize("transport", ["nixl", "tcp"])
+def test_a_receiver_outside_the_cluster_decodes_the_same_tokens_from_its_own_cache(setup, transport):
     pool, model, prompt, expected = setup
     result = pool.prefill(prompt, keep_kv=True)
+    layers, width = pool.model_config.num_hidden_layers, pool.model_config.attention.latent_dim
+    cache = torch.zeros(layers, 32, 8, width)  # a decode server's paged cache; the prompt needs 8 blocks
+    ids = [31, 3, 17, 4, 5, 6, 20, 0]
     with KVServer(pool, token="t") as server:
-        kv = KVReceiver(server.host, server.port, token="t", model_fingerprint=pool.model_config.fingerprint()).fetch(result.request_id)
-    assert ReferenceDecoder(model).generate(kv.rows(), result.first_token, STEPS) == expected
+        receiver = KVReceiver(server.host, server.port, token="t", model_fingerprint=pool.model_config.fingerprint(), transport=transport)
+        kv = receiver.fetch(result.request_id, into=cache, block_ids=ids)
+    rows = cache[:, ids].reshape(layers, -1, width)[:, : len(prompt)]  # as a paged decoder reads them
+    assert ReferenceDecoder(model).generate(rows, result.first_token, STEPS) == expected
+    assert torch.equal(rows, kv.rows())
     assert all(w["kv_requests"] == 0 for w in pool.health()[0])
 
 

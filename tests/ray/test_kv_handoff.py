@@ -1,8 +1,13 @@
-"""KV handoff from a PCP pool (gloo, logical GPUs), over TCP and over a decode actor's point-to-point
-link: round trip, refusals, and failures that must give a clear error, free the KV on the prefill
-side where the transfer had started, and leave the next transfer working."""
+"""KV handoff from a TP=2 x PCP=2 pool (gloo, logical GPUs): to a decode server outside the cluster
+(``KVReceiver``: NIXL READs from the holders, or TCP pulls from them) and to a decode actor's
+point-to-point link. Round trips into receiver-chosen blocks, refusals that free nothing, and
+failures -- a holder killed mid-transfer, a receiver that disappears or never acknowledges -- that
+give a reason on both sides, free the KV, and leave the next transfer working, with no block leaked."""
 
 import dataclasses
+import logging
+import os
+import re
 import socket
 import time
 
@@ -15,10 +20,12 @@ from cluster.handoff import DecodeActor
 from cluster.kv_server import KVServer
 from cluster.pool import PrefillPool
 from configs.pool import PoolConfig
-from workers.kv_transfer import KVReceiver, KVTransferError, encode_frame, expect, read_frame, send_frame
+from workers.kv_receiver import KVReceiver
+from workers.kv_transfer import KVTransferError, encode_frame, expect, read_frame, send_frame
 
-CONFIG = PoolConfig(model="tiny", num_layers=2, pcp=2, chunk_tokens=48, block_size=16, worker_cpus=0.5, seed=5, device="cpu")
+CONFIG = PoolConfig(model="tiny", num_layers=2, tp=2, pcp=2, chunk_tokens=48, block_size=16, worker_cpus=0.25, seed=5, device="cpu")
 TOKEN = "s3cret"
+TRANSPORTS = ["nixl", "tcp"]
 
 
 @pytest.fixture(scope="module")
@@ -49,73 +56,160 @@ def _wait_freed(pool, timeout=10.0):
     return _kv_requests(pool) == 0
 
 
-def test_a_receiver_gets_the_pools_kv_in_paged_layout_and_its_ack_frees_it(pool, server):
+def _no_block_leaked(pool):
+    """Every worker's free blocks are back to its capacity."""
+    capacity = [info.kv_blocks for info in pool.worker_infos[0]]
+    return _wait_freed(pool) and [w["kv_free_blocks"] for w in pool.health()[0]] == capacity
+
+
+def _receiver(server, pool, transport="auto", **kwargs):
+    return KVReceiver(server.host, server.port, token=TOKEN, model_fingerprint=pool.model_config.fingerprint(), transport=transport, **kwargs)
+
+
+def test_the_pool_serves_its_shards_from_the_holders(pool):
+    infos = pool.worker_infos[0]
+    assert [info.kv_transports for info in infos] == [("nixl", "tcp"), (), ("nixl", "tcp"), ()]  # TP rank 0 of each PCP rank
+    assert pool.kv_source(_kept(pool, 20)).transports == ("nixl", "tcp")
+    pool.release(pool.kept_results()[0])
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_a_receiver_takes_the_kv_into_its_cache_at_the_blocks_it_chose_bit_for_bit(pool, server, transport):
     result = _kept(pool)
-    expected = pool.fetch_kv(result)
-    receiver = KVReceiver(server.host, server.port, token=TOKEN, model_fingerprint=pool.model_config.fingerprint())
-    kv = receiver.fetch(result.request_id)
-    assert kv.meta["tokens"] == 130 and kv.meta["layers"] == 2 and kv.meta["block_size"] == 16
-    assert kv.meta["shard_map"]["pcp"] == 2 and kv.meta["num_blocks"] == 9
-    assert [tuple(layer.shape) for layer in kv.layers] == [(9, 16, 80)] * 2
-    assert torch.equal(kv.rows(), expected)
-    assert _wait_freed(pool) and pool.kept_result(result.request_id) is None
+    expected = pool.fetch_kv(result)  # the holders' rows, gathered as Ray objects: another path
+    cache = torch.full((2, 24, 16, 80), float("nan"))
+    ids = [int(i) for i in np.random.default_rng(1).permutation(24)[:9]]  # 130 tokens: 9 blocks
+    kv = _receiver(server, pool, transport).fetch(result.request_id, into=cache, block_ids=ids)
+    assert kv.transport == transport and kv.cache is cache and kv.block_table == ids
+    assert kv.meta["tokens"] == 130 and kv.meta["pcp"] == 2 and kv.meta["num_blocks"] == 9
+    received = cache[:, ids].reshape(2, -1, 80)[:, :130]
+    assert torch.equal(received, expected)
+    others = [b for b in range(24) if b not in ids]
+    assert cache[:, others].isnan().all()  # nothing else written
+    assert _no_block_leaked(pool) and pool.kept_result(result.request_id) is None
     with pytest.raises(KVTransferError, match="no kept KV for request"):
-        receiver.fetch(result.request_id)  # sent once: it is gone
+        _receiver(server, pool, transport).fetch(result.request_id)  # sent once: it is gone
 
 
-def test_a_wrong_token_is_refused_and_frees_nothing(pool, server):
-    result = _kept(pool)
-    with pytest.raises(KVTransferError, match="token does not match"):
-        KVReceiver(server.host, server.port, token="guess").fetch(result.request_id)
-    assert _kv_requests(pool) == 2  # both PCP workers still hold it
-    assert KVReceiver(server.host, server.port, token=TOKEN).fetch(result.request_id).tokens == 130
-    assert _wait_freed(pool)
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_a_receiver_without_a_cache_gets_a_new_one_of_the_requests_size(pool, server, transport):
+    result = _kept(pool, 75)
+    expected = pool.fetch_kv(result)
+    kv = _receiver(server, pool, transport).fetch(result.request_id)
+    assert tuple(kv.cache.shape) == (2, 5, 16, 80) and torch.equal(kv.rows(), expected)
+    assert [tuple(layer.shape) for layer in kv.layers] == [(5, 16, 80)] * 2
+    assert kv.bytes == 2 * 5 * 16 * 80 * 4 and kv.transfer_s > 0
+    assert _no_block_leaked(pool)
+
+
+def _refused(server, request_id, **receiver):
+    refused = server.transfers["refused"]
+    with pytest.raises(KVTransferError) as info:
+        KVReceiver(server.host, server.port, **receiver).fetch(request_id)
+    assert server.transfers["refused"] == refused + 1
+    return str(info.value)
 
 
 @pytest.mark.parametrize("presented, message", [
-    ({"model_fingerprint": "other"}, "the receiver expects model_fingerprint 'other'; this prefill pool's KV has '[0-9a-f]+'"),
-    ({"dtype": "bfloat16"}, "the receiver expects dtype 'bfloat16'; this prefill pool's KV has 'float32'"),
-    ({"block_size": 64}, "the receiver expects block_size 64; this prefill pool's KV has 16"),
-], ids=["model", "dtype", "block-size"])  # fmt: skip
+    ({"token": "guess"}, "token does not match"),
+    ({"token": TOKEN, "model_fingerprint": "other"}, "the receiver expects model_fingerprint 'other'; this prefill pool's KV has '[0-9a-f]+'"),
+    ({"token": TOKEN, "dtype": "bfloat16"}, "the receiver expects dtype 'bfloat16'; this prefill pool's KV has 'float32'"),
+    ({"token": TOKEN, "block_size": 64}, "the receiver expects block_size 64; this prefill pool's KV has 16"),
+], ids=["token", "model", "dtype", "block-size"])  # fmt: skip
 def test_a_receiver_for_another_model_dtype_or_block_size_is_refused_before_anything_is_sent_and_frees_nothing(
     pool, server, presented, message
 ):
     result = _kept(pool)
-    refused = server.transfers["refused"]
-    with pytest.raises(KVTransferError, match=message + r" \(request 'req-\d+' is kept for a matching receiver\)"):
-        KVReceiver(server.host, server.port, token=TOKEN, **presented).fetch(result.request_id)
-    assert server.transfers["refused"] == refused + 1
-    assert _kv_requests(pool) == 2  # still held: the matching receiver gets it at once, not after a timeout
-    matching = {"model_fingerprint": pool.model_config.fingerprint(), "dtype": "float32", "block_size": 16}
-    assert KVReceiver(server.host, server.port, token=TOKEN, **matching).fetch(result.request_id).tokens == 130
-    assert _wait_freed(pool)
+    assert re.search(message, _refused(server, result.request_id, **presented))
+    assert _kv_requests(pool) == CONFIG.workers_per_replica  # still held: a matching receiver gets it at once
+    assert _receiver(server, pool).fetch(result.request_id).tokens == 130
+    assert _no_block_leaked(pool)
 
 
-def test_a_receiver_that_disconnects_mid_stream_frees_the_kv(pool, server):
+def test_a_cache_of_another_shape_or_with_too_few_blocks_is_refused_and_frees_nothing(pool, server):
+    result = _kept(pool)
+    receiver = _receiver(server, pool)
+    with pytest.raises(KVTransferError, match="the receiver expects width 64; this prefill pool's KV has 80"):
+        receiver.fetch(result.request_id, into=torch.zeros(2, 20, 16, 64), block_ids=list(range(9)))
+    with pytest.raises(KVTransferError, match="the receiver expects layers 3; this prefill pool's KV has 2"):
+        receiver.fetch(result.request_id, into=torch.zeros(3, 20, 16, 80), block_ids=list(range(9)))
+    with pytest.raises(KVTransferError, match="request 'req-\\d+' needs 9 KV blocks; the receiver offered 4"):
+        receiver.fetch(result.request_id, into=torch.zeros(2, 20, 16, 80), block_ids=[0, 1, 2, 3])
+    with socket.create_connection((server.host, server.port), timeout=5) as sock:  # a transport nobody serves
+        send_frame(sock, "hello", {"request_id": result.request_id, "token": TOKEN, "transports": ["carrier-pigeon"]})
+        with pytest.raises(KVTransferError, match="the receiver takes KV over \\['carrier-pigeon'\\]; this pool's workers serve it over \\['nixl', 'tcp'\\]"):
+            read_frame(sock, max_payload=0)
+    assert _kv_requests(pool) == CONFIG.workers_per_replica
+    assert receiver.fetch(result.request_id, into=torch.zeros(2, 20, 16, 80), block_ids=list(range(9))).tokens == 130
+    assert _no_block_leaked(pool)
+
+
+def test_an_unknown_request_and_a_forged_pull_ticket_are_refused(pool, server):
+    assert "no kept KV for request 'nope'" in _refused(server, "nope", token=TOKEN)
+    result = _kept(pool, 40)
+    kv_holder = pool.kv_source(result).holders[0]
+    offer = ray.get(kv_holder.describe_kv.remote(result.request_id, "tcp"))
+    with socket.create_connection((offer["tcp"]["host"], offer["tcp"]["port"]), timeout=5) as sock:
+        send_frame(sock, "pull", {"request_id": result.request_id, "ticket": "0" * 32})
+        with pytest.raises(KVTransferError, match="unknown or expired KV pull ticket"):
+            read_frame(sock, max_payload=0)
+    pool.release(result)
+    assert _no_block_leaked(pool)
+
+
+def _kill(actor) -> None:
+    """Kill an actor and return once its process is gone (Ray marks it dead before the process exits)."""
+    pid = ray.get(actor.__ray_call__.remote(lambda self: os.getpid()))
+    ray.kill(actor)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return
+        time.sleep(0.01)
+    raise AssertionError(f"worker process {pid} still runs 30 s after ray.kill")
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_a_holder_killed_mid_transfer_fails_it_with_a_reason_on_both_sides_and_the_pool_recovers(pool, server, transport, caplog):
+    result = _kept(pool)
+    holder = pool.kv_source(result).holders[1]
+    failed = server.transfers["failed"]
+    with caplog.at_level(logging.WARNING, logger="cluster.kv_server"), pytest.raises(KVTransferError, match="holder 1"):
+        _receiver(server, pool, transport).fetch(result.request_id, on_begin=lambda meta: _kill(holder))
+    deadline = time.monotonic() + 10
+    while server.transfers["failed"] == failed and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert server.transfers["failed"] == failed + 1
+    assert any(f"KV transfer of {result.request_id!r}" in r.getMessage() and "holder 1" in r.getMessage() for r in caplog.records)
+    assert pool.prefill(np.arange(70)).num_tokens == 70  # the dead worker's replica is replaced, the prompt retried
+    assert _no_block_leaked(pool)
+    assert _receiver(server, pool, transport).fetch(_kept(pool).request_id).tokens == 130
+
+
+def test_a_receiver_that_disappears_after_the_begin_frees_the_kv(pool, server):
     result = _kept(pool)
     before = server.transfers["failed"]
     with socket.create_connection((server.host, server.port), timeout=5) as sock:
-        send_frame(sock, "hello", {"request_id": result.request_id, "token": TOKEN})
+        send_frame(sock, "hello", {"request_id": result.request_id, "token": TOKEN, "transports": ["nixl"]})
         expect(read_frame(sock, max_payload=0)[0], "begin")
-    assert _wait_freed(pool)
     deadline = time.monotonic() + 10
     while server.transfers["failed"] == before and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert server.transfers["failed"] == before + 1
-    assert KVReceiver(server.host, server.port, token=TOKEN).fetch(_kept(pool).request_id).tokens == 130
+    assert server.transfers["failed"] == before + 1 and _no_block_leaked(pool)
+    assert _receiver(server, pool).fetch(_kept(pool).request_id).tokens == 130
 
 
 def test_a_receiver_that_never_acks_times_out_and_the_kv_is_freed(pool, server):
     result = _kept(pool)
     with socket.create_connection((server.host, server.port), timeout=5) as sock:
         send_frame(sock, "hello", {"request_id": result.request_id, "token": TOKEN})
-        for _ in range(1 + 2):  # begin, 2 layers
-            read_frame(sock, max_payload=1 << 30)
-        expect(read_frame(sock, max_payload=0)[0], "end")
+        expect(read_frame(sock, max_payload=0)[0], "begin")
         # no ack: the server gives up after ack_timeout_s and says why
         with pytest.raises(KVTransferError, match="the other side reported: timed out"):
             read_frame(sock, max_payload=0)
-    assert _wait_freed(pool)
+    assert _no_block_leaked(pool)
 
 
 def test_kv_nobody_claims_is_freed_after_the_ttl_and_a_late_receiver_is_refused(pool):
@@ -132,7 +226,8 @@ def test_garbage_on_the_port_is_refused_and_the_server_keeps_serving(pool, serve
         sock.sendall(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n" + encode_frame("hello")[:3])
         with pytest.raises(KVTransferError, match="not an mlapool KV frame"):
             read_frame(sock, max_payload=0)
-    assert KVReceiver(server.host, server.port, token=TOKEN).fetch(_kept(pool).request_id).tokens == 130
+    assert _receiver(server, pool).fetch(_kept(pool).request_id).tokens == 130
+    assert _no_block_leaked(pool)
 
 
 # ---- inside the cluster: a decode actor's point-to-point link (gloo here, NCCL on GPUs) ------------
@@ -196,7 +291,7 @@ def test_p2p_a_dead_decode_actor_ends_the_holders_side_and_another_pulls_the_kv(
     while any(_holder_links(holder) for holder in holders) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not any(_holder_links(holder) for holder in holders), "the holders kept a link whose receiver is gone"
-    assert _kv_requests(pool) == 2 * CONFIG.pcp  # no ack, nothing freed: the KV waits for another receiver
+    assert _kv_requests(pool) == 2 * CONFIG.workers_per_replica  # no ack, nothing freed: the KV waits for another receiver
     replacement = _decoder()
     try:
         assert ray.get(replacement.receive.remote(pool.kv_source(second)))["tokens"] == 70

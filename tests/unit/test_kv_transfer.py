@@ -1,22 +1,25 @@
-"""The KV handoff frames and the receiver against bad input (socket pairs, no Ray)."""
+"""The KV handoff's frames, and the receiver against bad input from a server or a holder (socket
+pairs and fake peers, no Ray)."""
 
 import random
 import socket
 import struct
 import threading
 
+import numpy as np
 import pytest
 import torch
 
+from workers.kv_receiver import KVReceiver, _shard_major
 from workers.kv_transfer import (
     VERSION,
-    KVReceiver,
     KVTransferError,
     encode_frame,
-    paged,
     read_frame,
+    read_head,
+    read_payload_into,
+    send_frame,
     tensor_buffer,
-    tensor_from_bytes,
 )
 
 
@@ -29,12 +32,29 @@ def _read(data: bytes, max_payload: int = 1 << 20):
         return read_frame(b, max_payload=max_payload)
 
 
-def test_a_frame_round_trips_with_its_payload():
-    blocks = paged(torch.randn(70, 9).to(torch.bfloat16), 16)
-    assert blocks.shape == (5, 16, 9) and torch.equal(blocks[4, 6:], torch.zeros(10, 9, dtype=torch.bfloat16))
-    header, payload = _read(encode_frame("layer", {"layer": 3, "shape": [5, 16, 9]}, tensor_buffer(blocks)))
-    assert header == {"kind": "layer", "layer": 3, "shape": [5, 16, 9]}
-    assert torch.equal(tensor_from_bytes(payload, torch.bfloat16, header["shape"]), blocks)
+def test_a_frame_round_trips_its_payload_parts_into_the_readers_buffers():
+    rows = torch.randn(3, 16, 9).to(torch.bfloat16)
+    a, b = socket.socketpair()
+    with a, b:
+        send_frame(a, "blocks", {"layer": 3}, [tensor_buffer(rows[:1]), tensor_buffer(rows[1:])])
+        head = read_head(b)
+        into = torch.empty_like(rows)
+        read_payload_into(b, head, [tensor_buffer(into[:2]), tensor_buffer(into[2:])])  # other cuts, same bytes
+    assert head.header == {"kind": "blocks", "layer": 3} and torch.equal(into, rows)
+
+
+def test_the_payload_checksum_is_the_senders_choice_and_the_header_is_always_checked():
+    checked = bytearray(encode_frame("blocks", {"layer": 0}, b"\x01" * 64))
+    unchecked = bytearray(encode_frame("blocks", {"layer": 0}, b"\x01" * 64, checksum=False))
+    payload_at = len(checked) - 4 - 64
+    for frame in (checked, unchecked):
+        frame[payload_at] ^= 0xFF
+    with pytest.raises(KVTransferError, match="checksum mismatch"):
+        _read(bytes(checked))
+    assert _read(bytes(unchecked))[1][0] == 0xFE  # TCP's own checksums are all that cover it
+    unchecked[22] ^= 0xFF  # in the msgpack header
+    with pytest.raises(KVTransferError, match="checksum mismatch|not valid msgpack|must be a map"):
+        _read(bytes(unchecked))
 
 
 def test_corrupted_truncated_and_foreign_frames_are_refused_with_the_reason():
@@ -53,8 +73,6 @@ def test_corrupted_truncated_and_foreign_frames_are_refused_with_the_reason():
         _read(bytes(frame), max_payload=10)
     with pytest.raises(KVTransferError, match="the other side reported: out of memory"):
         _read(encode_frame("error", {"message": "out of memory"}))
-    with pytest.raises(KVTransferError, match="layer payload has 3 bytes; shape \\[2\\] of torch.float32 needs 8"):
-        tensor_from_bytes(b"abc", torch.float32, [2])
 
 
 def test_fuzz_random_and_truncated_frames_never_escape_as_other_errors():
@@ -92,8 +110,9 @@ def test_a_receiver_times_out_on_a_silent_server_and_reports_an_unreachable_one(
         KVReceiver("127.0.0.1", port, timeout_s=0.5).fetch("r")
 
 
-def _fake_server(*frames: bytes) -> int:
-    """A one-connection server that reads the hello, then sends ``frames``; returns its port."""
+# ---- fake peers ---------------------------------------------------------------------------------
+def _serve_once(handle, done: threading.Event | None = None) -> int:
+    """A one-connection server running ``handle(conn)`` (then setting ``done``); returns its port."""
     listener = socket.create_server(("127.0.0.1", 0))
 
     def serve():
@@ -101,46 +120,168 @@ def _fake_server(*frames: bytes) -> int:
             conn, _ = listener.accept()
             with conn:
                 conn.settimeout(5)
-                read_frame(conn, max_payload=0)
-                for frame in frames:
-                    conn.sendall(frame)
                 try:
-                    read_frame(conn, max_payload=0)  # the receiver's error or ack
-                except KVTransferError:
+                    handle(conn)
+                except (KVTransferError, OSError):
                     pass
+        if done is not None:
+            done.set()
 
     threading.Thread(target=serve, daemon=True).start()
     return listener.getsockname()[1]
 
 
-BEGIN = {"request_id": "r", "tokens": 20, "layers": 1, "dtype": "float32", "block_size": 16, "width": 2, "num_blocks": 2}
+class Outcome(list):
+    """What a fake server heard: the hello, then the receiver's last word (ack or error)."""
+
+    def __init__(self):
+        super().__init__()
+        self.done = threading.Event()
+
+    @property
+    def last(self) -> dict:
+        assert self.done.wait(5), "the fake server never heard the receiver's last word"
+        return self[-1]
+
+
+def _fake_server(begin: dict, outcome: Outcome) -> int:
+    """Reads the hello, sends ``begin``, records the receiver's last word (ack or error)."""
+
+    def handle(conn):
+        outcome.append(read_frame(conn, max_payload=0)[0])
+        send_frame(conn, "begin", begin)
+        try:
+            outcome.append(read_frame(conn, max_payload=0)[0])
+        except KVTransferError as exc:
+            outcome.append({"kind": "error", "message": str(exc)})
+
+    return _serve_once(handle, outcome.done)
+
+
+def _fake_holder(frames) -> int:
+    """Reads the pull, then sends ``frames`` (callables of the connection, or bytes)."""
+
+    def handle(conn):
+        read_frame(conn, max_payload=0)
+        for frame in frames:
+            conn.sendall(frame) if isinstance(frame, bytes) else frame(conn)
+
+    return _serve_once(handle)
+
+
+def _begin(rows: torch.Tensor, holder_port: int, **changes) -> dict:
+    """A one-holder (PCP 1), one-layer begin frame for ``rows`` [tokens, width] float32, block size 16."""
+    blocks = -(-rows.shape[0] // 16)
+    return {
+        "request_id": "r", "tokens": rows.shape[0], "layers": 1, "dtype": "float32", "block_size": 16,
+        "width": rows.shape[1], "num_blocks": blocks, "model_fingerprint": "m", "transport": "tcp", "pcp": 1,
+        "shards": [{"rows": rows.shape[0], "blocks": list(range(blocks)), "nixl": None,
+                    "tcp": {"host": "127.0.0.1", "port": holder_port, "ticket": "t"}}],
+        **changes,
+    }  # fmt: skip
+
+
+def _blocks_frame(rows: torch.Tensor, first: int, count: int, layer: int = 0) -> bytes:
+    paged = torch.zeros(-(-rows.shape[0] // 16) * 16, rows.shape[1])
+    paged[: rows.shape[0]] = rows
+    piece = paged.view(-1, 16, rows.shape[1])[first : first + count]
+    return encode_frame("blocks", {"layer": layer, "first": first, "count": count}, tensor_buffer(piece))
+
+
+def _receiver(port: int, **kwargs) -> KVReceiver:
+    return KVReceiver("127.0.0.1", port, transport="tcp", timeout_s=5, **kwargs)
+
+
+def test_a_receiver_takes_a_holders_blocks_straight_into_its_cache_at_the_ids_it_chose():
+    rows = torch.randn(40, 2)
+    holder = _fake_holder([_blocks_frame(rows, 2, 1), _blocks_frame(rows, 0, 2), encode_frame("end", {"request_id": "r"})])
+    outcome = Outcome()
+    cache = torch.full((1, 8, 16, 2), -1.0)
+    kv = _receiver(_fake_server(_begin(rows, holder), outcome)).fetch("r", into=cache, block_ids=[5, 6, 1])
+    assert torch.equal(kv.rows()[0], rows) and torch.equal(cache[0, 6], rows[16:32]) and torch.equal(cache[0, 1, :8], rows[32:])
+    assert (cache[0, [0, 2, 3, 4, 7]] == -1).all()  # no other block touched
+    last = outcome.last
+    hello = outcome[0]
+    assert hello["max_blocks"] == 3 and hello["layers"] == 1 and hello["width"] == 2 and hello["dtype"] == "float32"
+    assert last["kind"] == "ack"
 
 
 @pytest.mark.parametrize(
-    "begin, layer, match",
+    "frames, match",
     [
-        ({**BEGIN, "num_blocks": 1 << 40}, None, "over max_layer_bytes=1048576"),
-        ({**BEGIN, "num_blocks": "2"}, None, "sizes are not counts"),
-        ({**BEGIN, "layers": -1}, None, "sizes are not counts"),
-        (BEGIN, {"layer": 0, "shape": [1, 16, 4]}, "expected layer 0 of shape \\[2, 16, 2\\], got layer 0 of \\[1, 16, 4\\]"),
-        (BEGIN, {"layer": 1, "shape": [2, 16, 2]}, "expected layer 0 of shape"),
+        (lambda rows: [_blocks_frame(rows, 2, 2)], "blocks frame out of range"),
+        (lambda rows: [_blocks_frame(rows, 0, 1, layer=1)], "blocks frame out of range"),
+        (lambda rows: [_blocks_frame(rows, 0, 2), _blocks_frame(rows, 1, 1)], "were sent twice"),
+        (lambda rows: [_blocks_frame(rows, 0, 2), encode_frame("end", {})], "1 of 3 blocks missing"),
+        (lambda rows: [_blocks_frame(rows, 0, 2)], "connection closed mid-frame"),
+        (lambda rows: [encode_frame("error", {"message": "unknown or expired KV pull ticket"})], "expired KV pull ticket"),
+    ],
+    ids=["past-the-shard", "no-such-layer", "twice", "missing", "holder-gone", "holder-refuses"],
+)
+def test_a_receiver_refuses_a_holder_that_sends_other_blocks_than_promised_and_tells_the_server(frames, match):
+    rows = torch.randn(40, 2)
+    outcome = Outcome()
+    port = _fake_server(_begin(rows, _fake_holder(frames(rows))), outcome)
+    with pytest.raises(KVTransferError, match=f"holder 0: .*{match}"):
+        _receiver(port).fetch("r")
+    assert outcome.last["kind"] == "error" and match.split()[0] in outcome.last["message"]
+
+
+@pytest.mark.parametrize(
+    "changes, match",
+    [
+        ({"num_blocks": "2"}, "sizes are not counts"),
+        ({"layers": -1}, "sizes are not counts"),
+        ({"pcp": 0}, "sizes are not counts"),
+        ({"transport": "carrier-pigeon"}, "shards or transport are malformed"),
+        ({"shards": []}, "shards or transport are malformed"),
+        ({"num_blocks": 9}, "PCP rank 0's shard does not list its 9 blocks"),
+        ({"dtype": "float128"}, "unknown KV dtype 'float128'"),
+        ({"model_fingerprint": "other"}, "is from model 'other'; this decode server runs 'm'"),
     ],
 )
-def test_a_receiver_refuses_sizes_it_was_not_promised_before_allocating_them(begin, layer, match):
-    frames = [encode_frame("begin", begin)]
-    if layer is not None:
-        frames.append(encode_frame("layer", layer, bytes(2 * 16 * 2 * 4)))
-    port = _fake_server(*frames)
+def test_a_receiver_refuses_a_begin_frame_it_cannot_trust_before_allocating_anything(changes, match):
+    outcome = Outcome()
+    port = _fake_server(_begin(torch.randn(40, 2), 1, **changes), outcome)
     with pytest.raises(KVTransferError, match=match):
-        KVReceiver("127.0.0.1", port, timeout_s=5, max_layer_bytes=1 << 20).fetch("r")
+        _receiver(port, model_fingerprint="m").fetch("r")
+    assert outcome.last["kind"] == "error"
 
 
-def test_a_receiver_takes_a_well_formed_transfer_without_copying_the_payload_twice():
-    rows = torch.randn(20, 2)
-    port = _fake_server(
-        encode_frame("begin", BEGIN),
-        encode_frame("layer", {"layer": 0, "shape": [2, 16, 2]}, tensor_buffer(paged(rows, 16))),
-        encode_frame("end", {"request_id": "r", "layers": 1}),
-    )
-    kv = KVReceiver("127.0.0.1", port, timeout_s=5).fetch("r")
-    assert torch.equal(kv.rows()[0], rows) and kv.layers[0].is_contiguous()
+def test_a_receiver_bounds_what_a_new_cache_may_cost():
+    outcome = Outcome()
+    port = _fake_server(_begin(torch.randn(40, 2), 1, num_blocks=1 << 40), outcome)
+    with pytest.raises(KVTransferError, match="does not list its 1099511627776 blocks"):
+        _receiver(port).fetch("r")
+    outcome = Outcome()
+    port = _fake_server(_begin(torch.randn(40, 2), 1), outcome)
+    with pytest.raises(KVTransferError, match="is 384 bytes, over max_bytes=100"):
+        _receiver(port, max_bytes=100).fetch("r")
+    assert outcome.last["kind"] == "error"
+
+
+def test_bad_destinations_and_options_are_refused_before_connecting():
+    receiver = KVReceiver("127.0.0.1", 1)
+    cache = torch.zeros(2, 8, 16, 4)
+    for kwargs, match in [
+        ({"block_ids": [0]}, "block_ids need a cache"),
+        ({"into": cache}, "into needs block_ids"),
+        ({"into": cache[:, :, :, :2], "block_ids": [0]}, "contiguous"),
+        ({"into": torch.zeros(8, 16), "block_ids": [0]}, "contiguous \\[layers, num_blocks, block_size, width\\]"),
+        ({"into": cache, "block_ids": [0, 8]}, r"integers in \[0, 8\), got \[0, 8\]"),
+        ({"into": cache, "block_ids": [1, 1]}, "must not repeat"),
+    ]:
+        with pytest.raises(ValueError, match=match):
+            receiver.fetch("r", **kwargs)
+    with pytest.raises(ValueError, match="transport must be one of auto, nixl, tcp"):
+        KVReceiver("h", 1, transport="rdma")
+    with pytest.raises(ValueError, match="dtype 'fp8' is not one of"):
+        KVReceiver("h", 1, dtype="fp8")
+
+
+def test_a_new_caches_block_ids_keep_each_holders_blocks_in_one_run():
+    table = _shard_major(9, 2)
+    assert table == [0, 5, 1, 6, 2, 7, 3, 8, 4]
+    for rank in range(2):
+        ids = np.array(table[rank::2])
+        assert (np.diff(ids) == 1).all()

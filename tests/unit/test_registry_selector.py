@@ -103,8 +103,20 @@ def test_explicit_flashinfer_on_cpu_gives_every_reason():
     message = str(err.value)
     assert message.startswith("MLA prefill backend FLASHINFER cannot run on cpu")
     assert "runs on cuda devices, not on cpu" in message
-    if not B.FLASHINFER.get_class().is_available():
-        assert "module 'flashinfer' cannot be imported" in message
+
+
+def test_a_kernel_library_is_imported_only_for_a_backend_that_otherwise_fits():
+    @register_mla_prefill_backend(B.FLASHINFER)
+    class Unimportable(TorchSDPAPrefillBackend):
+        capabilities = replace(
+            TorchSDPAPrefillBackend.capabilities, device_kinds=("cuda",), dtypes=(torch.bfloat16,), requires=("no_such_lib_2",)
+        )
+
+    fp32 = MLAPrefillSelectorConfig(torch.float32, DEEPSEEK_MLA_DIMS)
+    _, reasons = selector.backend_reasons(B.FLASHINFER, HOPPER, fp32)
+    assert reasons == ["dtype float32 not supported (supported: bfloat16)"]  # rejected without importing
+    _, reasons = selector.backend_reasons(B.FLASHINFER, HOPPER, BF16)
+    assert reasons == ["module 'no_such_lib_2' cannot be imported (ModuleNotFoundError: No module named 'no_such_lib_2')"]
 
 
 def test_explicit_choice_from_environment(monkeypatch):
