@@ -265,10 +265,10 @@ def run_chaos(config: PoolConfig, *, requests: int = 200, seed: int = 0, in_flig
         for result in pool.kept_results():  # nothing should be left; release and report what was
             violations.append(f"KV of {result.request_id} still kept at the end")
             pool.release(result)
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline:  # releases are asynchronous actor calls
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:  # releases are asynchronous actor calls; a replica may still be replaced
             health = pool.health()
-            if not any(w["kv_requests"] for replica in health for w in replica):
+            if all(w["ready"] and not w["kv_requests"] for replica in health for w in replica):
                 break
             time.sleep(0.2)
         free = [[w["kv_free_blocks"] for w in replica] for replica in health]

@@ -41,7 +41,7 @@ import torch
 from cluster.handoff import KVSource, pull_kv
 from cluster.metrics import PoolMetrics
 from cluster.queueing import Request, RequestQueue
-from cluster.replica import Replica, connect_ray, start_replica, stop_replica
+from cluster.replica import Replica, cause, connect_ray, start_replica, stop_replica
 from cluster.scheduler import Recovery, ReplicaScheduler
 from configs.pool import PoolConfig
 from workers.kv_cache import blocks_for
@@ -384,8 +384,16 @@ class PrefillPool:
             return self._kept.get(request_id)
 
     def health(self) -> list[list[dict]]:
-        """Per replica, per worker: readiness and KV held."""
-        return [ray.get([w.health.remote() for w in r.workers], timeout=60) for r in self._replicas]
+        """Per replica, per worker: readiness and KV held. A replica being replaced after a fault
+        (its old workers gone) reports its workers not ready, with the reason."""
+        report = []
+        for replica in self._replicas:
+            try:
+                report.append(ray.get([w.health.remote() for w in replica.workers], timeout=60))
+            except ray.exceptions.RayActorError as exc:
+                down = {"ready": False, "kv_requests": 0, "kv_free_blocks": 0, "down": cause(exc)}
+                report.append([{"rank": rank, **down} for rank in range(len(replica.workers))])
+        return report
 
     @property
     def worker_infos(self) -> list[list[WorkerInfo]]:

@@ -85,6 +85,8 @@ class KVReceiver:
     (``cuda:1``, ``cpu``). ``checksum``: TCP data frames carry a CRC32 of their payload too (off by
     default, as in NIXL's, NCCL's and vLLM's and SGLang's KV transfers: TCP checksums its segments,
     and the CRC costs a third of the rate on a 2-core host; control frames are always checked).
+    ``max_bytes`` bounds the new cache a fetch without ``into`` may allocate. Keep one receiver per
+    decode server process: its NIXL agent, its peers and the caches it registered are reused.
     """
 
     def __init__(
@@ -111,7 +113,10 @@ class KVReceiver:
         missing = nixl_unavailable()
         if transport == "nixl" and missing:
             raise ValueError(f"transport 'nixl' needs NIXL here: {missing}")
-        self.transports = ["tcp"] if transport == "tcp" or (transport == "auto" and missing) else (["nixl"] if transport == "nixl" else ["nixl", "tcp"])
+        if transport == "auto":
+            self.transports = ["tcp"] if missing else ["nixl", "tcp"]
+        else:
+            self.transports = [transport]
         self.address = (host, port)
         self.token, self.model_fingerprint = token, model_fingerprint
         self.dtype, self.block_size = dtype, block_size
@@ -139,8 +144,10 @@ class KVReceiver:
             raise KVTransferError(f"cannot reach the KV server at {self.address[0]}:{self.address[1]} ({exc})") from None
         with sock:
             send_frame(sock, "hello", self._hello(request_id, into, block_ids))
-            meta = self._begin(sock, request_id, into)
             try:
+                meta = self._begin(sock, request_id, into)
+                if into is not None and len(block_ids) < meta["num_blocks"]:
+                    raise KVTransferError(f"the request has {meta['num_blocks']} blocks; {len(block_ids)} block ids were given")
                 cache = into if into is not None else self._new_cache(meta)
                 table = list(block_ids[: meta["num_blocks"]]) if into is not None else _shard_major(meta["num_blocks"], meta["pcp"])
                 if on_begin is not None:
@@ -181,6 +188,11 @@ class KVReceiver:
             expected = len(range(rank, sizes["num_blocks"], sizes["pcp"]))
             if not isinstance(shard, dict) or not isinstance(shard.get("blocks"), list) or len(shard["blocks"]) != expected:
                 raise KVTransferError(f"PCP rank {rank}'s shard does not list its {expected} blocks")
+        if into is not None:  # the server checked the hello; a server that did not is not trusted either
+            ours = (into.shape[0], into.shape[2], into.shape[3], str(into.dtype).removeprefix("torch."))
+            theirs = (sizes["layers"], sizes["block_size"], sizes["width"], meta["dtype"])
+            if ours != theirs:
+                raise KVTransferError(f"the KV is {theirs} (layers, block size, width, dtype); the cache given is {ours}")
         total = sizes["layers"] * sizes["num_blocks"] * sizes["block_size"] * sizes["width"] * DTYPES[meta["dtype"]].itemsize
         if into is None and total > self.max_bytes:
             raise KVTransferError(f"the request's KV is {total} bytes, over max_bytes={self.max_bytes}")

@@ -58,6 +58,11 @@ def test_a_receiver_outside_the_cluster_decodes_the_same_tokens_from_its_own_cac
     rows = cache[:, ids].reshape(layers, -1, width)[:, : len(prompt)]  # as a paged decoder reads them
     assert ReferenceDecoder(model).generate(rows, result.first_token, STEPS) == expected
     assert torch.equal(rows, kv.rows())
+    # against one process prefilling the prompt alone: layer 0's rows (embeddings and replicated
+    # projections only) bit for bit; later layers within float32 rounding (the grid sums over TP ranks)
+    single = torch.stack(model(torch.tensor(prompt), plan_prefill_batch([len(prompt)])).latents)
+    assert torch.equal(rows[0], single[0])
+    torch.testing.assert_close(rows, single, atol=1e-5, rtol=1e-4)
     assert all(w["kv_requests"] == 0 for w in pool.health()[0])
 
 

@@ -221,6 +221,18 @@ def test_kv_nobody_claims_is_freed_after_the_ttl_and_a_late_receiver_is_refused(
     assert pool.prefill(np.arange(20)).num_tokens == 20
 
 
+def test_a_pool_without_nixl_hands_off_over_tcp_and_refuses_a_receiver_that_speaks_only_nixl(ray_cluster):
+    config = CONFIG.replace(tp=1, pcp=1, nixl="off")
+    with PrefillPool(config).start() as plain, KVServer(plain) as server:
+        assert plain.worker_infos[0][0].kv_transports == ("tcp",)
+        result = plain.prefill(np.arange(50), keep_kv=True)
+        expected, fingerprint = plain.fetch_kv(result), plain.model_config.fingerprint()
+        with pytest.raises(KVTransferError, match=r"the receiver takes KV over \['nixl'\]; this pool's workers serve it over \['tcp'\]"):
+            KVReceiver(server.host, server.port, model_fingerprint=fingerprint, transport="nixl").fetch(result.request_id)
+        kv = KVReceiver(server.host, server.port, model_fingerprint=fingerprint).fetch(result.request_id)  # auto
+        assert kv.transport == "tcp" and torch.equal(kv.rows(), expected)
+
+
 def test_garbage_on_the_port_is_refused_and_the_server_keeps_serving(pool, server):
     with socket.create_connection((server.host, server.port), timeout=5) as sock:
         sock.sendall(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n" + encode_frame("hello")[:3])
