@@ -4,11 +4,12 @@ Q/K keep head dim 192 and V 128 (``head_dim_qk``/``head_dim_vo``), no padding.
 Only DeepSeek's head dims are declared: FlashInfer 0.7.2 rejects e.g. 48/24 at
 run time ("Invalid configuration"), so other models are refused at selection.
 
-Every planned wrapper owns its float workspace. FlashInfer keeps plan state in
-it: with one workspace shared by the new-token wrapper and a context-chunk
-wrapper, planning the second corrupted later runs of the first (measured on
-H200: 5.4% instead of 1.9% max error on two 8K chunks of DeepSeek-V3 layers).
-A batch's plans are dropped when the next batch is planned, so the workspaces
+Every planned wrapper owns its float workspace. A 2026-11-21 measurement
+blamed one workspace shared by the new-token and context-chunk wrappers for
+5.4% instead of 1.9% max error on two 8K chunks; on 2026-11-23 such chunked
+errors were traced to our own merge (``attention.merge_triton``), which is the
+likelier cause of that one too. Separate workspaces only cost memory and stay:
+a batch's plans are dropped when the next batch is planned, so the workspaces
 held are (1 + context chunks) x ``workspace_bytes``.
 The wrapper is planned once per batch shape and dtype and run per layer;
 FlashInfer picks its ``fa3`` template on SM90 and ``fa2`` elsewhere
