@@ -102,6 +102,7 @@ class KVServer:
                 send_frame(conn, "begin", self._begin(result, source, transport))
                 conn.settimeout(self.ack_timeout_s)  # the receiver takes the blocks from the holders meanwhile
                 expect(read_frame(conn, max_payload=0)[0], "ack")
+                send_frame(conn, "done", {"request_id": result.request_id})  # the KV was held until now
                 self._count("completed")
                 if self.pool.metrics is not None:
                     self.pool.metrics.shipped(self._bytes(result), transport)

@@ -104,7 +104,7 @@ class KVHolder:
 
     @contextlib.contextmanager
     def _kv_shard(self, request_id: str) -> Iterator[tuple[list[torch.Tensor], int]]:
-        """A kept request's paged blocks per layer and its rows, for a link's thread to send: the
+        """A kept request's paged blocks per layer and its rows, for a thread to send (a link's, a TCP pull's): the
         request cannot be freed meanwhile, and the thread's stream first waits for its KV."""
         with self._kv_lock:
             ready = self._kv_ready.get(request_id)

@@ -21,6 +21,8 @@ A transfer (the frames of ``workers.kv_transfer``)::
     receiver <- holders the blocks: NIXL READs from every holder at once, or one TCP pull per
                 holder (``workers.kv_export``), each straight into the destination blocks
     receiver -> server  ack {request_id}    (or error {message})
+    server -> receiver  done {request_id}   (or error {message}: it gave up first, and the KV it freed
+                                              may have been overwritten under the transfer)
 
 Block ``j`` of the request (tokens ``j * block_size ...``) is block ``j // pcp`` of PCP rank
 ``j % pcp``'s table. The server frees the request's KV on the holders after the ack, and also
@@ -156,7 +158,11 @@ class KVReceiver:
             except Exception as exc:
                 try_send(sock, "error", {"message": f"receiver: {exc}"})
                 raise exc if isinstance(exc, KVTransferError) else KVTransferError(str(exc)) from exc
-            send_frame(sock, "ack", {"request_id": request_id})
+            try:  # the server confirms it still held the KV: one that gave up first (ack_timeout_s) says so
+                send_frame(sock, "ack", {"request_id": request_id})
+                expect(read_frame(sock, max_payload=0)[0], "done")
+            except (OSError, KVTransferError) as exc:
+                raise KVTransferError(f"the KV server did not confirm the ack ({exc}): the KV may have been freed under the transfer") from None
             return ReceivedKV(meta, cache, table, meta["transport"], seconds, moved)
 
     # ---- the control connection -------------------------------------------------------------------

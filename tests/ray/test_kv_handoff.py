@@ -222,7 +222,7 @@ def test_kv_nobody_claims_is_freed_after_the_ttl_and_a_late_receiver_is_refused(
 
 
 def test_a_pool_without_nixl_hands_off_over_tcp_and_refuses_a_receiver_that_speaks_only_nixl(ray_cluster):
-    config = CONFIG.replace(tp=1, pcp=1, nixl="off")
+    config = CONFIG.replace(tp=1, pcp=1, nixl="off", use_gpus=False)  # beside the module's pool, which holds the logical GPUs
     with PrefillPool(config).start() as plain, KVServer(plain) as server:
         assert plain.worker_infos[0][0].kv_transports == ("tcp",)
         result = plain.prefill(np.arange(50), keep_kv=True)

@@ -144,8 +144,9 @@ class Outcome(list):
         return self[-1]
 
 
-def _fake_server(begin: dict, outcome: Outcome) -> int:
-    """Reads the hello, sends ``begin``, records the receiver's last word (ack or error)."""
+def _fake_server(begin: dict, outcome: Outcome, confirm: bool = True) -> int:
+    """Reads the hello, sends ``begin``, records the receiver's last word (ack or error) and, after an
+    ack, confirms it (``done``) or says it gave up first."""
 
     def handle(conn):
         outcome.append(read_frame(conn, max_payload=0)[0])
@@ -154,6 +155,11 @@ def _fake_server(begin: dict, outcome: Outcome) -> int:
             outcome.append(read_frame(conn, max_payload=0)[0])
         except KVTransferError as exc:
             outcome.append({"kind": "error", "message": str(exc)})
+            return
+        if confirm:
+            send_frame(conn, "done", {"request_id": begin["request_id"]})
+        else:  # a server that gave up before the ack
+            send_frame(conn, "error", {"message": "timed out waiting for the other side"})
 
     return _serve_once(handle, outcome.done)
 
@@ -190,6 +196,15 @@ def _blocks_frame(rows: torch.Tensor, first: int, count: int, layer: int = 0) ->
 
 def _receiver(port: int, **kwargs) -> KVReceiver:
     return KVReceiver("127.0.0.1", port, transport="tcp", timeout_s=5, **kwargs)
+
+
+def test_a_receiver_whose_ack_is_not_confirmed_does_not_return_the_kv():
+    rows = torch.randn(40, 2)
+    holder = _fake_holder([_blocks_frame(rows, 0, 3), encode_frame("end", {"request_id": "r"})])
+    outcome = Outcome()
+    with pytest.raises(KVTransferError, match="did not confirm the ack .*timed out.*may have been freed"):
+        _receiver(_fake_server(_begin(rows, holder), outcome, confirm=False)).fetch("r")
+    assert outcome.last["kind"] == "ack"
 
 
 def test_a_receiver_takes_a_holders_blocks_straight_into_its_cache_at_the_ids_it_chose():
