@@ -111,10 +111,15 @@ def _last_dim_contiguous(*tensors: torch.Tensor) -> None:
             raise ValueError(f"the Triton merge needs a contiguous head dim, got strides {tensor.stride()}")
 
 
-def _shares_memory(tensor: torch.Tensor, others: tuple[torch.Tensor, ...]) -> bool:
-    """Whether ``tensor`` lies in the same storage as any of ``others`` (views of one buffer count)."""
-    base = tensor.untyped_storage().data_ptr()
-    return any(other.untyped_storage().data_ptr() == base for other in others)
+def _lse_destination(output_lse: torch.Tensor | None, input_lses: tuple[torch.Tensor, ...]) -> torch.Tensor | None:
+    """Where a kernel writes the merged LSE: ``output_lse``, or a temporary (copied back by the caller)
+    when it lies in the same storage as an input LSE (views of one buffer count)."""
+    if output_lse is None:
+        return None
+    base = output_lse.untyped_storage().data_ptr()
+    if all(lse.untyped_storage().data_ptr() != base for lse in input_lses):
+        return output_lse
+    return torch.empty(output_lse.shape, dtype=torch.float32, device=output_lse.device)
 
 
 def merge_two(
@@ -126,13 +131,9 @@ def merge_two(
     output_lse: torch.Tensor | None,
 ) -> None:
     _last_dim_contiguous(output, prefix_output, suffix_output)
-    if output_lse is not None and _shares_memory(output_lse, (prefix_lse, suffix_lse)):
-        merged_lse = torch.empty(output_lse.shape, dtype=torch.float32, device=output_lse.device)
-        merge_two(output, prefix_output, prefix_lse, suffix_output, suffix_lse, merged_lse)
-        output_lse.copy_(merged_lse)
-        return
+    merged_lse = _lse_destination(output_lse, (prefix_lse, suffix_lse))
     grid, block_t, block_d = _tiles(output)
-    lse_out = output_lse if output_lse is not None else prefix_lse  # not written when absent
+    lse_out = merged_lse if merged_lse is not None else prefix_lse  # not written when absent
     _merge_two_kernel[grid](
         output, lse_out, prefix_output, prefix_lse, suffix_output, suffix_lse,
         output.shape[0], output.shape[2],
@@ -142,22 +143,22 @@ def merge_two(
         suffix_lse.stride(0), suffix_lse.stride(1),
         HAS_OUT_LSE=output_lse is not None, BLOCK_T=block_t, BLOCK_D=block_d,
     )  # fmt: skip
+    if merged_lse is not output_lse:
+        output_lse.copy_(merged_lse)
 
 
 def merge_many(
     output: torch.Tensor, output_lse: torch.Tensor, outputs: torch.Tensor, lses: torch.Tensor
 ) -> None:
     _last_dim_contiguous(output, outputs)
-    if _shares_memory(output_lse, (lses,)):
-        merged_lse = torch.empty(output_lse.shape, dtype=torch.float32, device=output_lse.device)
-        merge_many(output, merged_lse, outputs, lses)
-        output_lse.copy_(merged_lse)
-        return
+    merged_lse = _lse_destination(output_lse, (lses,))
     grid, block_t, block_d = _tiles(output)
     _merge_many_kernel[grid](
-        output, output_lse, outputs, lses,
+        output, merged_lse, outputs, lses,
         outputs.shape[0], output.shape[0], output.shape[2],
         output.stride(0), output.stride(1), outputs.stride(0), outputs.stride(1), outputs.stride(2),
-        output_lse.stride(0), output_lse.stride(1), lses.stride(0), lses.stride(1), lses.stride(2),
+        merged_lse.stride(0), merged_lse.stride(1), lses.stride(0), lses.stride(1), lses.stride(2),
         BLOCK_T=block_t, BLOCK_D=block_d,
     )  # fmt: skip
+    if merged_lse is not output_lse:
+        output_lse.copy_(merged_lse)

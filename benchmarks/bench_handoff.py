@@ -150,7 +150,7 @@ def _outside_main(conn, address: tuple[str, int], fingerprint: str, device: str,
             started = time.perf_counter()
             kv = receivers[key].fetch(request_id, into=cache, block_ids=list(range(shape[1])))
             fetch_s = time.perf_counter() - started
-            crc = zlib.crc32(kv.rows().cpu().view(torch.uint8).numpy()) if verify else None
+            crc = _crc_of(kv.rows().cpu()) if verify else None
             conn.send({"transport": kv.transport, "bytes": kv.bytes, "transfer_s": kv.transfer_s, "fetch_s": fetch_s, "crc": crc})
         except Exception as exc:  # noqa: BLE001 -- reported to the driver
             conn.send({"error": f"{type(exc).__name__}: {exc}"})

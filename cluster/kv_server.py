@@ -34,6 +34,7 @@ import ray
 from cluster.pool import PrefillPool
 from cluster.replica import KV_GROUP, cause
 from configs.model import DTYPES
+from workers.kv_cache import blocks_for
 from workers.kv_transfer import KVTransferError, expect, read_frame, send_frame, try_send
 
 logger = logging.getLogger(__name__)
@@ -99,13 +100,14 @@ class KVServer:
                 try_send(conn, "error", {"message": str(exc)})
                 return
             try:
-                send_frame(conn, "begin", self._begin(result, source, transport))
+                begin = self._begin(result, source, transport)
+                send_frame(conn, "begin", begin)
                 conn.settimeout(self.ack_timeout_s)  # the receiver takes the blocks from the holders meanwhile
                 expect(read_frame(conn, max_payload=0)[0], "ack")
                 send_frame(conn, "done", {"request_id": result.request_id})  # the KV was held until now
                 self._count("completed")
                 if self.pool.metrics is not None:
-                    self.pool.metrics.shipped(self._bytes(result), transport)
+                    self.pool.metrics.shipped(_payload_bytes(begin), transport)
             except Exception as exc:  # noqa: BLE001 -- the receiver's error, a lost receiver, a holder gone
                 self._count("failed")
                 logger.warning("KV transfer of %r to %s failed, its KV is freed: %s", result.request_id, peer, exc)
@@ -147,7 +149,7 @@ class KVServer:
             self.pool.release(result)
             raise KVTransferError(str(exc)) from None
         transport = self._transport(hello, source)
-        needed, offered = -(-result.num_tokens // self.pool.config.block_size), hello.get("max_blocks")
+        needed, offered = blocks_for(result.num_tokens, self.pool.config.block_size), hello.get("max_blocks")
         if offered is not None and (type(offered) is not int or offered < needed):
             raise KVTransferError(
                 f"request {request_id!r} needs {needed} KV blocks; the receiver offered {offered!r} "
@@ -208,18 +210,19 @@ class KVServer:
             "dtype": source.dtype,
             "block_size": cfg.block_size,
             "width": model.attention.latent_dim,
-            "num_blocks": -(-result.num_tokens // cfg.block_size),
+            "num_blocks": blocks_for(result.num_tokens, cfg.block_size),
             "model_fingerprint": model.fingerprint(),
             "transport": transport,
             "pcp": cfg.pcp,
             "shards": shards,
         }
 
-    def _bytes(self, result) -> int:
-        model = self.pool.model_config
-        blocks = -(-result.num_tokens // self.pool.config.block_size)
-        return blocks * self.pool.config.block_size * model.attention.latent_dim * model.num_hidden_layers * DTYPES[self.pool.worker_infos[0][0].dtype].itemsize
-
     def _count(self, outcome: str) -> None:
         with self._lock:
             self.transfers[outcome] += 1
+
+
+def _payload_bytes(begin: dict) -> int:
+    """The KV bytes a ``begin`` frame hands over: every block of every layer."""
+    itemsize = DTYPES[begin["dtype"]].itemsize
+    return begin["num_blocks"] * begin["block_size"] * begin["width"] * begin["layers"] * itemsize

@@ -318,7 +318,7 @@ class PrefillPool:
         if not result.kv_kept:
             raise ValueError(f"request {result.request_id!r} was not run with keep_kv=True, or was released")
         replica = self._replica(result.replica)
-        if replica.generation != result.generation:
+        if self.kv_lost(result):
             raise RuntimeError(
                 f"the KV of request {result.request_id!r} was lost: a worker of replica {replica.index} died "
                 "and the replica was restarted"

@@ -90,15 +90,13 @@ class KVHolder:
 
     def _start_export(self) -> KVExporter:
         """The KV export: NIXL when ``config.nixl`` allows and it is installed (else TCP only, said once)."""
-        endpoint, reason = None, "disabled by the pool config (nixl='off')"
-        if self.config.nixl != "off":
-            reason = nixl_unavailable()
-            if self._nixl is not None:
-                endpoint = self._nixl.result()  # started in __init__; raises what NIXL raised
-            elif self.config.nixl == "on":
+        endpoint = self._nixl.result() if self._nixl is not None else None  # started in __init__; raises what NIXL raised
+        if endpoint is None:
+            reason = "disabled by the pool config (nixl='off')" if self.config.nixl == "off" else nixl_unavailable()
+            if self.config.nixl == "on":
                 raise RuntimeError(f"pool config nixl='on' but NIXL cannot be used on {socket.gethostname()}: {reason}")
-        if endpoint is None and self.rank == 0:
-            logger.info("KV handoff to decode servers over TCP only: %s", reason)
+            if self.rank == 0:
+                logger.info("KV handoff to decode servers over TCP only: %s", reason)
         host = socket.gethostbyname(socket.gethostname())
         return KVExporter(self.kv, self._kv_shard, name=f"worker-{self.rank}", host=host, nixl=endpoint)
 

@@ -37,7 +37,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -59,7 +59,7 @@ class ReceivedKV:
     block_table: list[int]
     transport: str
     transfer_s: float  # from the first byte asked of a holder to the last one in the destination
-    bytes: int = field(default=0)
+    bytes: int  # KV bytes moved into the destination
 
     @property
     def tokens(self) -> int:
