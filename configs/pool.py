@@ -1,8 +1,8 @@
 """Pool configuration: parallelism, backend, batching, chunking and KV cache, validated on creation.
 
 :class:`PoolConfig` checks its own values; :meth:`PoolConfig.model_config` loads
-the model and checks it against the pool (TP must divide the heads, no MoE
-layers yet). ``auto`` values are resolved by each worker for its device.
+the model and checks it against the pool (TP must divide the heads and the
+dense and shared-expert MLP widths). ``auto`` values are resolved by each worker for its device.
 """
 
 from __future__ import annotations

@@ -59,6 +59,34 @@ SETS: dict[str, dict] = {
         "packages": ["nixl-cu13==1.5.1"],
         "prune": [],
     },
+    "serve": {  # Ray Serve (cluster.serve) and Ray's metrics agent (Prometheus export), over the ray set
+        "packages": [
+            "fastapi==0.165.0",
+            "starlette==1.10.0",
+            "uvicorn==0.54.0",
+            "pydantic==2.13.4",
+            "pydantic-core==2.46.4",
+            "annotated-types==0.7.0",
+            "typing-inspection==0.4.2",
+            "typing-extensions==4.16.0",  # pydantic needs >= 4.14.1; the node's may be older
+            "opentelemetry-api==1.45.2",
+            "opentelemetry-sdk==1.45.2",
+            "opentelemetry-semantic-conventions==0.66b2",
+            "opentelemetry-exporter-prometheus==0.66b2",
+            "opentelemetry-proto==1.45.2",
+            "opencensus==0.11.4",
+            "opencensus-context==0.1.3",
+            "googleapis-common-protos==1.76.0",
+            "watchfiles==1.3.0",  # imported by the serve CLI
+            "colorful==0.5.8",
+            "aiohttp-cors==0.8.1",
+            # Serve's gRPC proxy imports grpc_reflection, which needs grpcio and protobuf at least as new as itself
+            "grpcio-reflection==1.85.1",
+            "grpcio==1.85.1",
+            "protobuf==7.36.2",
+        ],
+        "prune": [],
+    },
     "flash-attn-4": {
         "packages": [
             "flash-attn-4==4.0.0b36",

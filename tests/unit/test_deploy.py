@@ -25,7 +25,7 @@ def _load(path):
 def test_every_yaml_parses_and_each_is_checked_here():
     files = sorted(p.relative_to(DEPLOY).as_posix() for p in DEPLOY.rglob("*.yaml"))
     assert files == ["cluster.yaml", "kuberay/raycluster.yaml", "kuberay/rayjob.yaml", "kuberay/rayservice.yaml",
-                     "serve-tiny.yaml", "serve.yaml"]  # fmt: skip
+                     "serve-gpu-bench.yaml", "serve-tiny.yaml", "serve.yaml"]  # fmt: skip
     for name in files:
         assert isinstance(_load(DEPLOY / name), dict), name
 
@@ -46,6 +46,7 @@ def _serve_configs():
     return {
         "serve.yaml": _load(DEPLOY / "serve.yaml"),
         "serve-tiny.yaml": _load(DEPLOY / "serve-tiny.yaml"),
+        "serve-gpu-bench.yaml": _load(DEPLOY / "serve-gpu-bench.yaml"),
         "rayservice.yaml serveConfigV2": yaml.safe_load(service["spec"]["serveConfigV2"]),
     }
 
