@@ -12,7 +12,7 @@ of the highest concurrency is the measured peak: before it, the load stays at th
 Throughout, a thread records the tier's running replicas (``serve.status()``, every 0.5 s) and
 scrapes Ray's Prometheus endpoint (every 2 s: the pool's TTFT histogram, queue depth and tokens/s,
 and Serve's replica gauges). After the last stage it waits for the tier to scale back to
-``min_replicas``, stops ``serve run``, and starts a :class:`PrefillPool` of the same pool config
+``min_replicas`` (and 5 s more), stops ``serve run``, and starts a :class:`PrefillPool` of the same pool config
 with ``max_replicas`` replicas on the same GPUs: it runs the peak stage's prompts at the same
 concurrency (``direct_tokens_per_s``, against ``tier_tokens_per_s``), and prefills every ticketed
 prompt alone with ``keep_kv``: its ``fetch_kv`` is compared with the KV the receiver took.
@@ -307,8 +307,10 @@ def main() -> None:
         records, tickets, peak = asyncio.run(drive_tier(url, stages, make, config.max_replicas, recorder, t0, args.scale_timeout_s))
         load_end = time.monotonic() - t0
         down_s = wait_for(lambda: recorder.running() <= config.min_replicas, args.scale_timeout_s)
+        time.sleep(5.0)  # and it stays there
         recorder.stop.set()
         recorder.join()
+        final_replicas = recorder.running()
         served.send_signal(signal.SIGINT)  # serve run shuts the application down
         served.wait(timeout=120)
         gpus_free = wait_for(lambda: ray.available_resources().get("GPU", 0) >= num_gpus, 120)
@@ -375,7 +377,7 @@ def main() -> None:
         "load_end_s": round(load_end, 2),
         "scale_down_wait_s": None if down_s is None else round(down_s, 2),
         "max_replicas_seen": max(replicas),
-        "final_replicas": replicas[-1],
+        "final_replicas": final_replicas,
         "replica_changes": changes,
         "kv_tickets": {"fetched": sum("error" not in c for c in checks), "failed": sum("error" in c for c in checks),
                        "max_layer_rel_err": max(kv_errors, default=None), "layer0_equal": all(c.get("layer0_equal", False) for c in checks),

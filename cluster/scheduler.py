@@ -32,6 +32,7 @@ from cluster.replica import BatchTimeout, Replica, cause, gather, stop_replica
 from workers.worker import ChunkPiece
 
 logger = logging.getLogger(__name__)
+IDLE_WAIT_S = 0.5  # an idle scheduler re-checks the pool (stopping, cancelled requests) this often
 
 
 @dataclass
@@ -87,11 +88,13 @@ class ReplicaScheduler:
         if pool.stopping:
             return batch or None  # running requests are drained first; queued ones fail
         solo = any(r.alone for r in self.active)
-        wait_s = cfg.batch_wait_ms / 1000 if batch else 0.5
-        deadline = time.monotonic() + wait_s
+        # an idle replica waits up to IDLE_WAIT_S for a request; a batch, from its first piece on,
+        # waits batch_wait_ms more for company (not the rest of the idle wait)
+        deadline = time.monotonic() + (cfg.batch_wait_ms / 1000 if batch else IDLE_WAIT_S)
         while budget > 0 and not solo:
+            idle = not batch
             admitted, cancelled = pool.queue.take(
-                self._reserve, budget, cfg.chunk_tokens, alone_ok=not batch, timeout_s=max(0.0, deadline - time.monotonic())
+                self._reserve, budget, cfg.chunk_tokens, alone_ok=idle, timeout_s=max(0.0, deadline - time.monotonic())
             )
             for request in cancelled:
                 pool.drop_cancelled(request, None)
@@ -100,6 +103,8 @@ class ReplicaScheduler:
                 batch.append((request, count))
                 budget -= count
                 solo = request.alone
+            if idle and admitted:
+                deadline = time.monotonic() + cfg.batch_wait_ms / 1000
             if not admitted and (time.monotonic() >= deadline or pool.stopping):
                 break
         return batch

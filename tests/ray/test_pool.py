@@ -1,6 +1,7 @@
 """The Ray prefill pool on CPU (gloo, logical GPUs): TP equivalence, batching, checkpoints, bad input."""
 
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -8,6 +9,7 @@ import torch
 
 from attention.backends.torch_sdpa import TorchSDPAPrefillBackend
 from attention.mla import plan_prefill_batch
+from cluster import scheduler
 from cluster.pool import PrefillPool
 from configs.pool import PoolConfig
 from workers.model import DeepseekPrefillModel
@@ -120,3 +122,14 @@ def test_request_ids_must_be_unique(pool, prompts):
     pool.release(result)
     pool.prefill(prompts[0], request_id="same")  # free again once released
 
+
+
+def test_a_request_reaching_an_idle_replica_runs_without_waiting_out_the_idle_wait(pool, prompts, monkeypatch):
+    # the first request of an idle replica waited for the rest of the idle wait (0.5 s) before
+    # running: 0.5 s on every request at low load. With the idle wait stretched to 20 s, the
+    # request must still run at once (batch_wait_ms: 2 ms)
+    monkeypatch.setattr(scheduler, "IDLE_WAIT_S", 20.0)
+    time.sleep(0.6)  # every scheduler is now in an idle wait of 20 s
+    started = time.monotonic()
+    pool.prefill(prompts[0][:40])  # one chunk
+    assert time.monotonic() - started < 10.0
