@@ -18,8 +18,10 @@ workers inherit ``PYTHONPATH`` from the driver that starts a local cluster.
     python deploy/offline_bundle.py install --bundle .bundle/gpu --target /tmp/mlapool-site
     export PYTHONPATH=/tmp/mlapool-site${PYTHONPATH:+:$PYTHONPATH}
 
-The default sets are what the project's GPU image lacks (it has torch,
-triton, numpy, msgpack, safetensors, aiohttp, grpcio, protobuf, pyyaml, ...).
+The sets hold what the project's GPU image lacks (it has torch, triton, numpy,
+msgpack, safetensors, aiohttp, grpcio, protobuf, pyyaml, prometheus-client, ...):
+``ray`` for the pool and the batch job, ``serve`` on top of it for the Serve tier
+and Ray's Prometheus export, ``flashinfer``, ``flash-attn-4`` and ``nixl``.
 Only the standard library is used.
 """
 
