@@ -39,7 +39,15 @@ def _tile(T, D, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr):
     return h, t, d, t_ok, t_ok[:, None] & (d < D)[None, :]
 
 
-@triton.jit
+# Triton compiles a kernel again for each new pattern of its integer arguments (== 1, divisible by 16):
+# the token count and the strides that follow it vary with every batch, so they are not specialized on
+# (one compile, in the warm-up, instead of one per pattern in the first requests: seconds each on H200,
+# benchmarks/results/2026-11-23-h200-first-batches-*.json)
+VARYING_TWO = ["T", "out_lse_sh", "p_lse_sh", "s_lse_sh"]
+VARYING_MANY = ["T", "o_sn", "out_lse_sh", "lse_sn", "lse_sh"]
+
+
+@triton.jit(do_not_specialize=VARYING_TWO)
 def _merge_two_kernel(
     out_ptr, out_lse_ptr, p_ptr, p_lse_ptr, s_ptr, s_lse_ptr,
     T, D,
@@ -68,7 +76,7 @@ def _merge_two_kernel(
         tl.store(out_lse_ptr + h * out_lse_sh + t * out_lse_st, tl.log(total) + m, mask=t_ok)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=VARYING_MANY)
 def _merge_many_kernel(
     out_ptr, out_lse_ptr, o_ptr, lse_ptr,
     N, T, D,

@@ -228,6 +228,13 @@ def percentiles(values) -> dict:
     return {f"p{q}": round(float(np.percentile(values, q)), 4) for q in (50, 90, 99)}
 
 
+def first_difference(got: torch.Tensor, ours: torch.Tensor) -> list[int | None]:
+    """Per layer, the first token whose latent row differs (None: the layer is equal). A request
+    the tier ran in several chunks agrees up to its first chunk boundary in every layer but 0."""
+    rows = (got != ours).any(dim=2)
+    return [int(layer.nonzero()[0]) if layer.any() else None for layer in rows]
+
+
 def stage_summary(records: list[dict]) -> dict:
     """Requests, failures, client TTFT percentiles and tokens/s (first send to last answer) of one stage."""
     ok = [r for r in records if r["status"] == 200]
@@ -334,7 +341,8 @@ def main() -> None:
                 error = ((got["rows"].float() - ours.float()).abs().amax(dim=(1, 2)) / scale).tolist()
                 checks.append({"request_id": ticket["request_id"], "tokens": len(tokens), "fetch_s": round(got["fetch_s"], 4),
                                "bytes": got["bytes"], "layer_rel_max_err": [round(e, 6) for e in error],
-                               "layer0_equal": bool(torch.equal(got["rows"][0], ours[0]))})  # fmt: skip
+                               "layer0_equal": bool(torch.equal(got["rows"][0], ours[0])),
+                               "first_differing_token": first_difference(got["rows"], ours)})  # fmt: skip
         finally:
             pool.shutdown()
     finally:

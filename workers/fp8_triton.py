@@ -32,7 +32,10 @@ def _load_chunk(x_ptr, rows, x_stride, cols, row_ok, K, SILU_MUL: tl.constexpr):
     return x
 
 
-@triton.jit
+# the row counts (and the scales' row stride) vary with every batch: not specialized on, so the kernel
+# compiles once (in the warm-up) rather than again for each new pattern of them (seconds each on H200,
+# in the first requests of a new node: benchmarks/results/2026-11-23-h200-first-batches-*.json)
+@triton.jit(do_not_specialize=["M", "M_PAD", "s_stride_g"])
 def _quantize_kernel(
     x_ptr, w_ptr, q_ptr, s_ptr,
     M, M_PAD, K, x_stride, q_stride, s_stride_g,

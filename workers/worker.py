@@ -59,6 +59,10 @@ logger = logging.getLogger(__name__)
 
 # NVLink multicast off everywhere (shared hosts: see the project's GPU notes).
 WARMUP_REQUEST = "__mlapool_warmup__"
+# tokens per warm-up chunk: FA4 compiles other kernel variants for chunks and cached contexts longer than
+# its tiles than for 16-token ones, and a node's first requests paid 1.9-2.4 s for each on H200
+# (benchmarks/results/2026-11-23-h200-first-batches-*.json)
+WARMUP_TOKENS = 1024
 CPU_KV_CACHE_TOKENS = 262144
 SAFE_NCCL_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 FAULTS = ("raise", "exit", "hang")
@@ -404,11 +408,17 @@ class PrefillWorker(KVHolder):
         return PagedKVCache(layers, num_blocks, config.block_size, width, dtype, device)
 
     def _warm_up(self) -> None:
-        """Prefill a dummy prompt in two chunks (new tokens, then new tokens over cached context),
-        so kernels are JIT-compiled and planned before the first request, not during it."""
-        ids = np.arange(32, dtype=np.int32) % self.model.config.vocab_size
-        for start in (0, 16):
-            self.prefill([ChunkPiece(WARMUP_REQUEST, ids[start : start + 16], start, 32)])
+        """Prefill a dummy prompt in two chunks (new tokens, then new tokens over cached context) of
+        ``WARMUP_TOKENS`` each (fewer where chunks, positions or a set ``kv_cache_tokens`` are
+        smaller), so kernels are JIT-compiled and planned before the first request, not during it.
+        Every rank computes the same size from the config alone (the warm-up is SPMD)."""
+        config, positions = self.config, self.model.config.max_position_embeddings
+        n = min(WARMUP_TOKENS, config.chunk_tokens, positions // 2)
+        if config.kv_cache_tokens is not None:
+            n = min(n, max(1, config.kv_cache_tokens // 4))
+        ids = np.arange(2 * n, dtype=np.int32) % self.model.config.vocab_size
+        for start in (0, n):
+            self.prefill([ChunkPiece(WARMUP_REQUEST, ids[start : start + n], start, 2 * n)])
         self.release([WARMUP_REQUEST])
 
     def health(self) -> dict:

@@ -1,0 +1,94 @@
+"""First-time costs of a fresh worker's first batches: JIT compiles that a request pays.
+
+Builds one worker in this process (no Ray; TP = PCP = 1) the way a replica does (setup, warm-up
+included), then runs batches of shapes a serving replica meets (prompts of odd lengths, two
+prompts in one batch, a prompt's second chunk over cached context, several prompts), each
+twice with new request ids, and records per batch the time and the files that appeared in
+Triton's and the CuTe DSL's kernel caches meanwhile (a compile). Run it in a fresh process on a
+node whose caches are empty to see what a new node's first requests pay. Writes one JSON file.
+
+    python benchmarks/probe_first_batches.py --model deepseek-v3 --num-layers 3 --out first-batches.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import os
+import sys
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from configs.pool import PoolConfig
+from workers.worker import ChunkPiece, PrefillWorker
+
+from machine import machine  # benchmarks/machine.py
+
+CACHES = ("~/.triton/cache/**/*", "/tmp/**/*cute*/**/*", "~/.cache/**/*")
+
+
+def cache_files() -> set[str]:
+    return {f for pattern in CACHES for f in glob.glob(os.path.expanduser(pattern), recursive=True)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default="deepseek-v3")
+    parser.add_argument("--num-layers", type=int, default=3)
+    parser.add_argument("--out", type=Path, required=True)
+    args = parser.parse_args()
+    config = PoolConfig(model=args.model, num_layers=args.num_layers, device="cuda", kv_cache_tokens=262144)
+    worker = PrefillWorker(config, 0, {})
+    started = time.perf_counter()
+    info = worker.setup(*worker.rendezvous_address())
+    setup_s = time.perf_counter() - started
+    rng = np.random.default_rng(0)
+
+    def tokens(n: int) -> np.ndarray:
+        return rng.integers(0, config.model_config().vocab_size, size=n).astype(np.int32)
+
+    long, mid = tokens(24954), tokens(9876)
+    shapes = [  # (name, [(tokens, context)], finished)
+        ("one prompt of 1135", [(tokens(1135), 0)]),
+        ("one prompt of 1168", [(tokens(1168), 0)]),
+        ("24954 + the first 7814 of 9876", [(long, 0), (mid[:7814], 0)]),
+        ("the last 2062 of 9876 over 7814 cached", [(mid[7814:], 7814)]),
+        ("4 prompts of 999-7007", [(tokens(n), 0) for n in (3001, 5003, 7007, 999)]),
+    ]
+    batches = []
+    for round_ in range(2):
+        for name, parts in shapes:
+            ids = [f"r{round_}-{name}-{i}" for i in range(len(parts))]
+            if parts[0][1]:  # a second chunk: its first chunk first, untimed
+                worker.prefill([ChunkPiece(ids[0], mid[:7814], 0, len(mid))])
+            pieces = [ChunkPiece(i, t, ctx, ctx + len(t)) for i, (t, ctx) in zip(ids, parts)]
+            before = cache_files()
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            worker.prefill(pieces)
+            torch.cuda.synchronize()
+            new = sorted(cache_files() - before)
+            batches.append({"round": round_, "batch": name, "ms": round((time.perf_counter() - t0) * 1000, 1),
+                            "new_cache_files": len(new), "compiled": sorted({os.path.basename(f).split(".")[0] for f in new if f.endswith(".json")})})  # fmt: skip
+            print(json.dumps(batches[-1]), flush=True)
+            worker.release(ids)
+    result = {
+        "benchmark": "first-time costs of a fresh worker's first batches",
+        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "machine": machine(),
+        "command": "python " + " ".join(sys.argv),
+        "model": args.model, "num_layers": args.num_layers, "backend": info.backend, "weights": info.weights,
+        "setup_s": round(setup_s, 2), "setup_steps_s": info.start_phases_s,
+        "batches": batches,
+    }  # fmt: skip
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
