@@ -8,7 +8,7 @@ submits the prompt again and waits for it (retried on the replacement replica). 
 ``start_s`` splits the replacement's start into its phases and each worker's setup steps. The
 retried answer is checked against the fault-free one. Writes one JSON file.
 
-    python benchmarks/bench_recovery.py --model deepseek-v3 --num-layers 2 --tp 2 --out recovery.json   # 2 GPUs, bf16
+    python benchmarks/bench_recovery.py --model deepseek-v3 --num-layers 2 --tp 2 --out recovery.json   # 2 GPUs: FP8 weights, bf16
     python benchmarks/bench_recovery.py --model tiny --device cpu --tp 2 --out recovery-cpu.json
 """
 
