@@ -426,11 +426,13 @@ class PrefillPool:
         }
 
     # ---- what the replicas' schedulers report (cluster.scheduler) ------------------------------
-    def start_replica(self, index: int) -> Replica:
-        """Start replica ``index`` (at start, and in place of a failed one)."""
+    def start_replica(self, index: int, replacing: Replica | None = None) -> Replica:
+        """Start replica ``index`` (at start, and in place of a failed one: ``replacing``, whose
+        actors are killed, whose placement group and spares the new one takes)."""
+        group = replacing.group if replacing is not None and replacing.group is not None else self._placement_group
         return start_replica(
-            self.config, index, self._use_gpus, placement_group_=self._placement_group,
-            bundle_offset=self._bundle_offset, timeout_s=self._start_timeout_s,
+            self.config, index, self._use_gpus, placement_group_=group, owns_group=group is not self._placement_group,
+            bundle_offset=self._bundle_offset, timeout_s=self._start_timeout_s, replacing=replacing,
         )
 
     def requeue(self, request: Request) -> None:

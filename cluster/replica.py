@@ -41,26 +41,88 @@ class Replica:
     alive: bool = True
     free_blocks: int = 0  # the driver's mirror of the workers' free KV blocks
     start_s: dict | None = None  # how long starting it took: worker processes (to the first call), setup, warm-up, loading
+    spares: Spares | None = None  # worker processes ready to replace this replica's (PoolConfig.spare_workers)
 
     @property
     def kv_blocks(self) -> int:
         return min(info.kv_blocks for info in self.infos)
 
 
+@dataclass
+class Spares:
+    """One spare worker process per rank of a replica, in the replica's bundles with no resources of
+    their own (a spare sees all of its node's GPUs), each importing what a worker's setup imports
+    first (``PrefillWorker.preload``). When the replica fails, its actors are killed and the spares,
+    if ready, take the failed ranks' places and GPUs (``PrefillWorker.promote``): the replacement
+    skips starting processes and importing its kernel library."""
+
+    workers: list
+    ready: list  # the preload calls
+
+    def all_ready(self) -> bool:
+        done, _ = ray.wait(self.ready, num_returns=len(self.ready), timeout=0)
+        if len(done) < len(self.ready):
+            return False
+        try:
+            ray.get(done)
+        except ray.exceptions.RayError as exc:
+            logger.warning("a spare worker failed to preload, so a replacement starts new ones: %s", cause(exc))
+            return False
+        return True
+
+    def kill(self) -> None:
+        for worker in self.workers:
+            ray.kill(worker)
+
+
+def wants_spares(config: PoolConfig, use_gpus: bool) -> bool:
+    return config.spare_workers == "on" or (config.spare_workers == "auto" and use_gpus)
+
+
+def start_spares(config: PoolConfig, group, bundle_offset: int, use_gpus: bool) -> Spares:
+    """Start the spares of a replica placed in ``group`` (returns at once; they preload meanwhile)."""
+    options = {"runtime_env": {"env_vars": {"RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES": "1"}}} if use_gpus else {}
+    actor = ray.remote(concurrency_groups={KV_GROUP: 2})(PrefillWorker)
+    workers = [
+        actor.options(
+            num_cpus=0,
+            num_gpus=0,
+            scheduling_strategy=PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=bundle_offset + rank),
+            **options,
+        ).remote(config, None, _worker_env(config, use_gpus))
+        for rank in range(config.workers_per_replica)
+    ]
+    return Spares(workers, [w.preload.remote() for w in workers])
+
+
 def start_replica(
-    config: PoolConfig, index: int, use_gpus: bool, *, placement_group_=None, bundle_offset: int = 0, timeout_s: float
+    config: PoolConfig,
+    index: int,
+    use_gpus: bool,
+    *,
+    placement_group_=None,
+    owns_group: bool = False,
+    bundle_offset: int = 0,
+    timeout_s: float,
+    replacing: Replica | None = None,
 ) -> Replica:
-    """Reserve the replica's bundles (or use ``placement_group_``'s, from ``bundle_offset`` on), start one
-    worker actor per bundle and set them up (process group, weights, KV cache, warm-up); raises
-    ``RuntimeError`` with the reason, leaving nothing behind, when any of that fails."""
+    """Reserve the replica's bundles (or use ``placement_group_``'s, from ``bundle_offset`` on; removed
+    with the replica when ``owns_group``), start one worker actor per bundle and set them up (process
+    group, weights, KV cache, warm-up); raises ``RuntimeError`` with the reason, leaving nothing
+    behind, when any of that fails. ``replacing``: the failed replica (its actors killed, its group
+    kept), whose spares, if ready, become the workers; its spares are used up either way."""
+    spares = replacing.spares if replacing is not None else None
+    if spares is not None and not spares.all_ready():
+        spares.kill()
+        spares = None
     bundle = {"CPU": config.worker_cpus, **({"GPU": config.worker_gpus} if use_gpus else {})}
-    owned = placement_group_ is None
-    if owned:
+    owned = placement_group_ is None or owns_group
+    if placement_group_ is None:
         name = f"mlapool-{uuid.uuid4().hex[:8]}-{index}"
         group = placement_group([bundle] * config.workers_per_replica, strategy=config.placement, name=name)
     else:
         group = placement_group_
-    if owned and not fits_now(bundle, config.workers_per_replica, config.placement):
+    if placement_group_ is None and not fits_now(bundle, config.workers_per_replica, config.placement):
         logger.warning(
             "replica %d needs %d x %s (%s), more than the cluster's nodes have now; waiting up to %.0f s "
             "for an autoscaler to add them", index, config.workers_per_replica, bundle, config.placement, timeout_s,
@@ -73,30 +135,29 @@ def start_replica(
             f"replica {index} needs {config.workers_per_replica} x {bundle} ({config.placement}); the cluster has "
             f"{ray.available_resources()} available. Lower tp, pcp or replicas, or add nodes."
         )
-    # set by each worker before it touches NCCL, not as a runtime_env: actors without one of their
-    # own start in Ray's pre-started worker processes (a replica replaced after a fault is up sooner)
-    env = {**SAFE_NCCL_ENV, **{k: v for k, v in os.environ.items() if k.startswith("NCCL_")}}
-    # FA4 (CuTe DSL) kernels compiled once per node, not per process: a replacement replica's workers
-    # load them from disk instead of compiling them again in their warm-up
-    env.setdefault(FA4_CACHE_ENV, os.environ.get(FA4_CACHE_ENV, "1"))
-    options = {}
-    if not use_gpus:
-        env["OMP_NUM_THREADS"] = str(max(1, int(config.worker_cpus)))
-    elif config.worker_gpus < 1:  # shared GPUs: Ray may give two ranks one GPU; rank r takes GPU r itself
-        options["runtime_env"] = {"env_vars": {"RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES": "1"}}
-    # the "kv" group answers the KV server (where a request's blocks are) while a prefill batch runs
-    actor = ray.remote(concurrency_groups={KV_GROUP: 2})(PrefillWorker)
-    workers = [
-        actor.options(
-            num_cpus=config.worker_cpus,
-            num_gpus=config.worker_gpus if use_gpus else 0,
-            scheduling_strategy=PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=bundle_offset + rank),
-            **options,
-        ).remote(config, rank, env)
-        for rank in range(config.workers_per_replica)
-    ]
     started = time.perf_counter()
+    if spares is not None:  # in the failed ranks' bundles, on their GPUs
+        workers = spares.workers
+        uuids = [info.device_uuid for info in replacing.infos]
+        promoted = [w.promote.remote(rank, uuids[rank]) for rank, w in enumerate(workers)]
+    else:
+        options = {}
+        if use_gpus and config.worker_gpus < 1:  # shared GPUs: Ray may give two ranks one GPU; rank r takes GPU r itself
+            options["runtime_env"] = {"env_vars": {"RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES": "1"}}
+        # the "kv" group answers the KV server (where a request's blocks are) while a prefill batch runs
+        actor = ray.remote(concurrency_groups={KV_GROUP: 2})(PrefillWorker)
+        workers = [
+            actor.options(
+                num_cpus=config.worker_cpus,
+                num_gpus=config.worker_gpus if use_gpus else 0,
+                scheduling_strategy=PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=bundle_offset + rank),
+                **options,
+            ).remote(config, rank, _worker_env(config, use_gpus))
+            for rank in range(config.workers_per_replica)
+        ]
+        promoted = []
     try:
+        ray.get(promoted, timeout=timeout_s)
         addr, port = ray.get(workers[0].rendezvous_address.remote(), timeout=timeout_s)
         processes_s = time.perf_counter() - started
         infos = ray.get([w.setup.remote(addr, port) for w in workers], timeout=timeout_s)
@@ -108,7 +169,10 @@ def start_replica(
         raise RuntimeError(f"replica {index} failed to start: {cause(exc)}") from exc
     replica = Replica(index, workers, group if owned else None, infos)
     replica.free_blocks = replica.kv_blocks
+    if wants_spares(config, use_gpus):
+        replica.spares = start_spares(config, group, bundle_offset, use_gpus)
     replica.start_s = {
+        "spares": spares is not None,  # the workers were spares started before the fault
         "processes": round(processes_s, 2),
         "setup": round(time.perf_counter() - started - processes_s, 2),
         "warmup": max(info.warmup_s for info in infos),
@@ -120,13 +184,30 @@ def start_replica(
     return replica
 
 
-def stop_replica(replica: Replica) -> None:
-    """Kill the replica's actors (at once: a rank blocked in a collective is not waited for) and
-    remove its placement group."""
+def stop_replica(replica: Replica, keep_group: bool = False) -> None:
+    """Kill the replica's actors (at once: a rank blocked in a collective is not waited for) and,
+    unless ``keep_group`` (a replacement takes its bundles and spares), its spares and placement group."""
     for worker in replica.workers:
         ray.kill(worker)
+    if keep_group:
+        return
+    if replica.spares is not None:
+        replica.spares.kill()
+        replica.spares = None
     if replica.group is not None:  # None: a group the pool was given, not its own
         remove_placement_group(replica.group)
+
+
+def _worker_env(config: PoolConfig, use_gpus: bool) -> dict[str, str]:
+    """Variables a worker sets before it touches NCCL, not as a runtime_env: actors without one of
+    their own start in Ray's pre-started worker processes (a replica replaced after a fault is up sooner)."""
+    env = {**SAFE_NCCL_ENV, **{k: v for k, v in os.environ.items() if k.startswith("NCCL_")}}
+    # FA4 (CuTe DSL) kernels compiled once per node, not per process: a replacement replica's workers
+    # load them from disk instead of compiling them again in their warm-up
+    env.setdefault(FA4_CACHE_ENV, os.environ.get(FA4_CACHE_ENV, "1"))
+    if not use_gpus:
+        env["OMP_NUM_THREADS"] = str(max(1, int(config.worker_cpus)))
+    return env
 
 
 class BatchTimeout(RuntimeError):

@@ -154,7 +154,7 @@ class ReplicaScheduler:
         with pool.lock:
             replica.generation += 1  # its kept KV is gone from here on
             replica.free_blocks = 0  # nothing is admitted until the new workers are up
-        stop_replica(replica)  # kill first: a rank blocked in a collective would never return
+        stop_replica(replica, keep_group=True)  # kill first: a rank blocked in a collective would never return
         retry = []
         for request in self.active:
             request.done = 0
@@ -174,15 +174,16 @@ class ReplicaScheduler:
             pool.requeue(request)
         pool.record_recovery(recovery)
         try:
-            fresh = pool.start_replica(replica.index)
+            fresh = pool.start_replica(replica.index, replacing=replica)
         except Exception as start_exc:  # noqa: BLE001 -- the other replicas go on serving
             logger.error("replica %d could not be restarted: %s", replica.index, cause(start_exc))
             replica.alive = False
+            replica.spares = None  # used up or killed by the failed start
             pool.replica_lost(replica, cause(start_exc))
             return
         with pool.lock:
             replica.workers, replica.group, replica.infos = fresh.workers, fresh.group, fresh.infos
-            replica.free_blocks = fresh.free_blocks
+            replica.free_blocks, replica.spares = fresh.free_blocks, fresh.spares
         recovery.restart_s, recovery.start_s = time.time() - recovery.detected, fresh.start_s
         self._recovering = recovery
         pool.queue.notify()

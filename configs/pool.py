@@ -19,6 +19,7 @@ DEVICES = ("auto", "cpu", "cuda")
 QUANTIZATIONS = ("auto", "none")
 PLACEMENTS = ("STRICT_PACK", "PACK", "SPREAD", "STRICT_SPREAD")
 NIXL_MODES = ("auto", "on", "off")
+SPARE_MODES = ("auto", "on", "off")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -70,6 +71,10 @@ class PoolConfig:
     nixl             KV handoff to decode servers outside the cluster: "auto" registers each holder's KV
                      cache with NIXL where it is installed (receivers READ it; TCP otherwise), "on"
                      requires it (a worker without NIXL fails to start), "off" serves TCP only
+    spare_workers    "on": each replica keeps one spare worker process per rank, started ahead with torch
+                     and the kernel library imported and no GPU memory, that replaces a failed rank
+                     (fault to serving again on 2 x H200 with FA4: 12.4 s without, see the README's
+                     Faults); "auto": on when the workers use GPUs; "off": none
     seed             seed of random weights
     """
 
@@ -99,6 +104,7 @@ class PoolConfig:
     worker_gpus: float = 1.0
     use_gpus: bool | None = None
     nixl: str = "auto"
+    spare_workers: str = "auto"
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -122,6 +128,8 @@ class PoolConfig:
             raise ValueError(f"pool config: quantization {self.quantization!r} is not one of {', '.join(QUANTIZATIONS)}")
         if self.ep_micro_batches not in (1, 2):
             raise ValueError(f"pool config: ep_micro_batches must be 1 or 2, got {self.ep_micro_batches!r}")
+        if self.spare_workers not in SPARE_MODES:
+            raise ValueError(f"pool config: spare_workers {self.spare_workers!r} is not one of {', '.join(SPARE_MODES)}")
         if self.device not in DEVICES:
             raise ValueError(f"pool config: device {self.device!r} is not one of {', '.join(DEVICES)}")
         if self.backend.upper() != "AUTO":

@@ -135,21 +135,52 @@ def rendezvous_address() -> tuple[str, int]:
 
 
 class PrefillWorker(KVHolder):
-    def __init__(self, config: PoolConfig, rank: int, env: dict[str, str] | None = None) -> None:
-        """``env``: variables for this process (NCCL's, OMP_NUM_THREADS), set before anything reads them."""
+    def __init__(self, config: PoolConfig, rank: int | None, env: dict[str, str] | None = None) -> None:
+        """``env``: variables for this process (NCCL's, OMP_NUM_THREADS), set before anything reads them.
+        ``rank`` None: a spare, for a replica's next replacement (:meth:`preload`, :meth:`promote`)."""
         os.environ.update(env or {})
         if env and "OMP_NUM_THREADS" in env:
             torch.set_num_threads(int(env["OMP_NUM_THREADS"]))
-        self.config, self.rank = config, rank
-        self.world_size = config.workers_per_replica
-        self.pcp_rank, self.tp_rank = divmod(rank, config.tp)
+        self.config, self.world_size = config, config.workers_per_replica
         self.model: DeepseekPrefillModel | None = None
         self.pcp = PCPGroup()
         self.cost_model: PCPCostModel | None = None
-        self._init_kv_holder(config, rank, self.tp_rank)
         self._groups: list = []  # every process group of the replica this rank is in
         self._batches = 0
         self._fault = None  # the hook of an armed inject_fault, removed when it fires
+        self._device_index: int | None = None  # the GPU a promoted spare takes (it sees all of the node's)
+        if rank is not None:
+            self._take_rank(rank)
+
+    def _take_rank(self, rank: int) -> None:
+        self.rank = rank
+        self.pcp_rank, self.tp_rank = divmod(rank, self.config.tp)
+        self._init_kv_holder(self.config, rank, self.tp_rank)
+
+    def preload(self) -> str:
+        """A spare: import now what :meth:`setup` would import first (the kernel library of the
+        backend this config selects on this node: FA4's CuTe DSL takes 5 s on H200), touching no
+        GPU memory. Returns the backend's name."""
+        model_config = self.config.model_config()
+        device = _device(self.config.device, 0)
+        return self._backend_class(model_config, device, _dtype(self.config.dtype, device, model_config.dtype)).name
+
+    def _backend_class(self, model_config: ModelConfig, device: torch.device, dtype: torch.dtype) -> type:
+        return get_mla_prefill_backend(
+            MLAPrefillSelectorConfig(dtype, model_config.attention.dims),
+            DeviceCapability.of(device),
+            None if self.config.backend.upper() == "AUTO" else self.config.backend,
+        )
+
+    def promote(self, rank: int, device_uuid: str | None) -> None:
+        """A spare becomes rank ``rank`` of a replacement replica, on the GPU ``device_uuid`` (the
+        failed rank's; None on the CPU); :meth:`setup` follows."""
+        if device_uuid is not None:
+            uuids = [str(torch.cuda.get_device_properties(i).uuid) for i in range(torch.cuda.device_count())]
+            if device_uuid not in uuids:
+                raise RuntimeError(f"spare worker: GPU {device_uuid} is not on this node; it sees {uuids}")
+            self._device_index = uuids.index(device_uuid)
+        self._take_rank(rank)
 
     def rendezvous_address(self) -> tuple[str, int]:
         return rendezvous_address()
@@ -160,7 +191,8 @@ class PrefillWorker(KVHolder):
         ``WorkerInfo.start_phases_s`` says how long each step took."""
         config, laps = self.config, _Laps()
         model_config = config.model_config()
-        device = _device(config.device, self.rank if config.worker_gpus < 1 else None)
+        index = self._device_index if self._device_index is not None else (self.rank if config.worker_gpus < 1 else None)
+        device = _device(config.device, index)
         dtype = _dtype(config.dtype, device, model_config.dtype)
         if device.type == "cuda":
             torch.cuda.set_device(device)
@@ -179,11 +211,7 @@ class PrefillWorker(KVHolder):
                 self.pcp = PCPGroup(self.pcp_rank, config.pcp, pcp_group)
             ep = EPGroup(self.rank, self.world_size, torch.distributed.group.WORLD)
         laps.lap("process_group")
-        backend_cls = get_mla_prefill_backend(
-            MLAPrefillSelectorConfig(dtype, model_config.attention.dims),
-            DeviceCapability.of(device),
-            None if config.backend.upper() == "AUTO" else config.backend,
-        )
+        backend_cls = self._backend_class(model_config, device, dtype)
         laps.lap("backend")  # importing its library (FA4's CuTe DSL: seconds)
         tp = TPShard(self.tp_rank, config.tp, tp_group)
         fp8 = self._use_fp8(model_config, device, dtype)
@@ -511,8 +539,9 @@ class _Laps:
 
 
 def _device(name: str, shared_rank: int | None = None) -> torch.device:
-    """The worker's device; with GPUs shared between replicas (``worker_gpus < 1``) rank ``r`` of a
-    replica takes the node's GPU ``r`` (modulo their number), so a replica's ranks never share one."""
+    """The worker's device; ``shared_rank`` picks one of the GPUs this process sees: with GPUs shared
+    between replicas (``worker_gpus < 1``) rank ``r`` of a replica takes the node's GPU ``r`` (modulo
+    their number), so a replica's ranks never share one; a promoted spare takes the failed rank's."""
     if name == "auto":
         name = "cuda" if torch.cuda.is_available() else "cpu"
     if name == "cuda":

@@ -213,3 +213,33 @@ def test_a_request_that_does_not_fit_one_replica_runs_on_the_other_at_once(ray_c
             result = pool.submit(np.arange(i, 200 + i) % 512).result(timeout=10)  # 13 blocks
             assert result.replica != held.replica
         pool.release(held)
+
+
+def _alive_actors() -> int:
+    return sum(actor["State"] == "ALIVE" for actor in ray._private.state.actors().values())
+
+
+@pytest.mark.parametrize("kind", ["raise", "exit"])
+def test_spare_workers_replace_the_failed_ranks_and_new_spares_follow(ray_cluster, kind):
+    """With spare_workers on, the replica's spares (started ahead, library imported) take the failed
+    ranks' places; new spares are started for the next fault, which they serve too; results equal
+    the fault-free ones; nothing is left after shutdown."""
+    config = BASE.replace(tp=2, num_layers=2, chunk_tokens=16, max_batch_tokens=32, collective_timeout_s=5.0, spare_workers="on")
+    before = _alive_actors()
+    prompt = np.arange(1, 50)
+    with PrefillPool(config).start() as pool:
+        replica = pool._replicas[0]
+        expected = pool.prefill(prompt).logits
+        for fault in range(2):
+            spares = replica.spares
+            assert spares is not None and len(spares.workers) == 2
+            ray.get(spares.ready, timeout=120)  # preloaded (the backend's name)
+            ray.get(replica.workers[1].inject_fault.remote(kind, layer=1))
+            torch.testing.assert_close(pool.submit(prompt).result(timeout=120).logits, expected)
+            recovery = pool.stats.recoveries[fault]
+            assert recovery.start_s["spares"] is True
+            assert replica.workers == spares.workers  # the spares are the workers now
+            assert replica.spares is not None and replica.spares.workers != spares.workers
+        assert pool.stats.retried == 2 and pool.stats.failed == 0
+    time.sleep(1.0)  # killed actors leave the GCS's ALIVE list asynchronously
+    assert _alive_actors() == before
