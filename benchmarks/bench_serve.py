@@ -60,19 +60,19 @@ ENV = {
 }
 os.environ.update(ENV)  # before Ray is imported: it reads its settings then
 
-import aiohttp  # noqa: E402
-import msgpack  # noqa: E402
-import numpy as np  # noqa: E402
-import ray  # noqa: E402
-import torch  # noqa: E402
-import yaml  # noqa: E402
-from ray import serve  # noqa: E402
+import aiohttp
+import msgpack
+import numpy as np
+import ray
+import torch
+import yaml
+from ray import serve
 
-from cluster.pool import PrefillPool  # noqa: E402
-from configs.serve import ServeConfig  # noqa: E402
-from workers.kv_receiver import KVReceiver  # noqa: E402
+from cluster.pool import PrefillPool
+from configs.serve import ServeConfig
+from workers.kv_receiver import KVReceiver
 
-from machine import machine  # noqa: E402 -- benchmarks/machine.py
+from machine import machine  # benchmarks/machine.py
 
 METRICS = ("ray_mlapool_ttft_seconds_count", "ray_mlapool_ttft_seconds_sum", "ray_mlapool_queue_depth",
            "ray_mlapool_prefill_tokens_per_second", "ray_mlapool_prefill_tokens_total",
@@ -142,12 +142,11 @@ def scrape(url: str) -> dict[str, float]:
 
 async def run_stage(session, url, prompts, concurrency, label, t0, records, tickets) -> tuple[float, float]:
     """Send ``prompts`` with ``concurrency`` clients; return the stage's (start, end) times."""
-    queue = list(enumerate(prompts))
-    queue.reverse()
+    queue = list(reversed(prompts))
 
     async def client() -> None:
         while queue:
-            index, (request_id, tokens, handoff) = queue.pop()
+            request_id, tokens, handoff = queue.pop()
             body = msgpack.packb({"token_ids": tokens, "request_id": request_id, "return_logits": False, "handoff": handoff})
             sent = time.monotonic()
             try:
@@ -428,7 +427,7 @@ def plot(result: dict, path: Path) -> None:
     left.step(times, counts, where="post", color="tab:blue", label="running replicas")
     left.set_xlabel("time since serve run (s)")
     left.set_ylabel("replicas", color="tab:blue")
-    left.set_yticks(range(0, max(counts) + 2))
+    left.set_yticks(range(max(counts) + 2))
     right = left.twinx()
     right.plot(p99_t, p99, color="tab:red", marker=".", label="p99 TTFT (10 s window)")
     right.set_ylabel("p99 TTFT seen by the client (s)", color="tab:red")

@@ -1,5 +1,6 @@
 """One replica of the prefill pool on Ray: its placement group, its ``tp * pcp`` worker actors and
-their process group; starting it, one SPMD call on all its workers, stopping it. Also connecting to
+their process group, and the spare workers that replace them after a fault; starting it, one SPMD
+call on all its workers, stopping it. Also connecting to
 (or starting) Ray, and naming the error behind a Ray failure in one line.
 
 With ``cluster.pool`` and ``cluster.handoff``, the only module that calls ``ray.get``/``ray.wait``.

@@ -12,7 +12,8 @@ Faults. A batch fails when a worker raises, dies, or the batch outlives ``batch_
 (a rank stuck in a collective raises after ``collective_timeout_s``). The other workers of the
 replica may then be blocked in a collective with the failed one, so the replica is never
 reused: its actors are killed at once (which ends every collective and KV link they are in)
-and a new replica is started in its place. Its requests go back to the queue first, so the other
+and a new replica is started in its place, in the same placement group, from the replica's
+spare workers when they are ready (``cluster.replica.Spares``). Its requests go back to the queue first, so the other
 replicas take them meanwhile: the failed batch's requests are retried once, each in a batch of
 its own (a request that breaks a batch fails alone, with the reason, on its second failure);
 the replica's other requests start over. KV kept on the failed replica is lost and reported as

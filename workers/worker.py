@@ -45,7 +45,7 @@ from attention.backends.base import DeviceCapability, MLAPrefillSelectorConfig
 from attention.backends.selector import get_mla_prefill_backend
 from attention.backends.torch_sdpa import TorchSDPAPrefillBackend
 from attention.mla import plan_prefill_batch
-from configs.model import DTYPES, ModelConfig
+from configs.model import ModelConfig
 from configs.pool import PoolConfig
 from workers.fp8 import fp8_gemm_supported
 from workers.kv_cache import PagedKVCache, blocks_for
@@ -53,6 +53,7 @@ from workers.kv_holder import KVHolder
 from workers.model import DeepseekPrefillModel, TPShard
 from workers.moe import EPGroup
 from workers.pcp import PCPCostModel, PCPGroup, PCPPlan, measure_cost_model, shard_rows
+from workers.placement import check_weights_fit, resolve_device, resolve_dtype
 from workers.weights import load_weights
 
 logger = logging.getLogger(__name__)
@@ -162,8 +163,8 @@ class PrefillWorker(KVHolder):
         backend this config selects on this node: FA4's CuTe DSL takes 5 s on H200), touching no
         GPU memory. Returns the backend's name."""
         model_config = self.config.model_config()
-        device = _device(self.config.device, 0)
-        return self._backend_class(model_config, device, _dtype(self.config.dtype, device, model_config.dtype)).name
+        device = resolve_device(self.config.device, 0)
+        return self._backend_class(model_config, device, resolve_dtype(self.config.dtype, device, model_config.dtype)).name
 
     def _backend_class(self, model_config: ModelConfig, device: torch.device, dtype: torch.dtype) -> type:
         return get_mla_prefill_backend(
@@ -192,8 +193,8 @@ class PrefillWorker(KVHolder):
         config, laps = self.config, _Laps()
         model_config = config.model_config()
         index = self._device_index if self._device_index is not None else (self.rank if config.worker_gpus < 1 else None)
-        device = _device(config.device, index)
-        dtype = _dtype(config.dtype, device, model_config.dtype)
+        device = resolve_device(config.device, index)
+        dtype = resolve_dtype(config.dtype, device, model_config.dtype)
         if device.type == "cuda":
             torch.cuda.set_device(device)
         tp_group, ep = None, EPGroup()
@@ -217,7 +218,7 @@ class PrefillWorker(KVHolder):
         fp8 = self._use_fp8(model_config, device, dtype)
         shard = {"tp": tp, "ep": ep, "fp8": fp8, "ep_micro_batches": config.ep_micro_batches, "dtype": dtype}
         weight_bytes = DeepseekPrefillModel.create(model_config, TorchSDPAPrefillBackend, device="meta", **shard).weight_bytes()
-        _check_weights_fit(weight_bytes, device, config, model_config)
+        check_weights_fit(weight_bytes, device, config, model_config)
         self.model = DeepseekPrefillModel.create(model_config, backend_cls, device=device, **shard)
         laps.lap("model")
         report = load_weights(self.model, config.checkpoint, config.seed)
@@ -488,43 +489,6 @@ class _PackedContext(Sequence):
         return views[0] if len(views) == 1 else torch.cat(views)
 
 
-def _check_weights_fit(weight_bytes: int, device: torch.device, config: PoolConfig, model_config: ModelConfig) -> None:
-    """Refuse, before allocating, a shard whose weights exceed what this device allows: on a GPU
-    ``gpu_memory_utilization`` of its memory less what other processes hold, on the CPU the host's
-    available memory (Linux; elsewhere the CPU is not checked)."""
-    if device.type == "cuda":
-        free, total = torch.cuda.mem_get_info(device)
-        budget = total * config.gpu_memory_utilization - (total - free)
-        where = (
-            f"this GPU has {free / 2**30:.1f} GiB free of {total / 2**30:.1f} GiB and "
-            f"gpu_memory_utilization={config.gpu_memory_utilization} allows {max(budget, 0) / 2**30:.1f} GiB"
-        )
-    else:
-        budget = _host_available_bytes()
-        if budget is None:
-            return
-        where = f"this host has {budget / 2**30:.1f} GiB of memory available"
-    if weight_bytes > budget:
-        experts = f", routed experts split over {config.workers_per_replica} ranks" if model_config.moe else ""
-        raise ValueError(
-            f"{model_config.name} ({model_config.num_hidden_layers} layers) needs {weight_bytes / 2**30:.1f} GiB of weights "
-            f"per rank at TP={config.tp} x PCP={config.pcp}{experts}; {where}. Use more ranks per replica "
-            "(tp x pcp), FP8 weights, or fewer layers (--num-layers)"
-        )
-
-
-def _host_available_bytes() -> int | None:
-    """``MemAvailable`` of ``/proc/meminfo`` in bytes (None where there is none)."""
-    try:
-        with open("/proc/meminfo") as meminfo:
-            for line in meminfo:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        return None
-    return None
-
-
 class _Laps:
     """Seconds between successive ``lap(name)`` calls."""
 
@@ -536,23 +500,3 @@ class _Laps:
         now = time.perf_counter()
         self.phases[name] = round(now - self._last, 3)
         self._last = now
-
-
-def _device(name: str, shared_rank: int | None = None) -> torch.device:
-    """The worker's device; ``shared_rank`` picks one of the GPUs this process sees: with GPUs shared
-    between replicas (``worker_gpus < 1``) rank ``r`` of a replica takes the node's GPU ``r`` (modulo
-    their number), so a replica's ranks never share one; a promoted spare takes the failed rank's."""
-    if name == "auto":
-        name = "cuda" if torch.cuda.is_available() else "cpu"
-    if name == "cuda":
-        if not torch.cuda.is_available():
-            raise ValueError("pool config device='cuda' but this worker sees no GPU; valid here: cpu, auto")
-        index = torch.cuda.current_device() if shared_rank is None else shared_rank % torch.cuda.device_count()
-        return torch.device("cuda", index)
-    return torch.device(name)
-
-
-def _dtype(name: str, device: torch.device, model_dtype: torch.dtype) -> torch.dtype:
-    if name != "auto":
-        return DTYPES[name]
-    return torch.float32 if device.type == "cpu" else model_dtype

@@ -305,7 +305,7 @@ def test_tp_must_divide_the_shared_experts_width():
 
 
 def test_a_shard_that_does_not_fit_the_gpu_is_refused_with_the_numbers(monkeypatch):
-    from workers.worker import _check_weights_fit
+    from workers.placement import check_weights_fit
 
     config = PoolConfig(model="deepseek-v3", tp=2, pcp=2, gpu_memory_utilization=0.9)
     model_config = config.model_config()
@@ -314,9 +314,9 @@ def test_a_shard_that_does_not_fit_the_gpu_is_refused_with_the_numbers(monkeypat
     assert 150 * 2**30 < needed < 200 * 2**30  # 671B parameters, mostly FP8 experts, over 4 ranks
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (130 * 2**30, 140 * 2**30))
     with pytest.raises(ValueError) as error:
-        _check_weights_fit(needed, torch.device("cuda", 0), config, model_config)
+        check_weights_fit(needed, torch.device("cuda", 0), config, model_config)
     assert (
         f"deepseek-v3 (61 layers) needs {needed / 2**30:.1f} GiB of weights per rank at TP=2 x PCP=2, routed experts split "
         "over 4 ranks; this GPU has 130.0 GiB free of 140.0 GiB and gpu_memory_utilization=0.9 allows 116.0 GiB"
     ) in str(error.value)
-    _check_weights_fit(100 * 2**30, torch.device("cuda", 0), config, model_config)  # fits: no error
+    check_weights_fit(100 * 2**30, torch.device("cuda", 0), config, model_config)  # fits: no error
