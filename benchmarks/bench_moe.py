@@ -20,7 +20,8 @@ Cases ``NxL/gpu`` give each GPU N prompts (weak scaling: the per-GPU work stays 
 
 Also per run: ``moe_layer``: the first MoE layer alone on ``--moe-tokens`` tokens per GPU (router,
 dispatch, experts, combine; shared experts apart) against the raw grouped-GEMM kernels on the very
-shapes that call produced; ``agreement``: each prompt case's first prompt, logits and latent KV,
+shapes that call produced, and the whole layer (shared experts beside the combine) against those
+GEMMs plus the shared experts alone; ``agreement``: each prompt case's first prompt, logits and latent KV,
 against the first layout and weight format of the run (relative max error, first token).
 
     python benchmarks/bench_moe.py --model deepseek-v3 --num-layers 5 --layouts fp8:1 fp8:2 fp8:4 bf16:1 \\
@@ -50,6 +51,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from spmd import chunk_batches  # noqa: E402 -- the tests' prompt-by-chunk batching, as the pool schedules it
 
 from machine import machine  # noqa: E402 -- benchmarks/machine.py
+
+from configs.model import EP_SCHEDULES  # noqa: E402
 
 PEAK_TFLOPS = {"bf16": 989.0, "fp8": 1979.0}  # H200 dense, datasheet
 
@@ -150,6 +153,7 @@ def _moe_layer(worker, tokens: int) -> dict:
     gemms = [_raw_gemms(experts, *call) for call in calls]
     gemm_s = _timed(lambda: [run() for run in gemms], 10)
     shared_s = _timed(lambda: moe.shared_experts(x), 10) if moe.shared_experts is not None else 0.0
+    layer_s = _timed(lambda: moe(x), 10)  # router, routed and shared experts (beside the combine)
     pairs = sum(int(offs[-1]) for _, _, offs in calls)
     width = experts.intermediate
     flops = 2 * pairs * (hidden * 2 * width + width * hidden)
@@ -158,6 +162,7 @@ def _moe_layer(worker, tokens: int) -> dict:
         "routed_s": routed_s, "experts_s": experts_s, "grouped_gemm_s": gemm_s, "shared_experts_s": shared_s,
         "grouped_gemm_tflops": flops / gemm_s / 1e12,
         "routed_over_grouped_gemm": routed_s / gemm_s, "experts_over_grouped_gemm": experts_s / gemm_s,
+        "layer_s": layer_s, "layer_over_grouped_gemm_and_shared": layer_s / (gemm_s + shared_s),
     }  # fmt: skip
 
 
@@ -198,7 +203,7 @@ def _worker(rank: int, layout: Layout, args, port: int, queue) -> None:
         dtype="bfloat16" if args.device == "cuda" else "float32",
         quantization="auto" if weights == "fp8" else "none", device=args.device, chunk_tokens=args.chunk_tokens,
         max_batch_tokens=max(args.chunk_tokens, max(n * min(length, args.chunk_tokens) for n, length in cases.values())),
-        gpu_memory_utilization=0.85, ep_micro_batches=args.micro_batches, seed=0,
+        gpu_memory_utilization=0.85, ep_schedule=args.ep_schedule, ep_comm_sms=args.ep_comm_sms, seed=0,
     )  # fmt: skip
     try:
         worker = PrefillWorker(config, rank)
@@ -335,7 +340,8 @@ def main() -> None:
     parser.add_argument("--chunk-tokens", type=int, default=32768)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--moe-tokens", type=int, default=16384, help="tokens per GPU for the MoE-layer-alone timing (0: skip)")
-    parser.add_argument("--micro-batches", type=int, default=1, choices=[1, 2], help="EP micro-batches (PoolConfig.ep_micro_batches)")
+    parser.add_argument("--ep-schedule", default="all-to-all", choices=EP_SCHEDULES, help="PoolConfig.ep_schedule")
+    parser.add_argument("--ep-comm-sms", type=int, default=0, help="PoolConfig.ep_comm_sms")
     parser.add_argument("--backend", default="auto")
     parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"], help="cpu: a smoke test of this script (gloo, float32)")
     parser.add_argument("--timeout", type=float, default=540)
@@ -353,6 +359,7 @@ def main() -> None:
         "machine": machine(("flash_attn", "flashinfer", "triton")),
         "command": " ".join([Path(sys.executable).name, *sys.argv]),
         "model": args.model, "layers": model_config.num_hidden_layers, "moe_layers": model_config.moe_layers,
+        "ep_schedule": args.ep_schedule, "ep_comm_sms": args.ep_comm_sms, "nccl_max_ctas": os.environ.get("NCCL_MAX_CTAS"),
         "runs": [], "agreement": {}, "scaling": {}, "errors": [],
     }  # fmt: skip
     try:

@@ -3,12 +3,12 @@
 Builds the first MoE layer of DeepSeek-V3 (random weights, FP8 or bf16; its 256 experts split over
 the GPUs, one process each), runs its routed experts on ``--tokens`` random hidden rows per GPU
 under ``torch.profiler`` and prints rank 0's operators and kernels by GPU time, with the wall time
-of a call; on one GPU it then times the ways of summing each token's weighted expert rows
+of a call and of the whole layer (shared experts included, computed beside the combine); on one GPU it then times the ways of summing each token's weighted expert rows
 (``--tokens x 8`` rows of 7168): ``index_add_`` into bf16 (atomics), and un-permuting the rows to
 ``[tokens, 8, 7168]`` and summing over the 8 in float32.
 
     python benchmarks/profile_moe.py --weights fp8 --tokens 16384 --out FILE.json
-    python benchmarks/profile_moe.py --weights fp8 --gpus 4 --micro-batches 1 --out FILE.json
+    python benchmarks/profile_moe.py --weights fp8 --gpus 4 --schedule local-first --comm-sms 16 --out FILE.json
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ import torch.multiprocessing as mp
 from torch.profiler import ProfilerActivity, profile
 
 from attention.backends.torch_sdpa import TorchSDPAPrefillBackend
-from configs.model import load_model_config
+from configs.model import EP_SCHEDULES, load_model_config
 from workers.model import DeepseekPrefillModel
 from workers.moe import EPGroup
 from workers.weights import load_weights
@@ -58,7 +58,8 @@ def run(rank: int, args, port: int) -> None:
         ep = EPGroup(rank, args.gpus, dist.group.WORLD)
     config = load_model_config("deepseek-v3", num_hidden_layers=4)
     model = DeepseekPrefillModel.create(
-        config, TorchSDPAPrefillBackend, ep=ep, fp8=args.weights == "fp8", ep_micro_batches=args.micro_batches,
+        config, TorchSDPAPrefillBackend, ep=ep, fp8=args.weights == "fp8", ep_schedule=args.schedule,
+        ep_comm_sms=args.comm_sms,
         dtype=torch.bfloat16, device="cuda",
     )  # fmt: skip
     load_weights(model, None, 0)
@@ -66,6 +67,8 @@ def run(rank: int, args, port: int) -> None:
     x = torch.randn(args.tokens, config.hidden_size, device="cuda", generator=torch.Generator("cuda").manual_seed(rank))
     x = x.to(torch.bfloat16)
     routed = timed(lambda: moe.routed(x))
+    layer = timed(lambda: moe(x))
+    shared = timed(lambda: moe.shared_experts(x))
     with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
         for _ in range(3):
             moe.routed(x)
@@ -94,14 +97,16 @@ def run(rank: int, args, port: int) -> None:
         }
     else:
         dist.destroy_process_group()
-    print(f"routed experts: {routed * 1e3:.2f} ms per call on rank 0; combine: {combine}")
+    print(f"routed experts: {routed * 1e3:.2f} ms per call on rank 0, with the shared experts {layer * 1e3:.2f} ms "
+          f"(shared alone {shared * 1e3:.2f} ms); combine: {combine}")  # fmt: skip
     result = {
         "benchmark": "one DeepSeek-V3 MoE layer, torch.profiler",
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "machine": {"gpu": torch.cuda.get_device_name(0), "torch": torch.__version__, "python": platform.python_version()},
         "command": " ".join([Path(sys.executable).name, *sys.argv]),
-        "weights": args.weights, "gpus": args.gpus, "micro_batches": args.micro_batches, "tokens_per_gpu": args.tokens,
-        "routed_s": routed, "host_ms_per_call": sum(e.self_cpu_time_total for e in prof.key_averages()) / 3 / 1e3,
+        "weights": args.weights, "gpus": args.gpus, "schedule": args.schedule, "comm_sms": args.comm_sms,
+        "nccl_max_ctas": os.environ.get("NCCL_MAX_CTAS"), "tokens_per_gpu": args.tokens,
+        "routed_s": routed, "layer_s": layer, "shared_experts_s": shared, "host_ms_per_call": sum(e.self_cpu_time_total for e in prof.key_averages()) / 3 / 1e3,
         "kernels": kernels, "combine": combine,
     }  # fmt: skip
     args.out.write_text(json.dumps(result, indent=1) + "\n")
@@ -112,7 +117,8 @@ def main() -> None:
     parser.add_argument("--weights", default="fp8", choices=["fp8", "bf16"])
     parser.add_argument("--tokens", type=int, default=16384, help="hidden rows per GPU")
     parser.add_argument("--gpus", type=int, default=1)
-    parser.add_argument("--micro-batches", type=int, default=2, choices=[1, 2])
+    parser.add_argument("--schedule", default="all-to-all", choices=EP_SCHEDULES, help="PoolConfig.ep_schedule")
+    parser.add_argument("--comm-sms", type=int, default=0, help="PoolConfig.ep_comm_sms")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
     if args.gpus == 1:

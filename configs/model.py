@@ -47,6 +47,10 @@ def builtin_models() -> list[str]:
     return sorted(p.stem for p in MODELS_DIR.glob("*.json"))
 
 
+# how a MoE layer orders its expert-parallel work (configs.pool.PoolConfig.ep_schedule explains each)
+EP_SCHEDULES = ("all-to-all", "local-first", "two-micro-batches")
+
+
 @dataclass(frozen=True, kw_only=True)
 class MoEConfig:
     """The routed-expert MLP of a DeepSeek-family model (HF config names).

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from attention.backends.registry import MLAPrefillBackendEnum
-from configs.model import DTYPES, ModelConfig, load_model_config
+from configs.model import DTYPES, EP_SCHEDULES, ModelConfig, load_model_config
 from workers.pcp import STRATEGIES as PCP_STRATEGIES
 
 DEVICES = ("auto", "cpu", "cuda")
@@ -39,11 +39,21 @@ class PoolConfig:
     quantization     "auto": an FP8 model's linear layers and experts run as FP8 GEMMs where torch has
                      DeepSeek's block-scaled recipe (SM90) and dtype is bfloat16, and are dequantized to
                      dtype at load elsewhere; "none": always dequantized
-    ep_micro_batches 1, or 2: under expert parallelism each MoE layer splits its tokens in two so that one
-                     half's all-to-all overlaps the other half's experts (DeepSeek's two-micro-batch
-                     overlap). On one NVLink node it does not pay: 2 x H200, 16K tokens per GPU, one
-                     layer 17.6 ms with 1 and 19.4 ms with 2 (half-size grouped GEMMs run slower than
-                     the all-to-all they hide; benchmarks/results/2026-11-22-2xh200-moe-profile-ep2-mb*.json)
+    ep_schedule      how a MoE layer's expert-parallel work is ordered (in every schedule the shared
+                     experts compute while the combine all-to-all is in flight):
+                     "all-to-all": every routed row, a rank's own ones too, goes through one dispatch
+                     all-to-all; then the experts; then the combine. Measured on 2 x H200, 16K tokens per
+                     GPU: one layer's routed experts 1.32-1.44x their raw grouped GEMMs
+                     (benchmarks/results/2026-11-23-2xh200-deepseek-v3-5layers-fp8-tp-pcp.json).
+                     "local-first": the pairs of a rank's own tokens and own experts never travel; they
+                     are computed while the other rows' dispatch is in flight.
+                     "two-micro-batches": DeepSeek's overlap, the tokens in two halves, one half's
+                     all-to-all beside the other's experts. Without an SM carveout it measured slower on
+                     2 x H200 (one layer 17.6 -> 19.4 ms; benchmarks/results/2026-11-22-2xh200-moe-profile-ep2-mb*.json).
+                     local-first and the carveout are not yet measured on GPUs.
+    ep_comm_sms      SMs that kernels running beside an expert-parallel all-to-all leave free for it (torch's
+                     SM carveout, CUDA only; 0: none). With none, a persistent grouped GEMM beside an NCCL
+                     kernel runs in two waves; set it to the CTAs NCCL uses (NCCL_MAX_CTAS bounds them)
     device           "cuda", "cpu" or "auto" (cuda when the workers see a GPU)
     chunk_tokens     prompts are prefilled in chunks of at most this many tokens per request (32768:
                      on H200 a 128K prompt of a DeepSeek-V3 layer runs 10% faster than with 8K chunks on
@@ -89,7 +99,8 @@ class PoolConfig:
     backend: str = "auto"
     dtype: str = "auto"
     quantization: str = "auto"
-    ep_micro_batches: int = 1
+    ep_schedule: str = "all-to-all"
+    ep_comm_sms: int = 0
     device: str = "auto"
     chunk_tokens: int = 32768  # measured: benchmarks/results/2026-11-21-4xh200-pcp-chunk-sweep-128k.json
     max_batch_tokens: int = 32768
@@ -126,8 +137,10 @@ class PoolConfig:
             raise ValueError(f"pool config: dtype {self.dtype!r} is not one of auto, {', '.join(DTYPES)}")
         if self.quantization not in QUANTIZATIONS:
             raise ValueError(f"pool config: quantization {self.quantization!r} is not one of {', '.join(QUANTIZATIONS)}")
-        if self.ep_micro_batches not in (1, 2):
-            raise ValueError(f"pool config: ep_micro_batches must be 1 or 2, got {self.ep_micro_batches!r}")
+        if self.ep_schedule not in EP_SCHEDULES:
+            raise ValueError(f"pool config: ep_schedule {self.ep_schedule!r} is not one of {', '.join(EP_SCHEDULES)}")
+        if not isinstance(self.ep_comm_sms, int) or isinstance(self.ep_comm_sms, bool) or not 0 <= self.ep_comm_sms <= 64:
+            raise ValueError(f"pool config: ep_comm_sms must be an integer in 0..64, got {self.ep_comm_sms!r}")
         if self.spare_workers not in SPARE_MODES:
             raise ValueError(f"pool config: spare_workers {self.spare_workers!r} is not one of {', '.join(SPARE_MODES)}")
         if self.device not in DEVICES:

@@ -18,6 +18,7 @@ class RankResult:
     strategies: list  # rank 0: the PCP strategy of each batch
     moe_load: dict  # MoE layer -> (token, expert) pairs computed here
     experts: tuple | None  # the routed experts this rank holds
+    ep_schedules: set  # the schedules of this rank's MoE layers
 
 
 def chunk_batches(prompts: list[np.ndarray], chunk: int, prefix: str = "r"):
@@ -50,7 +51,8 @@ def _run_rank(rank, config, port, prompts, chunk, results, prepare):
             strategies.append(out.pcp_strategy)
             logits.update({r.request_id: r.logits.numpy() for r in out.results})
     kv = {f"r{i}": worker.fetch_kv(f"r{i}").tensor().float().numpy() for i in range(len(prompts))}
-    results.put(RankResult(rank, logits, kv, strategies, worker.moe_load(), info.experts))
+    schedules = {moe.schedule for _, moe in worker.model.moe_layers()}
+    results.put(RankResult(rank, logits, kv, strategies, worker.moe_load(), info.experts, schedules))
     if torch.distributed.is_initialized():
         torch.distributed.barrier()
         torch.distributed.destroy_process_group()
@@ -84,13 +86,6 @@ def run_workers(config, prompts: list[np.ndarray], chunk: int, *, prepare=None, 
 
 
 # ---- things a child process does before its worker starts (module-level: they are pickled by name) --
-def small_micro_batches() -> None:
-    """Let every MoE layer split its tokens in two micro-batches, however few (to test the overlap path)."""
-    import workers.moe
-
-    workers.moe.MIN_MICRO_BATCH_TOKENS = 1
-
-
 def emulated_fp8() -> None:
     """FP8 GEMMs on the CPU (``fp8_emulation``'s stand-ins), and a worker that believes it has them."""
     import fp8_emulation
@@ -98,4 +93,95 @@ def emulated_fp8() -> None:
 
     fp8_emulation.install()
     workers.worker.fp8_gemm_supported = lambda device: True
-    small_micro_batches()
+
+
+# ---- one MoE layer on every rank of an EP group -------------------------------------------------------
+def moe_layer_ranks(config, hidden: int, tokens: list[int], *, timeout: float = 120) -> list[dict]:
+    """One process per entry of ``tokens`` (gloo): each builds ``MoE(config)`` holding its share of the
+    experts (``moe_layer_state(config, hidden)`` sliced) and runs every EP schedule on its own
+    ``moe_layer_input(rank, n, hidden)``; returns each rank's ``{schedule: (routed, forward)}``."""
+    ctx = multiprocessing.get_context("spawn")
+    results = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_moe_rank, args=(rank, tokens, config, hidden, port, results)) for rank in range(len(tokens))]
+    for proc in procs:
+        proc.start()
+    try:
+        got = dict(_results_while_alive(results, procs, timeout))
+    finally:
+        for proc in procs:
+            proc.join(timeout=30)
+            if proc.is_alive():
+                proc.kill()
+    return [got[rank] for rank in range(len(tokens))]
+
+
+def moe_layer_state(config, hidden: int) -> dict:
+    """Seeded weights of a whole MoE layer (all experts; shared experts when the config has them)."""
+    gen = torch.Generator().manual_seed(11)
+    e, width = config.n_routed_experts, config.moe_intermediate_size
+    state = {
+        "gate.weight": torch.randn(e, hidden, generator=gen) / hidden**0.5,
+        "gate.e_score_correction_bias": torch.randn(e, generator=gen) * 0.5,
+        "experts.gate_up_proj": torch.randn(e, 2 * width, hidden, generator=gen) / hidden**0.5,
+        "experts.down_proj": torch.randn(e, hidden, width, generator=gen) / width**0.5,
+    }
+    shared = config.shared_intermediate_size
+    for name, shape in (("gate_proj", (shared, hidden)), ("up_proj", (shared, hidden)), ("down_proj", (hidden, shared))):
+        state[f"shared_experts.{name}.weight"] = torch.randn(*shape, generator=gen) / shape[1] ** 0.5
+    return state
+
+
+def moe_layer_input(rank: int, tokens: int, hidden: int) -> torch.Tensor:
+    return torch.randn(tokens, hidden, generator=torch.Generator().manual_seed(100 + rank))
+
+
+def build_moe_layer(config, hidden: int, ep, schedule: str = "all-to-all"):
+    """``workers.moe.MoE`` with float32 weights from :func:`moe_layer_state` (this EP rank's experts)."""
+    from workers.model import DenseMLP
+    from workers.moe import MoE
+
+    kw = {"dtype": torch.float32, "device": "cpu"}
+    moe = MoE(config, hidden, ep=ep, shared_experts=DenseMLP(hidden, config.shared_intermediate_size, **kw), schedule=schedule, **kw)
+    local = ep.experts(config.n_routed_experts)
+    state = moe_layer_state(config, hidden)
+    for name in ("experts.gate_up_proj", "experts.down_proj"):
+        state[name] = state[name][local.start : local.stop]
+    moe.load_state_dict(state)
+    return moe
+
+
+def _moe_rank(rank, tokens, config, hidden, port, results):
+    import torch.distributed as dist
+
+    from configs.model import EP_SCHEDULES
+    from workers.moe import EPGroup
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=len(tokens))
+    ep = EPGroup(rank, len(tokens), dist.group.WORLD)
+    x = moe_layer_input(rank, tokens[rank], hidden)
+    out = {}
+    with torch.no_grad():
+        for schedule in EP_SCHEDULES:
+            moe = build_moe_layer(config, hidden, ep, schedule)
+            out[schedule] = (moe.routed(x), moe(x), moe.pairs)
+    results.put((rank, out))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def _results_while_alive(results, procs, timeout: float):
+    """Each process's result; raises as soon as one exits without one (its traceback is on stderr)."""
+    import queue
+    import time
+
+    deadline = time.monotonic() + timeout
+    for _ in procs:
+        while True:
+            try:
+                yield results.get(timeout=1)
+                break
+            except queue.Empty:
+                dead = [p.exitcode for p in procs if p.exitcode not in (None, 0)]
+                if dead or time.monotonic() > deadline:
+                    raise RuntimeError(f"a rank failed (exit codes {[p.exitcode for p in procs]}) or timed out") from None

@@ -69,6 +69,8 @@ def quantize_activations(
     pad_rows_to: int = 1,
     silu_mul: bool = False,
     row_weight: torch.Tensor | None = None,
+    scatter_to: torch.Tensor | None = None,
+    scatter_rows: int = 0,
     impl: str = "auto",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Quantize ``x [M, K]`` to FP8 per row per ``group`` columns (``group == K``: one scale per row).
@@ -77,30 +79,43 @@ def quantize_activations(
     multiple of ``pad_rows_to`` (padding rows are zeros): ``scale.t()`` is the column-major
     ``[M', groups]`` layout torch's block-scaled GEMM takes, ``scale[0]`` the per-row scales of the
     grouped GEMM. ``silu_mul``: ``x`` is ``[M, 2K]`` and ``silu(x[:, :K]) * x[:, K:]`` is quantized;
-    ``row_weight [M]`` multiplies each row first. On CUDA a fused Triton kernel runs
-    (``workers.fp8_triton``), elsewhere torch ops; ``impl`` forces one ("triton" on CPU tensors needs
-    ``TRITON_INTERPRET=1``).
+    ``row_weight [M]`` multiplies each row first. ``scatter_to [M, S]``: each row is written to the
+    output rows it names (-1: none) instead, ``M' = scatter_rows`` (every output row must be named
+    once: a token's row copied to its experts' places, quantized once). On CUDA a fused Triton
+    kernel runs (``workers.fp8_triton``), elsewhere torch ops; ``impl`` forces one ("triton" on CPU
+    tensors needs ``TRITON_INTERPRET=1``).
     """
     k = x.shape[1] // 2 if silu_mul else x.shape[1]
     if k % group or (group % BLOCK and group != k):
         raise ValueError(f"quantization groups of {group} columns need K ({k}) to be a multiple, and 128 to divide {group}")
-    rows = -(-x.shape[0] // pad_rows_to) * pad_rows_to
+    if scatter_to is not None and (scatter_to.dim() != 2 or scatter_to.shape[0] != x.shape[0] or pad_rows_to != 1):
+        raise ValueError(f"scatter_to must be [{x.shape[0]}, slots] and rows not padded, got {tuple(scatter_to.shape)}, pad {pad_rows_to}")
+    rows = scatter_rows if scatter_to is not None else -(-x.shape[0] // pad_rows_to) * pad_rows_to
     use_triton = impl == "triton" or (impl == "auto" and x.is_cuda and group % BLOCK == 0)
     if impl == "triton" and not (x.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"):
         raise ValueError("impl='triton' needs CUDA tensors (or TRITON_INTERPRET=1 for the interpreter on CPU)")
     if use_triton:
         from workers.fp8_triton import quantize
 
-        return quantize(x.contiguous(), group, rows, silu_mul=silu_mul, row_weight=row_weight, fp8_max=FP8_MAX, eps=EPS)
+        return quantize(
+            x.contiguous(), group, rows, silu_mul=silu_mul, row_weight=row_weight, fp8_max=FP8_MAX, eps=EPS,
+            scatter_to=None if scatter_to is None else scatter_to.contiguous(),
+        )  # fmt: skip
     xf = x.float()
     if silu_mul:
         xf = nn.functional.silu(xf[:, :k]) * xf[:, k:]
     if row_weight is not None:
         xf = xf * row_weight.float()[:, None]
-    xf = nn.functional.pad(xf, (0, 0, 0, rows - x.shape[0]))
-    groups = xf.view(rows, k // group, group)
+    if scatter_to is None:
+        xf = nn.functional.pad(xf, (0, 0, 0, rows - x.shape[0]))
+    groups = xf.view(xf.shape[0], k // group, group)
     scale = groups.abs().amax(dim=-1).clamp(min=EPS) / FP8_MAX
-    q = (groups / scale[..., None]).clamp(-FP8_MAX, FP8_MAX).to(FP8).view(rows, k)
+    q = (groups / scale[..., None]).clamp(-FP8_MAX, FP8_MAX).to(FP8).view(xf.shape[0], k)
+    if scatter_to is not None:
+        named = scatter_to >= 0
+        source = torch.arange(x.shape[0], device=x.device)[:, None].expand_as(scatter_to)[named]
+        q = q.view(torch.uint8).new_empty(rows, k).index_copy_(0, scatter_to[named], q.view(torch.uint8)[source]).view(FP8)
+        scale = scale.new_empty(rows, scale.shape[1]).index_copy_(0, scatter_to[named], scale[source])
     return q, scale.new_empty(scale.shape[1], rows).copy_(scale.t())  # [groups, rows], strides (rows, 1) even for 1 group
 
 

@@ -8,7 +8,8 @@
         dense layer:  h = h + all_reduce(down_proj(silu(gate_proj(x)) * up_proj(x)))
         MoE layer:    this TP rank's 1/tp of the tokens go through the routed experts (expert
                       parallel over the whole replica, ``workers.moe``); the shared experts run
-                      TP-split on all tokens, reduce-scattered to the same 1/tp:
+                      TP-split on all tokens (while the routed experts' combine is in flight),
+                      reduce-scattered to the same 1/tp:
                       h_r = h[r] + routed(x[r]) + reduce_scatter(shared(x))[r];  h = all_gather(h_r)
     last = norm(h)[last token of each sequence]                  [B, hidden]
     logits = lm_head(last)                                       [B, vocab] float32
@@ -44,7 +45,7 @@ from attention.mla import MLAAttention, PrefillBatch, RMSNorm
 from configs.model import ModelConfig
 from workers.collectives import all_gather_into, reduce_scatter_into
 from workers.fp8 import BLOCK, FP8Linear
-from workers.moe import MoE, EPGroup
+from workers.moe import MoE, EPGroup, sm_carveout
 from workers.pcp import PCPPlan, context_parallel_attention
 
 COLUMN_PARALLEL = ("q_b_proj.weight", "q_proj.weight", "kv_b_proj.weight", "gate_proj.weight", "up_proj.weight")
@@ -124,7 +125,7 @@ class DenseMLP(nn.Module):
 class DecoderLayer(nn.Module):
     def __init__(
         self, config: ModelConfig, index: int, backend: MLAPrefillBackend, tp: TPShard, ep: EPGroup,
-        *, dtype: torch.dtype, device, fp8: bool, micro_batches: int,
+        *, dtype: torch.dtype, device, fp8: bool, ep_schedule: str, ep_comm_sms: int,
     ) -> None:  # fmt: skip
         super().__init__()
         eps, kw = config.attention.rms_norm_eps, {"dtype": dtype, "device": device}
@@ -134,7 +135,9 @@ class DecoderLayer(nn.Module):
         if config.is_moe_layer(index):
             moe = config.moe
             shared = DenseMLP(config.hidden_size, moe.shared_intermediate_size // tp.size, **kw) if moe.n_shared_experts else None
-            self.mlp = MoE(moe, config.hidden_size, ep=ep, shared_experts=shared, fp8=fp8, micro_batches=micro_batches, **kw)
+            self.mlp = MoE(
+                moe, config.hidden_size, ep=ep, shared_experts=shared, fp8=fp8, schedule=ep_schedule, comm_sms=ep_comm_sms, **kw
+            )
         else:
             self.mlp = DenseMLP(config.hidden_size, config.intermediate_size // tp.size, **kw)
 
@@ -162,7 +165,8 @@ class DeepseekPrefillModel(nn.Module):
         tp: TPShard = TPShard(),
         ep: EPGroup = EPGroup(),
         fp8: bool = False,
-        ep_micro_batches: int = 1,
+        ep_schedule: str = "all-to-all",
+        ep_comm_sms: int = 0,
         dtype: torch.dtype | None = None,
         device: torch.device | str = "cpu",
     ) -> None:
@@ -174,7 +178,7 @@ class DeepseekPrefillModel(nn.Module):
         if fp8 and dtype != torch.bfloat16:
             raise ValueError(f"FP8 GEMMs write bfloat16: the compute dtype must be bfloat16, got {dtype}")
         self.config, self.backend, self.tp, self.ep, self.fp8 = config, backend, tp, ep, fp8
-        kw = {"dtype": dtype, "device": "meta", "fp8": fp8, "micro_batches": ep_micro_batches}
+        kw = {"dtype": dtype, "device": "meta", "fp8": fp8, "ep_schedule": ep_schedule, "ep_comm_sms": ep_comm_sms}
         self.model = Backbone(config, backend, tp, ep, **kw)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False, dtype=dtype, device="meta")
         if fp8:
@@ -192,14 +196,17 @@ class DeepseekPrefillModel(nn.Module):
         tp: TPShard = TPShard(),
         ep: EPGroup = EPGroup(),
         fp8: bool = False,
-        ep_micro_batches: int = 1,
+        ep_schedule: str = "all-to-all",
+        ep_comm_sms: int = 0,
         dtype: torch.dtype | None = None,
         device: torch.device | str = "cpu",
     ) -> DeepseekPrefillModel:
         """A model whose layers share one backend instance for this rank's heads."""
         config.check_tp(tp.size)
         backend = config.attention.create_backend(backend_cls, num_heads=config.num_heads // tp.size, device=device)
-        return cls(config, backend, tp=tp, ep=ep, fp8=fp8, ep_micro_batches=ep_micro_batches, dtype=dtype, device=device)
+        return cls(
+            config, backend, tp=tp, ep=ep, fp8=fp8, ep_schedule=ep_schedule, ep_comm_sms=ep_comm_sms, dtype=dtype, device=device
+        )
 
     def _use_fp8_linears(self) -> None:
         """Swap every quantized linear layer (all but ``lm_head``) whose shard keeps the 128x128 blocks
@@ -269,10 +276,12 @@ class DeepseekPrefillModel(nn.Module):
         if self.tp.size == 1:
             return h + moe(x)
         mine = self.tp.my_tokens(x.shape[0])
-        local = h[mine] + moe.routed(x[mine])
-        if moe.shared_experts is not None:
-            local = local + self.tp.reduce_scatter(moe.shared_experts(x))
-        return self.tp.all_gather(local, x.shape[0])
+        finish = moe.start_routed(x[mine])
+        local = h[mine]
+        if moe.shared_experts is not None:  # while the routed experts' combine is in flight
+            with sm_carveout(moe.comm_sms if moe.ep.size > 1 else 0, x.device):
+                local = local + self.tp.reduce_scatter(moe.shared_experts(x))
+        return self.tp.all_gather(local + finish(), x.shape[0])
 
     def check_tokens(self, token_ids: torch.Tensor, batch: PrefillBatch | PCPPlan) -> None:
         """Raise ``TypeError``/``ValueError`` for token ids this model cannot prefill."""

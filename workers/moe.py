@@ -26,30 +26,34 @@ Expert parallelism, per micro-batch of tokens:
 
 Both sums read each row once and add in float32 (:func:`gather_sum`, a Triton kernel on CUDA).
 
-No (token, expert) pair is computed twice. With two micro-batches (``micro_batches=2``) the dispatch
-of the second and the combine of the first run while the experts of the other compute (as
-DeepSeek's prefill does), with one host sync for both; on one NVLink node one micro-batch is faster
-(see ``configs.pool.PoolConfig.ep_micro_batches``). With one rank the same code runs without the
-all-to-alls.
+No (token, expert) pair is computed twice. The combine runs while the caller computes the shared
+experts (:meth:`MoE.start_routed`). The schedules (``configs.pool.PoolConfig.ep_schedule``):
+
+- ``all-to-all``: one micro-batch, every row through the all-to-alls (a rank's own rows too);
+- ``local-first``: the pairs of a rank's own tokens on its own experts skip the all-to-all and are
+  computed while the dispatch of the others is in flight; the combine lands beside them;
+- ``two-micro-batches``: the dispatch of the second half and the combine of the first run while the
+  experts of the other compute (as DeepSeek's prefill does), with one host sync for both.
+
+Kernels running beside an all-to-all leave ``comm_sms`` SMs to it (:func:`sm_carveout`). With one
+rank the same code runs without the all-to-alls.
 """
 
 from __future__ import annotations
 
+import os
+from collections.abc import Callable
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
-
-import os
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from configs.model import MoEConfig
+from configs.model import EP_SCHEDULES, MoEConfig
 from workers.fp8 import FP8, quantize_activations
-
-MIN_MICRO_BATCH_TOKENS = 256  # below this a second micro-batch costs more in launches than it hides
-
 
 @dataclass(frozen=True)
 class EPGroup:
@@ -69,34 +73,46 @@ class EPGroup:
         return range(r * num_experts // self.size, (r + 1) * num_experts // self.size)
 
 
-def gather_sum(src: torch.Tensor, index: torch.Tensor, dtype: torch.dtype, *, impl: str = "auto") -> torch.Tensor:
+def gather_sum(
+    src: torch.Tensor, index: torch.Tensor, dtype: torch.dtype, *, out: torch.Tensor | None = None, impl: str = "auto"
+) -> torch.Tensor:
     """``out [T, H]`` in ``dtype`` with ``out[t] = sum_j src[index[t, j]]`` (float32 accumulation) over the
-    slots whose ``index [T, S]`` is not -1. A Triton kernel on CUDA (``workers.moe_triton``), torch ops
-    elsewhere; ``impl`` forces one ("triton" on CPU tensors needs ``TRITON_INTERPRET=1``)."""
+    slots whose ``index [T, S]`` is not -1 (written into ``out`` when given). A Triton kernel on CUDA (``workers.moe_triton``), torch ops elsewhere; ``impl``
+    forces one ("triton" on CPU tensors needs ``TRITON_INTERPRET=1``)."""
     if impl == "triton" or (impl == "auto" and src.is_cuda):
         if impl == "triton" and not (src.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"):
             raise ValueError("impl='triton' needs CUDA tensors (or TRITON_INTERPRET=1 for the interpreter on CPU)")
         from workers.moe_triton import gather_sum as kernel
 
-        return kernel(src.contiguous(), index.contiguous(), dtype)
+        return kernel(src, index.contiguous(), dtype, out)
     padded = torch.cat([src, src.new_zeros(1, src.shape[1])])  # row -1 reads zeros
     rows = padded.index_select(0, torch.where(index >= 0, index, src.shape[0]).reshape(-1))
-    return rows.view(*index.shape, src.shape[1]).sum(dim=1, dtype=torch.float32).to(dtype)
+    result = rows.view(*index.shape, src.shape[1]).sum(dim=1, dtype=torch.float32).to(dtype)
+    return result if out is None else out.copy_(result)
 
 
 # ---- routing -------------------------------------------------------------------------------------
-def route(logits: torch.Tensor, config: MoEConfig, bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def route(
+    logits: torch.Tensor, config: MoEConfig, bias: torch.Tensor | None = None, *, impl: str = "auto"
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Routing weights ``[T, k]`` (float32) and expert ids ``[T, k]`` (int64) from router logits ``[T, E]``.
 
     ``bias`` is ``e_score_correction_bias`` (``noaux_tc``: used to choose experts, not to weigh them).
+    A Triton kernel on CUDA (``workers.moe_triton``), torch ops elsewhere; ``impl`` forces one.
     """
+    if impl == "triton" or (impl == "auto" and logits.is_cuda):
+        if impl == "triton" and not (logits.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"):
+            raise ValueError("impl='triton' needs CUDA tensors (or TRITON_INTERPRET=1 for the interpreter on CPU)")
+        from workers.moe_triton import route as kernel
+
+        return kernel(logits.float().contiguous(), config, bias)
     logits = logits.float()
     scores = torch.sigmoid(logits) if config.scoring_func == "sigmoid" else logits.softmax(dim=-1)
     tokens, k = scores.shape[0], config.num_experts_per_tok
     if config.topk_method == "noaux_tc":
         choice = scores + bias if bias is not None else scores
         if config.grouped:
-            grouped = choice.view(tokens, config.n_group, -1)
+            grouped = choice.view(tokens, config.n_group, config.n_routed_experts // config.n_group)
             group_scores = grouped.topk(2, dim=-1).values.sum(dim=-1)
             choice = _keep_groups(choice, group_scores, config, float("-inf"))
         ids = choice.topk(k, dim=-1, sorted=False).indices
@@ -105,7 +121,7 @@ def route(logits: torch.Tensor, config: MoEConfig, bias: torch.Tensor | None = N
             weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
         return weights * config.routed_scaling_factor, ids
     if config.grouped:  # group_limited_greedy
-        group_scores = scores.view(tokens, config.n_group, -1).amax(dim=-1)
+        group_scores = scores.view(tokens, config.n_group, config.n_routed_experts // config.n_group).amax(dim=-1)
         scores = _keep_groups(scores, group_scores, config, 0.0)
     weights, ids = scores.topk(k, dim=-1, sorted=False)
     if k > 1 and config.norm_topk_prob:
@@ -167,12 +183,13 @@ class Experts(nn.Module):
     def num_local(self) -> int:
         return self.gate_up_proj.shape[0]
 
-    def prepare(self, x: torch.Tensor) -> list[torch.Tensor]:
+    def prepare(self, x: torch.Tensor, scatter_to: torch.Tensor | None = None, rows: int = 0) -> list[torch.Tensor]:
         """The rows to dispatch for tokens ``x [T, H]``: ``[x]``, or in FP8 ``[q [T, H] (bytes), scale [T]]``
-        (quantized once per token, before the rows are copied to their experts)."""
+        (quantized once per token, before the rows are copied to their experts). In FP8 with
+        ``scatter_to [T, k]`` each token's row is quantized straight into the ``rows`` pair rows it names."""
         if not self.fp8:
             return [x]
-        q, scale = quantize_activations(x, x.shape[1])
+        q, scale = quantize_activations(x, x.shape[1], scatter_to=scatter_to, scatter_rows=rows)
         return [q.view(torch.uint8), scale[0]]
 
     def forward(self, rows: list[torch.Tensor], weights: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
@@ -194,14 +211,37 @@ class Experts(nn.Module):
 
 
 # ---- the layer ------------------------------------------------------------------------------------
+@contextmanager
+def sm_carveout(sms: int, device: torch.device):
+    """Kernels launched inside leave ``sms`` SMs to a collective running beside them (torch's SM
+    carveout, read by its grouped GEMMs and cuBLAS at launch). Without it a persistent GEMM launched
+    next to an NCCL kernel runs in two waves: the CTAs whose SMs the collective holds start only when
+    it ends (2 x H200: the experts' GEMMs 11.4 -> 13.9 ms beside the all-to-all,
+    ``benchmarks/results/2026-11-22-2xh200-moe-profile-ep2-mb*.json``). A no-op off CUDA or for 0."""
+    if sms <= 0 or device.type != "cuda":
+        yield
+        return
+    before = torch._C._get_sm_carveout_experimental()
+    torch._C._set_sm_carveout_experimental(sms)
+    try:
+        yield
+    finally:
+        torch._C._set_sm_carveout_experimental(before)
+
+
 class MoE(nn.Module):
     """One MoE MLP on one rank: ``gate`` (the router), this rank's ``experts`` and the TP shard of the
     ``shared_experts`` (an MLP module given by the caller; None without shared experts).
 
     :meth:`forward` runs all of it on the same tokens (one rank, or every rank of a TP group with
     the same tokens, its result then a partial sum of the shared part); the model splits tokens over
-    TP ranks itself and calls :meth:`routed` and ``shared_experts`` apart. ``pairs`` counts the
-    (token, expert) pairs this rank's experts have computed (the worker's expert-load report).
+    TP ranks itself and calls :meth:`start_routed` and ``shared_experts`` apart, the shared experts
+    while the combine all-to-all is in flight. ``pairs`` counts the (token, expert) pairs this rank's
+    experts have computed (the worker's expert-load report).
+
+    ``schedule`` (one of :data:`EP_SCHEDULES`; see ``configs.pool.PoolConfig.ep_schedule``) orders the
+    expert-parallel work; ``comm_sms`` is the SM carveout (:func:`sm_carveout`) of the kernels that run
+    beside an all-to-all.
     """
 
     def __init__(
@@ -213,13 +253,16 @@ class MoE(nn.Module):
         shared_experts: nn.Module | None = None,
         dtype: torch.dtype,
         fp8: bool = False,
-        micro_batches: int = 1,
+        schedule: str = "all-to-all",
+        comm_sms: int = 0,
         device=None,
     ) -> None:
         super().__init__()
-        if micro_batches not in (1, 2):
-            raise ValueError(f"EP micro-batches must be 1 or 2, got {micro_batches!r}")
-        self.config, self.ep, self.micro_batches = config, ep, micro_batches
+        if schedule not in EP_SCHEDULES:
+            raise ValueError(f"EP schedule {schedule!r} is not one of {', '.join(EP_SCHEDULES)}")
+        if not isinstance(comm_sms, int) or comm_sms < 0:
+            raise ValueError(f"EP comm SMs must be an integer >= 0, got {comm_sms!r}")
+        self.config, self.ep, self.schedule, self.comm_sms = config, ep, schedule, comm_sms
         local = ep.experts(config.n_routed_experts)
         self.first_expert = local.start
         self.gate = Router(config, hidden, dtype=dtype, device=device)
@@ -237,22 +280,39 @@ class MoE(nn.Module):
         return self._tables
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = self.routed(x)
-        return out if self.shared_experts is None else out + self.shared_experts(x)
+        finish = self.start_routed(x)
+        if self.shared_experts is None:
+            return finish()
+        with sm_carveout(self.comm_sms if self.ep.size > 1 else 0, x.device):
+            shared = self.shared_experts(x)
+        return finish() + shared
 
     def routed(self, x: torch.Tensor) -> torch.Tensor:
         """The routed experts' weighted sum for tokens ``x [T, H]`` held by this rank (every rank of the
         EP group calls it, each with its own tokens)."""
-        weights, ids = self.gate(x)
-        rows = self.experts.prepare(x)
-        if self.ep.size == 1:
-            local_ids = ids - self.first_expert
-            return self._compute(rows, local_ids, weights, ids.numel()).to(x.dtype)
-        return self._expert_parallel(x, rows, ids, weights)
+        return self.start_routed(x)()
 
-    def _compute(self, rows: list[torch.Tensor], local_ids: torch.Tensor, weights: torch.Tensor, pairs: int) -> torch.Tensor:
+    def start_routed(self, x: torch.Tensor) -> Callable[[], torch.Tensor]:
+        """Start :meth:`routed`; returns the function that waits for the combine all-to-all and gives
+        the sum (compute something else in between: it overlaps the combine)."""
+        weights, ids = self.gate(x)
+        if self.ep.size == 1:
+            out = self._compute(x, ids - self.first_expert, weights, ids.numel()).to(x.dtype)
+            return lambda: out
+        rows = self.experts.prepare(x)
+        if self.schedule == "local-first":
+            return self._local_first(x, rows, ids, weights)
+        # every rank splits, whatever its token count: the ranks' count exchanges must agree in size
+        return self._micro_batches(x, rows, ids, weights, 2 if self.schedule == "two-micro-batches" else 1)
+
+    def _compute(
+        self, rows: list[torch.Tensor] | torch.Tensor, local_ids: torch.Tensor, weights: torch.Tensor, pairs: int,
+        out: torch.Tensor | None = None,
+    ) -> torch.Tensor:  # fmt: skip
         """Rows ``[N, ...]`` with their local expert ids ``[N, k]`` (-1: not here) and weights ``[N, k]``,
-        ``pairs`` of the ids valid -> the weighted sum of each row's experts ``[N, H]``."""
+        ``pairs`` of the ids valid -> the weighted sum of each row's experts ``[N, H]`` (into ``out``).
+        ``rows``: as :meth:`Experts.prepare` makes them, or the hidden rows themselves (FP8 experts then
+        quantize each row straight into its pairs' places)."""
         n, k = local_ids.shape
         flat = local_ids.reshape(-1)
         if pairs == flat.numel():
@@ -263,19 +323,26 @@ class MoE(nn.Module):
         pair_index = pair_index[torch.argsort(experts, stable=True)]
         offs = torch.bincount(experts, minlength=self.experts.num_local).cumsum(0).to(torch.int32)
         self.pairs += pairs
-        dtype = torch.bfloat16 if self.experts.fp8 else rows[0].dtype
+        hidden = rows if isinstance(rows, torch.Tensor) else None
+        dtype = torch.bfloat16 if self.experts.fp8 else (rows if hidden is not None else rows[0]).dtype
         if not pairs:
-            return rows[0].new_zeros(n, self.experts.down_proj.shape[1], dtype=dtype)
-        y = self.experts([r.index_select(0, pair_index // k) for r in rows], weights.reshape(-1)[pair_index], offs)
-        # where each (row, slot)'s output is in y, or -1
-        where = torch.full((n * k,), -1, dtype=torch.int64, device=y.device).index_copy_(
-            0, pair_index, torch.arange(pairs, device=y.device)
+            zeros = local_ids.new_zeros(n, self.experts.down_proj.shape[1], dtype=dtype)
+            return zeros if out is None else out.copy_(zeros)
+        # where each (row, slot)'s pair is in the experts' rows (sorted by expert), or -1
+        where = torch.full((n * k,), -1, dtype=torch.int64, device=flat.device).index_copy_(
+            0, pair_index, torch.arange(pairs, device=flat.device)
         )
-        return gather_sum(y, where.view(n, k), dtype)
+        if hidden is not None and self.experts.fp8:
+            pair_rows = self.experts.prepare(hidden, scatter_to=where.view(n, k), rows=pairs)
+        else:
+            pair_rows = [r.index_select(0, pair_index // k) for r in ([hidden] if hidden is not None else rows)]
+        y = self.experts(pair_rows, weights.reshape(-1)[pair_index], offs)
+        return gather_sum(y, where.view(n, k), dtype, out=out)
 
-    def _expert_parallel(self, x: torch.Tensor, rows: list[torch.Tensor], ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    def _micro_batches(self, x, rows, ids, weights, parts: int) -> Callable[[], torch.Tensor]:
+        """Every routed row, this rank's own too, through the all-to-alls; with two parts the dispatch
+        of the second and the combine of the first run beside the other's experts."""
         tokens = x.shape[0]
-        parts = 2 if self.micro_batches == 2 and tokens >= 2 * MIN_MICRO_BATCH_TOKENS else 1
         bounds = [tokens * i // parts for i in range(parts + 1)]
         plans = [_Dispatch(self, ids[a:b], weights[a:b]) for a, b in zip(bounds, bounds[1:])]
         _exchange_counts(plans, self.ep)
@@ -283,33 +350,62 @@ class MoE(nn.Module):
         returns = []
         for plan, work in zip(plans, sent):
             received = work()
-            y = self._compute(received[:-1], *plan.unpack_meta(received[-1]), plan.recv_pairs)
+            with sm_carveout(self.comm_sms if parts > 1 else 0, x.device):  # beside the other part's all-to-all
+                y = self._compute(received[:-1], *plan.unpack_meta(received[-1]), plan.recv_pairs)
             returns.append(plan.send_back(y))
-        return torch.cat([plan.combine(work(), x.dtype) for plan, work in zip(plans, returns)])
+        return lambda: torch.cat([plan.combine(work(), x.dtype) for plan, work in zip(plans, returns)])
+
+    def _local_first(self, x, rows, ids, weights) -> Callable[[], torch.Tensor]:
+        """The pairs of this rank's tokens and experts never travel: they are computed while the other
+        rows' dispatch is in flight, into the first rows of the buffer the combine lands in."""
+        plan = _Dispatch(self, ids, weights, keep_local=True)
+        _exchange_counts([plan], self.ep)
+        dispatched = plan.send(rows)
+        dtype = torch.bfloat16 if self.experts.fp8 else x.dtype
+        partials = x.new_empty(x.shape[0] + sum(plan.send_rows), x.shape[1], dtype=dtype)
+        with sm_carveout(self.comm_sms, x.device):
+            self._compute(rows, plan.local_ids(), weights, plan.local_pairs, out=partials[: x.shape[0]])
+        received = dispatched()
+        y = self._compute(received[:-1], *plan.unpack_meta(received[-1]), plan.recv_pairs)
+        work = plan.send_back(y, out=partials[x.shape[0] :])
+        return lambda: plan.combine(work(), x.dtype, local=partials)
 
 
 class _Dispatch:
-    """One micro-batch's trip to the experts' ranks and back (see the module docstring)."""
+    """One micro-batch's trip to the experts' ranks and back (see the module docstring). With
+    ``keep_local`` the rows for this rank's own experts stay here (the ``local-first`` schedule)."""
 
-    def __init__(self, moe: MoE, ids: torch.Tensor, weights: torch.Tensor) -> None:
-        self.ep = moe.ep
+    def __init__(self, moe: MoE, ids: torch.Tensor, weights: torch.Tensor, *, keep_local: bool = False) -> None:
+        self.ep, self.keep_local = moe.ep, keep_local
         self.tokens, self.k = ids.shape
         size = self.ep.size
         owner_of, first = moe.expert_tables(ids.device)
         self.owner = owner_of[ids]  # [T, k]
         goes = torch.zeros(self.tokens, size, dtype=torch.bool, device=ids.device).scatter_(1, self.owner, True)
-        self.goes_flat = goes.t().reshape(-1)  # [W * T]: (rank, token), rank-major
         pairs = torch.bincount(self.owner.reshape(-1), minlength=size)
         self.counts = torch.stack([goes.sum(dim=0), pairs], dim=1)  # [W, 2]: rows and pairs per destination
+        if keep_local:
+            self.here = goes[:, self.ep.rank].clone()
+            goes[:, self.ep.rank] = False
+        self.goes_flat = goes.t().reshape(-1)  # [W * T]: (rank, token), rank-major
         self.ids, self.weights, self.first = ids, weights, first
 
     def set_counts(self, send: list[list[int]], recv: list[list[int]]) -> None:
+        if self.keep_local:  # this rank's own rows and pairs: not sent
+            me = self.ep.rank
+            self.local_pairs = send[me][1]
+            send, recv = list(send), list(recv)
+            send[me] = recv[me] = [0, 0]
         self.send_rows = [rows for rows, _ in send]
         self.recv_rows = [rows for rows, _ in recv]
         self.recv_pairs = sum(pairs for _, pairs in recv)
         # (rank, token) of every row sent, rank-major: a known count, so no host sync
         self.slots = torch.nonzero_static(self.goes_flat, size=sum(self.send_rows)).squeeze(1)
         self.token = self.slots % max(self.tokens, 1)
+
+    def local_ids(self) -> torch.Tensor:
+        """``[T, k]``: each pair's expert id on this rank where this rank holds it, else -1."""
+        return torch.where(self.owner == self.ep.rank, self.ids - self.first[self.ep.rank], -1)
 
     def send(self, rows: list[torch.Tensor]):
         """Start the dispatch of ``rows`` (each ``[T, ...]``) and the pairs' local ids and weights; returns
@@ -323,15 +419,21 @@ class _Dispatch:
     def unpack_meta(self, meta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return meta[:, : self.k].long(), meta[:, self.k :].contiguous().view(torch.float32)
 
-    def send_back(self, y: torch.Tensor):
-        return _all_to_all([y], self.recv_rows, self.send_rows, self.ep)
+    def send_back(self, y: torch.Tensor, out: torch.Tensor | None = None):
+        return _all_to_all([y], self.recv_rows, self.send_rows, self.ep, outs=None if out is None else [out])
 
-    def combine(self, received: list[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
-        """Every rank's partial sums of this micro-batch's tokens -> their sum ``[T, H]`` (fp32 accumulation)."""
+    def combine(self, received: list[torch.Tensor], dtype: torch.dtype, local: torch.Tensor | None = None) -> torch.Tensor:
+        """Every rank's partial sums of this micro-batch's tokens -> their sum ``[T, H]`` (fp32 accumulation,
+        in rank order). ``local``: the buffer whose first ``T`` rows are this rank's own partial sums and
+        whose other rows are ``received`` (the local-first schedule)."""
         (y,) = received
+        first = 0 if local is None else self.tokens
         where = torch.full((self.ep.size * self.tokens,), -1, dtype=torch.int64, device=y.device)
-        where.index_copy_(0, self.slots, torch.arange(len(self.slots), device=y.device))
-        return gather_sum(y, where.view(self.ep.size, self.tokens).t(), dtype)
+        where.index_copy_(0, self.slots, torch.arange(first, first + len(self.slots), device=y.device))
+        if local is not None:
+            token = torch.arange(self.tokens, device=y.device)
+            where[self.ep.rank * self.tokens : (self.ep.rank + 1) * self.tokens] = torch.where(self.here, token, -1)
+        return gather_sum(y if local is None else local, where.view(self.ep.size, self.tokens).t(), dtype)
 
 
 def _exchange_counts(plans: list[_Dispatch], ep: EPGroup) -> None:
@@ -344,14 +446,14 @@ def _exchange_counts(plans: list[_Dispatch], ep: EPGroup) -> None:
         plan.set_counts([row[2 * i : 2 * i + 2] for row in send_host], [row[2 * i : 2 * i + 2] for row in recv_host])
 
 
-def _all_to_all(tensors: list[torch.Tensor], send_rows: list[int], recv_rows: list[int], ep: EPGroup):
-    """Start one all-to-all per tensor (rows split by ``send_rows``; FP8 moved as bytes); returns a
-    function that waits for them and gives the received tensors."""
-    works, outs = [], []
-    for tensor in tensors:
-        out = tensor.new_empty(sum(recv_rows), *tensor.shape[1:])
+def _all_to_all(tensors: list[torch.Tensor], send_rows: list[int], recv_rows: list[int], ep: EPGroup, outs=None):
+    """Start one all-to-all per tensor (rows split by ``send_rows``; FP8 moved as bytes) into ``outs``
+    (default: new tensors); returns a function that waits for them and gives the received tensors."""
+    works = []
+    if outs is None:
+        outs = [tensor.new_empty(sum(recv_rows), *tensor.shape[1:]) for tensor in tensors]
+    for tensor, out in zip(tensors, outs):
         works.append(dist.all_to_all_single(out, tensor.contiguous(), recv_rows, send_rows, group=ep.group, async_op=True))
-        outs.append(out)
 
     def wait() -> list[torch.Tensor]:
         for work in works:

@@ -55,6 +55,26 @@ def test_activation_quantization_fuses_the_expert_activation_and_routing_weight(
     assert _relative(q.float() * scale[0][:, None], expected) < 0.04
 
 
+@pytest.mark.parametrize("impl", ["torch", "triton"])
+def test_quantization_scattered_to_the_pairs_equals_quantizing_then_gathering(impl):
+    """Each token's row quantized once and written to its experts' places (-1: none) equals the
+    per-row quantization by the same implementation gathered to those places, bit for bit (Triton's
+    interpreter on CPU: its FP8 casts round small values differently from torch's, so each
+    implementation is its own reference here; the GPU test compares the two)."""
+    x = torch.randn(21, 256) * 3
+    order = torch.randperm(21 * 3, generator=torch.Generator().manual_seed(0))
+    dest = torch.full((21 * 3,), -1, dtype=torch.int64)
+    named = order[:50]  # 50 of the 63 (row, slot)s go somewhere: a permutation of the 50 output rows
+    dest[named] = torch.arange(50)
+    dest = dest.view(21, 3)
+    q, scale = quantize_activations(x, 256, scatter_to=dest, scatter_rows=50, impl=impl)
+    ref_q, ref_scale = quantize_activations(x, 256, impl=impl)
+    source = named // 3  # output row i is (row, slot) named[i]
+    assert q.shape == (50, 256) and scale.shape == (1, 50)
+    assert torch.equal(scale[0], ref_scale[0][source])
+    assert torch.equal(q.view(torch.uint8), ref_q.view(torch.uint8)[source])
+
+
 def test_bad_quantization_groups_are_refused():
     with pytest.raises(ValueError, match="K \\(200\\) to be a multiple"):
         quantize_activations(torch.randn(4, 200), 128)
@@ -63,13 +83,19 @@ def test_bad_quantization_groups_are_refused():
 # ---- on a GPU: the kernel and torch's GEMMs --------------------------------------------------------------
 @gpu
 @pytest.mark.gpu
-@pytest.mark.parametrize("group,silu_mul,weighted", [(128, False, False), (7168, False, False), (2048, True, True)])
-def test_triton_quantization_equals_torch(group, silu_mul, weighted):
+@pytest.mark.parametrize(
+    "group,silu_mul,weighted,scattered",
+    [(128, False, False, False), (7168, False, False, False), (2048, True, True, False), (7168, False, False, True)],
+)
+def test_triton_quantization_equals_torch(group, silu_mul, weighted, scattered):
     width = group if group != 128 else 7168
     x = torch.randn(1000, 2 * width if silu_mul else width, device="cuda").to(torch.bfloat16) * 3
     weight = torch.rand(1000, device="cuda") if weighted else None
-    got = quantize_activations(x, group, pad_rows_to=4, silu_mul=silu_mul, row_weight=weight, impl="triton")
-    ref = quantize_activations(x, group, pad_rows_to=4, silu_mul=silu_mul, row_weight=weight, impl="torch")
+    kw = {"pad_rows_to": 4, "silu_mul": silu_mul, "row_weight": weight}
+    if scattered:  # each row to 8 places of 8000, as a token's row goes to its experts' pairs
+        kw = {"scatter_to": torch.randperm(8000, device="cuda").view(1000, 8), "scatter_rows": 8000}
+    got = quantize_activations(x, group, impl="triton", **kw)
+    ref = quantize_activations(x, group, impl="torch", **kw)
     torch.testing.assert_close(got[1], ref[1], rtol=1e-6, atol=0)
     mismatched = (got[0].float() != ref[0].float()).float().mean().item()
     assert mismatched < 1e-3  # a value at a rounding tie may land either side

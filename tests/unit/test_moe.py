@@ -10,17 +10,17 @@ import pytest
 import torch
 from hf_models import save_fp8, tiny_moe
 from safetensors.torch import load_file, save_file
-from spmd import emulated_fp8, run_workers, small_micro_batches
+from spmd import build_moe_layer, emulated_fp8, moe_layer_input, moe_layer_ranks, run_workers
 from transformers.models.deepseek_v2.modeling_deepseek_v2 import DeepseekV2TopkRouter
 from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3TopkRouter
 
 from attention.backends.torch_sdpa import TorchSDPAPrefillBackend
 from attention.mla import plan_prefill_batch
-from configs.model import MoEConfig, load_model_config, model_config_from_dict
+from configs.model import EP_SCHEDULES, MoEConfig, load_model_config, model_config_from_dict
 from configs.pool import PoolConfig
 from workers.fp8 import FP8Linear, block_dequantize
 from workers.model import DeepseekPrefillModel
-from workers.moe import EPGroup, gather_sum, route
+from workers.moe import EPGroup, gather_sum, route, sm_carveout
 from workers.pcp import interleave_shards
 from workers.weights import check_checkpoint, load_weights
 
@@ -94,6 +94,35 @@ def test_v2_routing_normalizes_or_scales_but_not_both():
     torch.testing.assert_close(weights.sort(descending=True).values[0], p / p.sum())
 
 
+
+ROUTING_CASES = {
+    **{name: load_model_config(name).moe for name in ("deepseek-v3", "deepseek-v2", "deepseek-v2-lite", "kimi-k2")},
+    "v2-normalized": MoEConfig(n_routed_experts=16, num_experts_per_tok=3, moe_intermediate_size=8, scoring_func="softmax",
+                               topk_method="group_limited_greedy", n_group=4, topk_group=2, norm_topk_prob=True,
+                               routed_scaling_factor=3.0),  # normalized, so never scaled (DeepSeek-V2's rule)
+    "three-groups": MoEConfig(n_routed_experts=12, num_experts_per_tok=2, moe_intermediate_size=8, n_group=3, topk_group=2,
+                              routed_scaling_factor=2.5),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("name", ROUTING_CASES)
+@pytest.mark.parametrize("device", ["cpu"] + ([pytest.param("cuda", marks=pytest.mark.gpu)] if torch.cuda.is_available() else []))
+def test_triton_routing_equals_torch(name, device):
+    """The routing kernel (Triton's interpreter on CPU) chooses the same experts with the same weights
+    as the torch ops, for every built-in family's rules and a group count that is not a power of two."""
+    config = ROUTING_CASES[name]
+    gen = torch.Generator().manual_seed(7)
+    logits = (torch.randn(37, config.n_routed_experts, generator=gen) * 2).to(device)  # not a multiple of the kernel's block
+    bias = (torch.randn(config.n_routed_experts, generator=gen) * 0.5).to(device) if config.topk_method == "noaux_tc" else None
+    weights, ids = route(logits, config, bias, impl="torch")
+    got_weights, got_ids = route(logits, config, bias, impl="triton")
+    assert got_ids.dtype == torch.int64 and got_weights.dtype == torch.float32
+    order, got_order = ids.argsort(dim=1), got_ids.argsort(dim=1)
+    assert torch.equal(got_ids.gather(1, got_order), ids.gather(1, order))
+    torch.testing.assert_close(got_weights.gather(1, got_order), weights.gather(1, order), rtol=1e-6, atol=1e-7)
+    empty = route(logits[:0], config, bias, impl="triton")
+    assert empty[0].shape == empty[1].shape == (0, config.num_experts_per_tok)
+
 @pytest.mark.parametrize(
     "impl,device,dtype",
     [("torch", "cpu", torch.float32), ("triton", "cpu", torch.float32)]
@@ -149,18 +178,23 @@ def test_fp8_gemm_path_keeps_the_checkpoint_format(checkpoints, prompts, monkeyp
 
 # ---- expert parallelism in worker processes --------------------------------------------------------
 @pytest.mark.parametrize(
-    "name,tp,pcp,prepare",
+    "name,tp,pcp,schedule",
     [
-        pytest.param("v3", 2, 1, small_micro_batches, id="v3-tp2-two-micro-batches"),
-        pytest.param("v2", 1, 2, None, id="v2-pcp2"),
-        pytest.param("v3", 2, 2, small_micro_batches, id="v3-tp2xpcp2-two-micro-batches"),
-        pytest.param("v3-fp8", 1, 3, None, id="v3-fp8-dequantized-pcp3-uneven-experts"),
+        pytest.param("v3", 2, 1, "two-micro-batches", id="v3-tp2-two-micro-batches"),
+        pytest.param("v3", 2, 1, "local-first", id="v3-tp2-local-first"),
+        pytest.param("v2", 1, 2, "all-to-all", id="v2-pcp2"),
+        pytest.param("v3", 2, 2, "two-micro-batches", id="v3-tp2xpcp2-two-micro-batches"),
+        pytest.param("v3", 2, 2, "local-first", id="v3-tp2xpcp2-local-first"),
+        pytest.param("v3-fp8", 1, 3, "all-to-all", id="v3-fp8-dequantized-pcp3-uneven-experts"),
+        pytest.param("v3-fp8", 1, 3, "local-first", id="v3-fp8-dequantized-pcp3-local-first"),
     ],
 )
-def test_expert_parallel_workers_equal_one_process(checkpoints, prompts, name, tp, pcp, prepare):
+def test_expert_parallel_workers_equal_one_process(checkpoints, prompts, name, tp, pcp, schedule):
     path, _ = checkpoints[name]
-    config = PoolConfig(checkpoint=str(path), tp=tp, pcp=pcp, device="cpu", chunk_tokens=48, block_size=8, kv_cache_tokens=1024)
-    got = run_workers(config, prompts, 48, prepare=prepare)
+    config = PoolConfig(checkpoint=str(path), tp=tp, pcp=pcp, device="cpu", chunk_tokens=48, block_size=8, kv_cache_tokens=1024,
+                        ep_schedule=schedule)  # fmt: skip
+    got = run_workers(config, prompts, 48)
+    assert all(r.ep_schedules == {schedule} for r in got)
     reference = _ours(path)
     k = reference.config.moe.num_experts_per_tok
     for i, prompt in enumerate(prompts):
@@ -174,11 +208,61 @@ def test_expert_parallel_workers_equal_one_process(checkpoints, prompts, name, t
         assert sum(r.moe_load[layer] for r in got) == sum(PROMPT_LENS) * k
 
 
-def test_expert_parallel_fp8_gemms(checkpoints, prompts):
+@pytest.mark.parametrize("tokens", [[37, 0, 5], [300, 1]], ids=["3-ranks-one-empty", "2-ranks-uneven"])
+def test_every_ep_schedule_equals_one_rank_holding_all_experts(tokens):
+    """One MoE layer (V3 routing with a bias, a shared expert) over 2 and 3 gloo ranks (16 experts: 5/5/6
+    on 3), a rank with no tokens and one with a single token: each schedule's routed sum and whole layer
+    equal the layer on one rank, and every (token, expert) pair is computed once."""
+    config = MoEConfig(n_routed_experts=16, num_experts_per_tok=4, moe_intermediate_size=32, n_shared_experts=1,
+                       n_group=4, topk_group=2, routed_scaling_factor=2.5)  # fmt: skip
+    hidden = 64
+    got = moe_layer_ranks(config, hidden, tokens)
+    whole = build_moe_layer(config, hidden, EPGroup())
+    for rank, n in enumerate(tokens):
+        x = moe_layer_input(rank, n, hidden)
+        with torch.no_grad():
+            routed, layer = whole.routed(x), whole(x)
+        assert set(got[rank]) == set(EP_SCHEDULES)
+        for schedule, (r, f, _) in got[rank].items():
+            torch.testing.assert_close(r, routed, atol=1e-5, rtol=1e-5, msg=f"{schedule}, rank {rank}: routed")
+            torch.testing.assert_close(f, layer, atol=1e-5, rtol=1e-5, msg=f"{schedule}, rank {rank}: layer")
+    for schedule in EP_SCHEDULES:  # two calls (routed, then the layer) per rank
+        assert sum(ranks[schedule][2] for ranks in got) == 2 * sum(tokens) * config.num_experts_per_tok, schedule
+
+
+def test_sm_carveout_is_set_only_around_cuda_work_and_restored():
+    assert torch._C._get_sm_carveout_experimental() is None
+    with sm_carveout(16, torch.device("cuda")):
+        assert torch._C._get_sm_carveout_experimental() == 16
+        with sm_carveout(8, torch.device("cuda")):
+            assert torch._C._get_sm_carveout_experimental() == 8
+        assert torch._C._get_sm_carveout_experimental() == 16
+    assert torch._C._get_sm_carveout_experimental() is None
+    with sm_carveout(16, torch.device("cpu")), sm_carveout(0, torch.device("cuda")):
+        assert torch._C._get_sm_carveout_experimental() is None
+    with pytest.raises(RuntimeError, match="boom"), sm_carveout(16, torch.device("cuda")):
+        raise RuntimeError("boom")
+    assert torch._C._get_sm_carveout_experimental() is None
+
+
+def test_bad_ep_schedules_and_carveouts_are_refused_with_the_value():
+    with pytest.raises(ValueError, match="ep_schedule 'overlap' is not one of all-to-all, local-first, two-micro-batches"):
+        PoolConfig(ep_schedule="overlap")
+    with pytest.raises(ValueError, match="ep_comm_sms must be an integer in 0..64, got -1"):
+        PoolConfig(ep_comm_sms=-1)
+    with pytest.raises(ValueError, match="EP schedule 'x' is not one of all-to-all, local-first, two-micro-batches"):
+        build_moe_layer(MoEConfig(n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=8, n_shared_experts=1), 16,
+                        EPGroup(), "x")  # fmt: skip
+
+
+@pytest.mark.parametrize("schedule", EP_SCHEDULES)
+def test_expert_parallel_fp8_gemms(checkpoints, prompts, schedule):
     """FP8 rows dispatched as bytes with their scales (emulated FP8 GEMMs, bfloat16) equal one process doing the same."""
     path, _ = checkpoints["v3-fp8"]
-    config = PoolConfig(checkpoint=str(path), pcp=2, device="cpu", dtype="bfloat16", chunk_tokens=48, block_size=8, kv_cache_tokens=1024)
+    config = PoolConfig(checkpoint=str(path), pcp=2, device="cpu", dtype="bfloat16", chunk_tokens=48, block_size=8, kv_cache_tokens=1024,
+                        ep_schedule=schedule)  # fmt: skip
     got = run_workers(config, prompts, 48, prepare=emulated_fp8)
+    assert all(r.ep_schedules == {schedule} for r in got)
     emulated_fp8()
     reference = _ours(path, dtype=torch.bfloat16, fp8=True)
     for i, prompt in enumerate(prompts):
