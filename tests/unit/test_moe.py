@@ -208,6 +208,20 @@ def test_expert_parallel_workers_equal_one_process(checkpoints, prompts, name, t
         assert sum(r.moe_load[layer] for r in got) == sum(PROMPT_LENS) * k
 
 
+def test_ranks_left_without_tokens_route_nothing_and_wait_for_the_others(checkpoints):
+    """A 1-token prompt alone on a 2x2 grid: one TP rank of each PCP rank and the whole second PCP rank
+    have no tokens in a MoE layer (grouped V3 routing of zero tokens failed before), then a prompt
+    whose last chunk is one token; both equal the single process."""
+    path, _ = checkpoints["v3"]
+    config = PoolConfig(checkpoint=str(path), tp=2, pcp=2, device="cpu", chunk_tokens=48, block_size=8, kv_cache_tokens=1024,
+                        ep_schedule="local-first")  # fmt: skip
+    reference = _ours(path)
+    for prompt in (np.array([5], dtype=np.int32), np.arange(49, dtype=np.int32)):
+        got = run_workers(config, [prompt], 48)
+        out = reference(torch.from_numpy(prompt.astype(np.int64)), plan_prefill_batch([len(prompt)]))
+        torch.testing.assert_close(torch.from_numpy(got[0].logits["r0"]), out.logits[0], atol=2e-5, rtol=1e-5)
+
+
 @pytest.mark.parametrize("tokens", [[37, 0, 5], [300, 1]], ids=["3-ranks-one-empty", "2-ranks-uneven"])
 def test_every_ep_schedule_equals_one_rank_holding_all_experts(tokens):
     """One MoE layer (V3 routing with a bias, a shared expert) over 2 and 3 gloo ranks (16 experts: 5/5/6
