@@ -12,8 +12,8 @@ the whole pool (``cluster.queueing``); a scheduler thread per replica
 (``cluster.scheduler``) admits the ones whose KV fits in its free blocks and
 runs them chunk by chunk in batches.
 
-Requests are validated here, before they join a batch, so a bad request fails
-alone. The driver mirrors each replica's free KV blocks (of PCP rank 0, which
+Requests are validated at submit (``cluster.queueing.validate_tokens``), before
+they join a batch, so a bad request fails alone. The driver mirrors each replica's free KV blocks (of PCP rank 0, which
 holds the most of a striped request): a prompt that could never fit is refused
 at submit, one that does not fit yet waits for releases. A request's future can
 be cancelled (``future.cancel()`` or :meth:`PrefillPool.cancel`): it is taken out
@@ -40,7 +40,7 @@ import torch
 
 from cluster.handoff import KVSource, pull_kv
 from cluster.metrics import PoolMetrics
-from cluster.queueing import Request, RequestQueue
+from cluster.queueing import Request, RequestQueue, validate_tokens
 from cluster.replica import Replica, cause, connect_ray, start_replica, stop_replica
 from cluster.scheduler import Recovery, ReplicaScheduler
 from configs.pool import PoolConfig
@@ -239,7 +239,7 @@ class PrefillPool:
 
     def _admit(self, token_ids, request_id: str | None, keep_kv: bool, on_progress) -> Request:
         """Validate a prompt and reserve its id."""
-        tokens = self._validate_tokens(token_ids)
+        tokens = validate_tokens(token_ids, self.model_config)
         kv_blocks = self._kv_blocks(len(tokens))
         if len(tokens) > self.max_prompt_tokens:
             raise PromptTooLong(
@@ -525,26 +525,6 @@ class PrefillPool:
             if replica.index == index:
                 return replica
         raise ValueError(f"replica {index} is not running")
-
-    def _validate_tokens(self, token_ids) -> np.ndarray:
-        config = self.model_config
-        if isinstance(token_ids, torch.Tensor):
-            token_ids = token_ids.cpu().numpy()
-        array = np.asarray(token_ids)
-        if array.size == 0:
-            raise ValueError("empty prompt: a request needs at least one token id")
-        if array.dtype == np.bool_ or not np.issubdtype(array.dtype, np.integer):
-            raise TypeError(f"token ids must be integers, got dtype {array.dtype}")
-        if array.ndim != 1:
-            raise ValueError(f"token ids must be a flat sequence, got shape {array.shape}")
-        if array.size > config.max_position_embeddings:
-            raise ValueError(
-                f"prompt of {array.size} tokens exceeds {config.name}'s maximum of {config.max_position_embeddings} positions"
-            )
-        low, high = int(array.min()), int(array.max())
-        if low < 0 or high >= config.vocab_size:
-            raise ValueError(f"token id {low if low < 0 else high} is outside the vocabulary [0, {config.vocab_size})")
-        return array.astype(np.int32)
 
 
 def _settle(future: Future, *, result=None, error: BaseException | None = None) -> bool:

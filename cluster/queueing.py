@@ -7,6 +7,9 @@ that fits nowhere yet, but only for ``STARVATION_S``: after that no replica admi
 younger until it has run (its KV fits once enough is released), so a long prompt is never
 starved by a stream of short ones.
 
+Prompts are checked here (:func:`validate_tokens`) before they join the queue, so a bad one fails
+alone.
+
 A request that failed with its replica comes back to the front and runs *alone* (a batch of its
 own): a request that breaks its batch then cannot break another request's retry.
 """
@@ -21,6 +24,9 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 import numpy as np
+import torch
+
+from configs.model import ModelConfig
 
 STARVATION_S = 2.0  # how long younger requests may pass one whose KV fits no replica yet
 
@@ -132,3 +138,23 @@ class RequestQueue:
             elif now - request.blocked_since > STARVATION_S:
                 break  # it has waited long enough: nothing younger passes it
         return admitted, cancelled
+
+
+def validate_tokens(token_ids, model: ModelConfig) -> np.ndarray:
+    """A prompt as the int32 array a request carries; ``TypeError``/``ValueError`` naming what is wrong
+    (empty, not integers, not flat, longer than the model's positions, an id outside its vocabulary)."""
+    if isinstance(token_ids, torch.Tensor):
+        token_ids = token_ids.cpu().numpy()
+    array = np.asarray(token_ids)
+    if array.size == 0:
+        raise ValueError("empty prompt: a request needs at least one token id")
+    if array.dtype == np.bool_ or not np.issubdtype(array.dtype, np.integer):
+        raise TypeError(f"token ids must be integers, got dtype {array.dtype}")
+    if array.ndim != 1:
+        raise ValueError(f"token ids must be a flat sequence, got shape {array.shape}")
+    if array.size > model.max_position_embeddings:
+        raise ValueError(f"prompt of {array.size} tokens exceeds {model.name}'s maximum of {model.max_position_embeddings} positions")
+    low, high = int(array.min()), int(array.max())
+    if low < 0 or high >= model.vocab_size:
+        raise ValueError(f"token id {low if low < 0 else high} is outside the vocabulary [0, {model.vocab_size})")
+    return array.astype(np.int32)
