@@ -19,7 +19,7 @@ from cluster import job
 from cluster.cli import main
 from cluster.kv_server import KVServer
 from cluster.pool import PrefillPool
-from configs.model import load_model_config
+from configs.model import EP_SCHEDULES, load_model_config
 from configs.pool import PoolConfig
 from workers.decode import ReferenceDecoder
 from workers.kv_receiver import KVReceiver
@@ -28,6 +28,13 @@ from workers.weights import load_weights
 
 STEPS = 8
 PROMPT = [int(t) for t in np.arange(1, 62) * 13 % 320]
+# expert parallelism over NCCL on real GPUs, every EP schedule, where the machine has the GPUs
+CUDA_CASES = [
+    pytest.param(grid, schedule, marks=pytest.mark.multi_gpu, id=f"tp{grid[0]}xpcp{grid[1]}-{schedule}")
+    for grid in [(1, 2), (2, 2)]
+    if torch.cuda.device_count() >= grid[0] * grid[1]
+    for schedule in EP_SCHEDULES
+] or [pytest.param(None, None, marks=pytest.mark.skip(reason="needs 2+ CUDA GPUs (NCCL)"))]
 
 
 @pytest.fixture(scope="module")
@@ -72,6 +79,27 @@ def test_grid_prefill_and_handoff_decode_like_transformers(ray_cluster, models, 
             assert len(pairs) == tp * pcp and sum(pairs) == len(PROMPT) * k
         weights = pool.weights_report()
         assert weights["format"] == "float32" and len(weights["load_s"][0]) == tp * pcp
+
+
+@pytest.mark.parametrize("grid,schedule", CUDA_CASES)
+def test_nccl_expert_parallel_schedules_equal_transformers(ray_cluster, models, grid, schedule):
+    """On GPUs (NCCL; the routing kernel, the SM carveout beside the all-to-alls): V3 routing in float32
+    equals transformers and decodes its tokens; the FP8 checkpoint on FP8 GEMMs (bfloat16) keeps
+    transformers' first token, its logits within 5% of the largest."""
+    tp, pcp = grid
+    base = PoolConfig(tp=tp, pcp=pcp, chunk_tokens=16, block_size=8, kv_cache_tokens=512, device="cuda", backend="TORCH_SDPA",
+                      ep_schedule=schedule, ep_comm_sms=8)  # fmt: skip
+    path, decoder, expected_logits, expected_tokens = models["v3"]
+    with PrefillPool(base.replace(checkpoint=str(path), dtype="float32")).start() as pool:
+        result = pool.prefill(PROMPT, keep_kv=True)
+        torch.testing.assert_close(result.logits, expected_logits, atol=1e-4, rtol=1e-4)
+        assert decoder.generate(pool.fetch_kv(result), result.first_token, STEPS) == expected_tokens
+    path, _, expected_logits, expected_tokens = models["v3-fp8"]
+    with PrefillPool(base.replace(checkpoint=str(path), dtype="bfloat16")).start() as pool:
+        assert pool.weights_report()["format"] == "fp8"
+        result = pool.prefill(PROMPT)
+        assert (result.logits - expected_logits).abs().max() < 0.05 * expected_logits.abs().max()
+        assert result.first_token == expected_tokens[0]
 
 
 def test_cli_verifies_an_fp8_moe_checkpoint_and_reports_the_expert_load(ray_cluster, models, tmp_path, capsys):
