@@ -28,7 +28,7 @@ from attention.backends.base import DeviceCapability, MLAPrefillSelectorConfig
 from attention.backends.registry import MLAPrefillBackendEnum
 from attention.backends.selector import ENV_BACKEND, backend_priorities, backend_reasons, get_mla_prefill_backend
 from attention.mla import DEFAULT_WORKSPACE_TOKENS
-from configs.model import DTYPES, builtin_models, load_model_config
+from configs.model import DTYPES, EP_SCHEDULES, builtin_models, load_model_config
 from configs.pool import DEVICES, PCP_STRATEGIES, QUANTIZATIONS, PoolConfig
 
 BACKEND_CHOICES = ["AUTO"] + [m.name for m in MLAPrefillBackendEnum]
@@ -91,6 +91,11 @@ def add_pool_arguments(parser: argparse.ArgumentParser) -> None:
     pool.add_argument("--dtype", default=DEFAULTS.dtype, choices=["auto", *DTYPES], help="compute dtype (default: the model's on GPU, float32 on CPU)")
     pool.add_argument("--quantization", default=DEFAULTS.quantization, choices=QUANTIZATIONS,
                       help="auto (default): an FP8 checkpoint's layers run as FP8 GEMMs on SM90 GPUs in bfloat16 and are dequantized at load elsewhere; none: always dequantized")  # fmt: skip
+    pool.add_argument("--ep-schedule", default=DEFAULTS.ep_schedule, choices=EP_SCHEDULES,
+                      help="how MoE layers order their expert-parallel work (all-to-all, the default: every routed row through the all-to-all; "
+                           "local-first: a worker's own pairs computed while the others travel; two-micro-batches: DeepSeek's overlap)")  # fmt: skip
+    pool.add_argument("--ep-comm-sms", type=int, default=DEFAULTS.ep_comm_sms,
+                      help="SMs that kernels beside an expert-parallel all-to-all leave to it (CUDA; default: 0, none)")
     pool.add_argument("--device", default=DEFAULTS.device, choices=DEVICES, help="worker device (default: cuda when the workers see a GPU)")
     pool.add_argument("--chunk-tokens", type=int, default=DEFAULTS.chunk_tokens, help=f"prefill the prompt in chunks of this many tokens (default: {DEFAULTS.chunk_tokens})")
     pool.add_argument("--workspace-tokens", type=int, default=DEFAULT_WORKSPACE_TOKENS,
@@ -112,6 +117,8 @@ def pool_config(args: argparse.Namespace) -> PoolConfig:
         backend=args.backend,
         dtype=args.dtype,
         quantization=args.quantization,
+        ep_schedule=args.ep_schedule,
+        ep_comm_sms=args.ep_comm_sms,
         device=args.device,
         chunk_tokens=args.chunk_tokens,
         max_batch_tokens=max(args.chunk_tokens, DEFAULTS.max_batch_tokens),

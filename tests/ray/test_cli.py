@@ -48,6 +48,8 @@ def test_prefill_from_a_token_file(ray_cluster, tmp_path, capsys):
         (["--model", "deepseek-v3"], 1, "GiB of weights per rank at TP=1 x PCP=1, routed experts split over 1 ranks; this host has"),
         (["--tp", "3"], 2, "TP=3 does not divide tiny's 8 attention heads"),
         (["--pcp", "0"], 2, "pcp must be a positive integer, got 0"),
+        (["--ep-comm-sms", "-1"], 2, "ep_comm_sms must be an integer in 0..64, got -1"),
+        (["--ep-schedule", "overlap"], 2, "invalid choice: 'overlap' (choose from"),
         (["--kv-cache-tokens", "10"], 2, "kv_cache_tokens must be None or an integer >= block_size (64), got 10"),
         (["--tokens", "/no/such/file"], 2, "No such file"),
         (["--num-layers", "1", "--backend", "aiter_flash_attn"], 1, "replica 0 failed to start: ValueError: MLA prefill backend AITER_FLASH_ATTN cannot run"),
