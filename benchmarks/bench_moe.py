@@ -1,6 +1,7 @@
 """MoE prefill benchmark: DeepSeek-shaped slices and whole smaller models, 1..N GPUs, FP8 and bf16.
 
-For each layout ``FORMAT:G[:tpT]`` (weights ``fp8`` or ``bf16``, G GPUs, TP=T, default 1), one
+For each layout ``FORMAT:G[:tpT][:SCHEDULE][:smsN]`` (weights ``fp8`` or ``bf16``, G GPUs, TP=T,
+default 1; the EP schedule and SM carveout of ``PoolConfig.ep_schedule``/``ep_comm_sms``), one
 process per GPU runs a ``PrefillWorker`` of one replica (TP=T x PCP=G/T: the PCP ranks take their
 share of every prompt's tokens, and the MoE layers' routed experts are split over all G GPUs,
 EP=G), with the model's seeded random weights (FP8 in DeepSeek's
@@ -26,6 +27,8 @@ against the first layout and weight format of the run (relative max error, first
 
     python benchmarks/bench_moe.py --model deepseek-v3 --num-layers 5 --layouts fp8:1 fp8:2 fp8:4 bf16:1 \\
         --prompts 1x8192 1x32768 1x131072 16x4096/gpu --out FILE.json
+    python benchmarks/bench_moe.py --model deepseek-v3 --num-layers 5 --layouts fp8:1 fp8:2 fp8:2:local-first:sms16 \\
+        --prompts 16x4096/gpu --out FILE.json
     python benchmarks/bench_moe.py --model deepseek-v2-lite --layouts bf16:1 --prompts 1x4096 1x32768 --out FILE.json
 """
 
@@ -60,20 +63,42 @@ PEAK_TFLOPS = {"bf16": 989.0, "fp8": 1979.0}  # H200 dense, datasheet
 class Layout(NamedTuple):
     weights: str  # fp8 or bf16
     gpus: int
-    tp: int
+    tp: int = 1
+    schedule: str = "all-to-all"  # PoolConfig.ep_schedule
+    comm_sms: int = 0  # PoolConfig.ep_comm_sms
 
     @classmethod
     def parse(cls, text: str) -> Layout:
-        """``FORMAT:GPUS`` or ``FORMAT:GPUS:tpT``."""
-        parts = text.split(":")
-        tp = int(parts[2].removeprefix("tp")) if len(parts) == 3 and parts[2].removeprefix("tp").isdigit() else 1
-        if len(parts) not in (2, 3) or parts[0] not in ("fp8", "bf16") or not parts[1].isdigit() or int(parts[1]) % tp:
-            raise ValueError(f"layout {text!r} is not FORMAT:GPUS[:tpT] (FORMAT fp8 or bf16, T dividing GPUS)")
-        return cls(parts[0], int(parts[1]), tp)
+        """``FORMAT:GPUS`` followed by any of ``:tpT``, ``:SCHEDULE`` (an EP schedule) and ``:smsN``."""
+        weights, _, rest = text.partition(":")
+        gpus, *options = rest.split(":")
+        fields = {}
+        for option in options:
+            if option.startswith("tp") and option[2:].isdigit():
+                fields["tp"] = int(option[2:])
+            elif option.startswith("sms") and option[3:].isdigit():
+                fields["comm_sms"] = int(option[3:])
+            elif option in EP_SCHEDULES:
+                fields["schedule"] = option
+            else:
+                fields = None
+                break
+        if weights not in ("fp8", "bf16") or not gpus.isdigit() or fields is None or int(gpus) % fields.get("tp", 1):
+            raise ValueError(
+                f"layout {text!r} is not FORMAT:GPUS[:tpT][:SCHEDULE][:smsN] (FORMAT fp8 or bf16, T dividing GPUS, "
+                f"SCHEDULE one of {', '.join(EP_SCHEDULES)})"
+            )
+        return cls(weights, int(gpus), **fields)
 
     @property
     def name(self) -> str:
-        return f"{self.weights}-{self.gpus}gpu" + (f"-tp{self.tp}" if self.tp > 1 else "")
+        options = [f"tp{self.tp}"] if self.tp > 1 else []
+        if self.gpus > 1:  # one GPU has no all-to-all
+            options += [self.schedule] if self.schedule != "all-to-all" else []
+            options += [f"sms{self.comm_sms}"] if self.comm_sms else []
+        return "-".join([self.weights, f"{self.gpus}gpu", *options])
+
+
 SAFE_NCCL_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 
 
@@ -203,7 +228,7 @@ def _worker(rank: int, layout: Layout, args, port: int, queue) -> None:
         dtype="bfloat16" if args.device == "cuda" else "float32",
         quantization="auto" if weights == "fp8" else "none", device=args.device, chunk_tokens=args.chunk_tokens,
         max_batch_tokens=max(args.chunk_tokens, max(n * min(length, args.chunk_tokens) for n, length in cases.values())),
-        gpu_memory_utilization=0.85, ep_schedule=args.ep_schedule, ep_comm_sms=args.ep_comm_sms, seed=0,
+        gpu_memory_utilization=0.85, ep_schedule=layout.schedule, ep_comm_sms=layout.comm_sms, seed=0,
     )  # fmt: skip
     try:
         worker = PrefillWorker(config, rank)
@@ -292,10 +317,11 @@ def relative_l2(x: torch.Tensor, ref: torch.Tensor) -> float:
 def summarize(args, model_config, layout: Layout, ranks: list[dict]) -> dict:
     from workers.pcp import interleave_shards
 
-    layers, (weights, gpus, tp) = model_config.num_hidden_layers, layout
+    layers, (weights, gpus, tp, schedule, comm_sms) = model_config.num_hidden_layers, layout
     info = ranks[0]["info"]
     entry = {
-        "weights": weights, "gpus": gpus, "tp": tp, "pcp": gpus // tp, "ep": gpus, "backend": info["backend"],
+        "layout": layout.name, "weights": weights, "gpus": gpus, "tp": tp, "pcp": gpus // tp, "ep": gpus,
+        "ep_schedule": schedule, "ep_comm_sms": comm_sms, "backend": info["backend"],
         "load_s": [r["info"]["load_s"] for r in ranks], "peak_host_mib": [r["info"]["peak_host_mib"] for r in ranks],
         "weight_gib_per_gpu": [r["info"]["weight_bytes"] / 2**30 for r in ranks],
         "peak_gpu_gib": [r["peak_gpu_gib"] for r in ranks], "warmup_s": info["warmup_s"], "cases": [],
@@ -335,13 +361,12 @@ def main() -> None:
     parser.add_argument("--model", default="deepseek-v3")
     parser.add_argument("--num-layers", type=int, default=None, help="the first N layers (DeepSeek-V3: 3 dense, then MoE)")
     parser.add_argument("--layouts", nargs="+", default=["fp8:1"],
-                        help="FORMAT:GPUS[:tpT]: fp8 or bf16, TP=T (default 1, the rest PCP); the first is the baseline")  # fmt: skip
+                        help="FORMAT:GPUS[:tpT][:SCHEDULE][:smsN]: fp8 or bf16, TP=T (default 1, the rest PCP), the EP "
+                             "schedule (default all-to-all) and SM carveout (default 0); the first is the baseline")  # fmt: skip
     parser.add_argument("--prompts", nargs="+", default=["1x8192"], help="cases NxL: N prompts of L tokens in flight")
     parser.add_argument("--chunk-tokens", type=int, default=32768)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--moe-tokens", type=int, default=16384, help="tokens per GPU for the MoE-layer-alone timing (0: skip)")
-    parser.add_argument("--ep-schedule", default="all-to-all", choices=EP_SCHEDULES, help="PoolConfig.ep_schedule")
-    parser.add_argument("--ep-comm-sms", type=int, default=0, help="PoolConfig.ep_comm_sms")
     parser.add_argument("--backend", default="auto")
     parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"], help="cpu: a smoke test of this script (gloo, float32)")
     parser.add_argument("--timeout", type=float, default=540)
@@ -359,7 +384,7 @@ def main() -> None:
         "machine": machine(("flash_attn", "flashinfer", "triton")),
         "command": " ".join([Path(sys.executable).name, *sys.argv]),
         "model": args.model, "layers": model_config.num_hidden_layers, "moe_layers": model_config.moe_layers,
-        "ep_schedule": args.ep_schedule, "ep_comm_sms": args.ep_comm_sms, "nccl_max_ctas": os.environ.get("NCCL_MAX_CTAS"),
+        "nccl_max_ctas": os.environ.get("NCCL_MAX_CTAS"),
         "runs": [], "agreement": {}, "scaling": {}, "errors": [],
     }  # fmt: skip
     try:
@@ -393,7 +418,7 @@ def main() -> None:
                 }
         args.out.write_text(json.dumps(result, indent=1) + "\n")
     for (layout, spec), rate in rates.items():
-        one = rates.get((Layout(layout.weights, 1, 1), spec))
+        one = next((r for (other, case), r in rates.items() if case == spec and other.gpus == 1 and other.weights == layout.weights), None)
         if layout.gpus > 1 and one:
             result["scaling"][f"{layout.name} {spec}"] = {
                 "tokens_per_s": rate, "one_gpu_tokens_per_s": one, "fraction_of_linear": round(rate / (layout.gpus * one), 3)

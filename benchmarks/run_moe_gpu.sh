@@ -4,7 +4,7 @@
 # Steps: tests (FP8 and MoE kernels, torch's FP8 GEMMs), accuracy (tiny MoE models vs the CPU reference),
 # profile, profile-ep (one MoE layer on 1 GPU; on $EP_GPUS (default 2), every ep_schedule without and with an SM carveout of
 # $COMM_SMS (default 16) and NCCL_MAX_CTAS capped to it), v2lite (the whole DeepSeek-V2-Lite), v3 (a DeepSeek-V3 slice on $LAYOUTS, by
-# default FP8 on 1, 2 and 4 GPUs and bf16 on 1). Assumes flash-attn 4 on PYTHONPATH (deploy/offline_bundle.py).
+# default FP8 on 1, 2 and 4 GPUs and bf16 on 1; a layout may name its EP schedule and carveout, bench_moe.py --help). Assumes flash-attn 4 on PYTHONPATH (deploy/offline_bundle.py).
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}  # the repository root: benchmarks import the project
@@ -25,7 +25,6 @@ for step in "$@"; do
     v2lite) python3 benchmarks/bench_moe.py --model deepseek-v2-lite --layouts bf16:1 \
               --prompts 1x4096 1x32768 --repeats 3 --out "$out/v2-lite.json" ;;
     v3) python3 benchmarks/bench_moe.py "${slice[@]}" --layouts ${LAYOUTS:-fp8:1 fp8:2 fp8:4 bf16:1} \
-          --ep-schedule ${EP_SCHEDULE:-all-to-all} --ep-comm-sms ${EP_COMM_SMS:-0} \
           --prompts 1x8192 1x32768 1x131072 16x4096/gpu --repeats 2 --out "$out/v3-slice.json" ;;
     *) echo "unknown step $step"; exit 2 ;;
   esac
