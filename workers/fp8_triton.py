@@ -91,12 +91,19 @@ def quantize(
     scale = torch.empty(k // group, rows, dtype=torch.float32, device=x.device)
     if rows == 0:
         return q, scale
-    block_m = 16 if group > CHUNK else 32
-    grid = (triton.cdiv(m if scatter_to is not None else rows, block_m), k // group)
+    constants = quantize_constants(group, fp8_max, eps, silu_mul=silu_mul, row_weight=row_weight is not None,
+                                   scatter=0 if scatter_to is None else scatter_to.shape[1])  # fmt: skip
+    grid = (triton.cdiv(m if scatter_to is not None else rows, constants["BLOCK_M"]), k // group)
     _quantize_kernel[grid](
         x, row_weight if row_weight is not None else scale, q, scale, scatter_to if scatter_to is not None else scale,
-        m, rows, k, x.stride(0), q.stride(0), scale.stride(0),
-        GROUP=group, BLOCK_M=block_m, FP8_MAX=fp8_max, EPS=eps, SILU_MUL=silu_mul, ROW_WEIGHT=row_weight is not None,
-        SCATTER=0 if scatter_to is None else scatter_to.shape[1],
+        m, rows, k, x.stride(0), q.stride(0), scale.stride(0), **constants,
     )  # fmt: skip
     return q, scale
+
+
+def quantize_constants(group: int, fp8_max: float, eps: float, *, silu_mul: bool, row_weight: bool, scatter: int) -> dict:
+    """The quantization kernel's compile-time arguments."""
+    return {
+        "GROUP": group, "BLOCK_M": 16 if group > CHUNK else 32, "FP8_MAX": fp8_max, "EPS": eps,
+        "SILU_MUL": silu_mul, "ROW_WEIGHT": row_weight, "SCATTER": scatter,
+    }  # fmt: skip

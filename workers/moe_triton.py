@@ -121,6 +121,20 @@ def _route_kernel(
     tl.store(weights_ptr + out, chosen_weights, mask=out_ok)
 
 
+def route_constants(config, experts: int, *, biased: bool) -> dict:
+    """The routing kernel's compile-time arguments for a ``configs.model.MoEConfig``."""
+    v3, k = config.topk_method == "noaux_tc", config.num_experts_per_tok
+    normalize = config.norm_topk_prob and (v3 or k > 1)
+    e_pad, groups = triton.next_power_of_2(experts), config.n_group if config.grouped else 1
+    return {
+        "E_PAD": e_pad,
+        "BLOCK_T": max(1, min(16, 1024 // e_pad)),  # [BLOCK_T, E_PAD] scores in registers: ~8 per thread, no spills on SM90
+        "K": k, "K_PAD": triton.next_power_of_2(k), "SIGMOID": config.scoring_func == "sigmoid", "BIASED": v3 and biased,
+        "N_GROUP": groups, "NG_PAD": triton.next_power_of_2(groups), "TOPK_GROUP": config.topk_group, "TOP2_GROUPS": v3,
+        "NORMALIZE": normalize, "SCALE": v3 or not normalize,  # V2 normalizes or scales, never both
+    }  # fmt: skip
+
+
 def route(logits: torch.Tensor, config, bias: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
     """See ``workers.moe.route`` (the same rules; ``logits`` float32 ``[T, E]``, contiguous)."""
     tokens, experts = logits.shape
@@ -129,15 +143,8 @@ def route(logits: torch.Tensor, config, bias: torch.Tensor | None) -> tuple[torc
     ids = torch.empty(tokens, k, dtype=torch.int64, device=logits.device)
     if not tokens:
         return weights, ids
-    v3 = config.topk_method == "noaux_tc"
-    normalize = config.norm_topk_prob and (v3 or k > 1)
-    scale = v3 or not normalize  # V2 normalizes or scales, never both
-    e_pad, groups = triton.next_power_of_2(experts), config.n_group if config.grouped else 1
-    block_t = max(1, min(16, 4096 // e_pad))
-    _route_kernel[(triton.cdiv(tokens, block_t),)](
-        logits, bias if bias is not None else logits, weights, ids, tokens, experts, float(config.routed_scaling_factor),
-        E_PAD=e_pad, BLOCK_T=block_t, K=k, K_PAD=triton.next_power_of_2(k), SIGMOID=config.scoring_func == "sigmoid", BIASED=v3 and bias is not None,
-        N_GROUP=groups, NG_PAD=triton.next_power_of_2(groups), TOPK_GROUP=config.topk_group, TOP2_GROUPS=v3,
-        NORMALIZE=normalize, SCALE=scale,
-    )  # fmt: skip
+    constants = route_constants(config, experts, biased=bias is not None)
+    _route_kernel[(triton.cdiv(tokens, constants["BLOCK_T"]),)](
+        logits, bias if bias is not None else logits, weights, ids, tokens, experts, float(config.routed_scaling_factor), **constants
+    )
     return weights, ids

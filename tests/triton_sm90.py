@@ -1,0 +1,70 @@
+"""Build the MoE and FP8 Triton kernels (``workers/moe_triton.py``, ``workers/fp8_triton.py``) for
+SM90 (H100/H200) without a GPU and print each one's resources as JSON: ``python tests/triton_sm90.py``
+(run without ``TRITON_INTERPRET``, which would hand Triton's compiler interpreted functions). Used by
+``tests/unit/test_triton_sm90.py``."""
+
+import json
+import os
+import re
+import subprocess
+import tempfile
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from configs.model import builtin_models, load_model_config
+from workers import fp8_triton, moe_triton
+from workers.fp8 import EPS, FP8_MAX
+
+TOOLS = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+ROUTE = {"logits_ptr": "*fp32", "bias_ptr": "*fp32", "weights_ptr": "*fp32", "ids_ptr": "*i64", "T": "i32", "E": "i32", "scaling": "fp32"}
+GATHER_SUM = {"src_ptr": "*bf16", "index_ptr": "*i64", "out_ptr": "*bf16", "H": "i32", "src_stride": "i32", "out_stride": "i32"}
+QUANTIZE = {"x_ptr": "*bf16", "w_ptr": "*fp32", "q_ptr": "*fp8e4nv", "s_ptr": "*fp32", "dest_ptr": "*i64",
+            "M": "i32", "M_PAD": "i32", "K": "i32", "x_stride": "i32", "q_stride": "i32", "s_stride_g": "i32"}  # fmt: skip
+QUANTIZE_CASES = {  # group, silu_mul, row_weight, scatter: as fp8.py and moe.py call it
+    "linear-1x128": (128, False, False, 0),
+    "experts-input": (7168, False, False, 0),
+    "experts-input-scattered": (7168, False, False, 8),
+    "experts-activation": (2048, True, True, 0),
+}
+
+
+def cases() -> dict:
+    """name -> (kernel, argument types, compile-time arguments), with the launchers' own choices."""
+    out = {}
+    for name in builtin_models():
+        moe = load_model_config(name).moe
+        if moe is not None:
+            out[f"route-{name}"] = (moe_triton._route_kernel, ROUTE, moe_triton.route_constants(moe, moe.n_routed_experts, biased=True))
+    out["gather-sum"] = (moe_triton._gather_sum_kernel, GATHER_SUM, {"SLOTS": 8, "BLOCK": moe_triton.BLOCK_H})
+    for name, (group, silu_mul, row_weight, scatter) in QUANTIZE_CASES.items():
+        constants = fp8_triton.quantize_constants(group, FP8_MAX, EPS, silu_mul=silu_mul, row_weight=row_weight, scatter=scatter)
+        out[f"quantize-{name}"] = (fp8_triton._quantize_kernel, QUANTIZE, constants)
+    return out
+
+
+def resources(kernel, types: dict, constants: dict) -> dict:
+    """Registers, stack and local memory of ``kernel`` built for SM90 (Triton's ptxas, its cuobjdump)."""
+    signature = {**types, **dict.fromkeys(constants, "constexpr")}
+    compiled = triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=constants), target=GPUTarget("cuda", 90, 32))
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
+        cubin.write(compiled.asm["cubin"])
+        cubin.flush()
+        usage = subprocess.run([os.path.join(TOOLS, "cuobjdump"), "--dump-resource-usage", cubin.name], capture_output=True, text=True, check=True)
+    line = next(line for line in usage.stdout.splitlines() if "REG:" in line)
+    return {key: int(value) for key, value in re.findall(r"(REG|STACK|LOCAL):(\d+)", line)}
+
+
+def main() -> None:
+    report = {}
+    for name, (kernel, types, constants) in cases().items():
+        try:
+            report[name] = resources(kernel, types, constants)
+        except Exception as exc:  # noqa: BLE001 -- each kernel's failure is reported by its own test
+            report[name] = {"error": f"{type(exc).__name__}: {exc}"[-2000:]}
+    print(json.dumps(report))
+
+
+if __name__ == "__main__":
+    main()
