@@ -384,7 +384,6 @@ def main() -> None:
         "machine": machine(("flash_attn", "flashinfer", "triton")),
         "command": " ".join([Path(sys.executable).name, *sys.argv]),
         "model": args.model, "layers": model_config.num_hidden_layers, "moe_layers": model_config.moe_layers,
-        "nccl_max_ctas": os.environ.get("NCCL_MAX_CTAS"),
         "runs": [], "agreement": {}, "scaling": {}, "errors": [],
     }  # fmt: skip
     try:

@@ -32,6 +32,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from attention.backends.torch_sdpa import TorchSDPAPrefillBackend
 from configs.model import EP_SCHEDULES, load_model_config
+from workers.collectives import expert_parallel_group
 from workers.model import DeepseekPrefillModel
 from workers.moe import EPGroup
 from workers.weights import load_weights
@@ -55,7 +56,7 @@ def run(rank: int, args, port: int) -> None:
     ep = EPGroup()
     if args.gpus > 1:
         dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=args.gpus)
-        ep = EPGroup(rank, args.gpus, dist.group.WORLD)
+        ep = EPGroup(rank, args.gpus, expert_parallel_group(args.gpus, torch.device("cuda"), args.comm_sms))
     config = load_model_config("deepseek-v3", num_hidden_layers=4)
     model = DeepseekPrefillModel.create(
         config, TorchSDPAPrefillBackend, ep=ep, fp8=args.weights == "fp8", ep_schedule=args.schedule,
@@ -105,7 +106,7 @@ def run(rank: int, args, port: int) -> None:
         "machine": {"gpu": torch.cuda.get_device_name(0), "torch": torch.__version__, "python": platform.python_version()},
         "command": " ".join([Path(sys.executable).name, *sys.argv]),
         "weights": args.weights, "gpus": args.gpus, "schedule": args.schedule, "comm_sms": args.comm_sms,
-        "nccl_max_ctas": os.environ.get("NCCL_MAX_CTAS"), "tokens_per_gpu": args.tokens,
+        "tokens_per_gpu": args.tokens,
         "routed_s": routed, "layer_s": layer, "shared_experts_s": shared, "host_ms_per_call": sum(e.self_cpu_time_total for e in prof.key_averages()) / 3 / 1e3,
         "kernels": kernels, "combine": combine,
     }  # fmt: skip

@@ -3,7 +3,7 @@
 #   bash benchmarks/run_moe_gpu.sh OUT_DIR STEP...
 # Steps: tests (FP8 and MoE kernels, torch's FP8 GEMMs), accuracy (tiny MoE models vs the CPU reference),
 # profile, profile-ep (one MoE layer on 1 GPU; on $EP_GPUS (default 2), every ep_schedule without and with an SM carveout of
-# $COMM_SMS (default 16) and NCCL_MAX_CTAS capped to it), v2lite (the whole DeepSeek-V2-Lite), v3 (a DeepSeek-V3 slice on $LAYOUTS, by
+# $COMM_SMS (default 16), the all-to-all's CTAs capped to it), v2lite (the whole DeepSeek-V2-Lite), v3 (a DeepSeek-V3 slice on $LAYOUTS, by
 # default FP8 on 1, 2 and 4 GPUs and bf16 on 1; a layout may name its EP schedule and carveout, bench_moe.py --help). Assumes flash-attn 4 on PYTHONPATH (deploy/offline_bundle.py).
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
@@ -17,9 +17,8 @@ for step in "$@"; do
     accuracy) python3 benchmarks/accuracy_moe.py --out "$out/moe-accuracy.json" ;;
     profile) python3 benchmarks/profile_moe.py --weights fp8 --out "$out/moe-profile-fp8.json" 2>&1 | tail -45 ;;
     profile-ep) for schedule in all-to-all local-first two-micro-batches; do for sms in 0 ${COMM_SMS:-16}; do
-                  ctas=(); [ "$sms" -gt 0 ] && ctas=(NCCL_MAX_CTAS=$sms)
                   echo "== $schedule, carveout $sms"
-                  env "${ctas[@]}" python3 benchmarks/profile_moe.py --weights fp8 --gpus ${EP_GPUS:-2} --schedule $schedule \
+                  python3 benchmarks/profile_moe.py --weights fp8 --gpus ${EP_GPUS:-2} --schedule $schedule \
                     --comm-sms $sms --out "$out/moe-profile-fp8-ep${EP_GPUS:-2}-$schedule-sms$sms.json" 2>&1 | grep "routed experts"
                 done; done ;;
     v2lite) python3 benchmarks/bench_moe.py --model deepseek-v2-lite --layouts bf16:1 \

@@ -95,7 +95,7 @@ def add_pool_arguments(parser: argparse.ArgumentParser) -> None:
                       help="how MoE layers order their expert-parallel work (all-to-all, the default: every routed row through the all-to-all; "
                            "local-first: a worker's own pairs computed while the others travel; two-micro-batches: DeepSeek's overlap)")  # fmt: skip
     pool.add_argument("--ep-comm-sms", type=int, default=DEFAULTS.ep_comm_sms,
-                      help="SMs that kernels beside an expert-parallel all-to-all leave to it (CUDA; default: 0, none)")
+                      help="SMs that kernels beside an expert-parallel all-to-all leave to it, and the most CTAs it may use (CUDA; default: 0, none)")
     pool.add_argument("--device", default=DEFAULTS.device, choices=DEVICES, help="worker device (default: cuda when the workers see a GPU)")
     pool.add_argument("--chunk-tokens", type=int, default=DEFAULTS.chunk_tokens, help=f"prefill the prompt in chunks of this many tokens (default: {DEFAULTS.chunk_tokens})")
     pool.add_argument("--workspace-tokens", type=int, default=DEFAULT_WORKSPACE_TOKENS,

@@ -52,8 +52,9 @@ class PoolConfig:
                      2 x H200 (one layer 17.6 -> 19.4 ms; benchmarks/results/2026-11-22-2xh200-moe-profile-ep2-mb*.json).
                      local-first and the carveout are not yet measured on GPUs.
     ep_comm_sms      SMs that kernels running beside an expert-parallel all-to-all leave free for it (torch's
-                     SM carveout, CUDA only; 0: none). With none, a persistent grouped GEMM beside an NCCL
-                     kernel runs in two waves; set it to the CTAs NCCL uses (NCCL_MAX_CTAS bounds them)
+                     SM carveout, CUDA only; 0: none), and the most CTAs the all-to-all may use (its own
+                     NCCL communicator, maxCTAs). With none, a persistent grouped GEMM beside an NCCL
+                     kernel runs in two waves
     device           "cuda", "cpu" or "auto" (cuda when the workers see a GPU)
     chunk_tokens     prompts are prefilled in chunks of at most this many tokens per request (32768:
                      on H200 a 128K prompt of a DeepSeek-V3 layer runs 10% faster than with 8K chunks on

@@ -7,7 +7,8 @@ batch. Each worker:
 * joins its replica's process group (NCCL on CUDA, gloo on CPU), split into its
   TP group (same ``pcp_rank``: the heads are split) and its PCP group (same
   ``tp_rank``: the tokens are split; ``rank = pcp_rank * tp + tp_rank``); the
-  whole group is the expert-parallel group of the MoE layers;
+  whole group is the expert-parallel group of the MoE layers (a communicator of
+  its own with ``ep_comm_sms``: ``workers.collectives``);
 * holds its TP shard of the model and its share of the routed experts (FP8
   weights run as FP8 GEMMs on SM90 in bf16, and are dequantized at load
   elsewhere), refusing at setup a shard that does not fit the GPU, and, in a
@@ -47,6 +48,7 @@ from attention.backends.torch_sdpa import TorchSDPAPrefillBackend
 from attention.mla import plan_prefill_batch
 from configs.model import ModelConfig
 from configs.pool import PoolConfig
+from workers.collectives import expert_parallel_group, grid_groups
 from workers.fp8 import fp8_gemm_supported
 from workers.kv_cache import PagedKVCache, blocks_for
 from workers.kv_holder import KVHolder
@@ -206,11 +208,12 @@ class PrefillWorker(KVHolder):
                 world_size=self.world_size,
                 timeout=timedelta(seconds=timeout_s),
             )
-            tp_group, pcp_group = self._grid_groups()
-            self._groups = [torch.distributed.group.WORLD, *{g for g in (tp_group, pcp_group) if g is not None}]
+            tp_group, pcp_group = grid_groups(self.rank, config.tp, config.pcp)
+            ep_group = expert_parallel_group(self.world_size, device, config.ep_comm_sms if model_config.moe is not None else 0)
+            self._groups = [torch.distributed.group.WORLD, *{g for g in (tp_group, pcp_group, ep_group) if g is not None}]
             if config.pcp > 1:
                 self.pcp = PCPGroup(self.pcp_rank, config.pcp, pcp_group)
-            ep = EPGroup(self.rank, self.world_size, torch.distributed.group.WORLD)
+            ep = EPGroup(self.rank, self.world_size, ep_group)
         laps.lap("process_group")
         backend_cls = self._backend_class(model_config, device, dtype)
         laps.lap("backend")  # importing its library (FA4's CuTe DSL: seconds)
@@ -315,24 +318,6 @@ class PrefillWorker(KVHolder):
         """(token, expert) pairs this rank's experts computed per MoE layer since the warm-up (the
         expert-parallel load: compare the ranks of a replica)."""
         return {index: moe.pairs for index, moe in self._model().moe_layers()}
-
-    def _grid_groups(self):
-        """The TP group and the PCP group of this rank (every rank creates every group, in one order)."""
-        tp, pcp = self.config.tp, self.config.pcp
-        if pcp == 1:
-            return torch.distributed.group.WORLD, None
-        if tp == 1:
-            return None, torch.distributed.group.WORLD
-        mine = {}
-        for p in range(pcp):  # TP groups: the same pcp_rank
-            group = torch.distributed.new_group([p * tp + t for t in range(tp)])
-            if p == self.pcp_rank:
-                mine["tp"] = group
-        for t in range(tp):  # PCP groups: the same tp_rank
-            group = torch.distributed.new_group([p * tp + t for p in range(pcp)])
-            if t == self.tp_rank:
-                mine["pcp"] = group
-        return mine["tp"], mine["pcp"]
 
     @torch.no_grad()
     def prefill(self, pieces: Sequence[ChunkPiece]) -> BatchOutput | None:
