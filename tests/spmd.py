@@ -76,7 +76,7 @@ def run_workers(config, prompts: list[np.ndarray], chunk: int, *, prepare=None, 
     for proc in procs:
         proc.start()
     try:
-        got = sorted((results.get(timeout=timeout) for _ in procs), key=lambda r: r.rank)
+        got = sorted(_results_while_alive(results, procs, timeout), key=lambda r: r.rank)
     finally:
         for proc in procs:
             proc.join(timeout=60)
@@ -99,7 +99,8 @@ def emulated_fp8() -> None:
 def moe_layer_ranks(config, hidden: int, tokens: list[int], *, timeout: float = 120) -> list[dict]:
     """One process per entry of ``tokens`` (gloo): each builds ``MoE(config)`` holding its share of the
     experts (``moe_layer_state(config, hidden)`` sliced) and runs every EP schedule on its own
-    ``moe_layer_input(rank, n, hidden)``; returns each rank's ``{schedule: (routed, forward)}``."""
+    ``moe_layer_input(rank, n, hidden)``; returns each rank's ``{schedule: (routed, layer, pairs)}``
+(:meth:`MoE.routed`, the whole layer, and the pairs its experts computed in both calls)."""
     ctx = multiprocessing.get_context("spawn")
     results = ctx.Queue()
     port = free_port()
@@ -117,7 +118,8 @@ def moe_layer_ranks(config, hidden: int, tokens: list[int], *, timeout: float = 
 
 
 def moe_layer_state(config, hidden: int) -> dict:
-    """Seeded weights of a whole MoE layer (all experts; shared experts when the config has them)."""
+    """Seeded weights of a whole MoE layer: the router with a correction bias, all routed experts and the
+    shared experts (``config`` needs ``n_shared_experts``)."""
     gen = torch.Generator().manual_seed(11)
     e, width = config.n_routed_experts, config.moe_intermediate_size
     state = {
