@@ -12,7 +12,7 @@ the schedule, drawn from ``--seed``:
   ``KVServer``, it takes the blocks from the holders by TCP pulls or, where NIXL is installed,
   NIXL READs), or to a ``DecodeActor`` that pulls it from the holders; some TCP receivers drop
   the connection mid-frame and some decode actors die mid-pull (then a fresh actor pulls the
-  KV again).
+  KV again, as do other handoffs that were pulling through the dying actor).
 
 At the end every request must be accounted for exactly once: completed (its logits equal to the
 reference run's), failed with a reason, or cancelled, and the pool's own counters must agree;
@@ -182,12 +182,22 @@ def run_chaos(config: PoolConfig, *, requests: int = 200, seed: int = 0, in_flig
                         return
                     except ray.exceptions.RayActorError:
                         pass  # died mid-pull, as planned: the KV is still held; a fresh actor pulls it
-                with lock:
-                    actor = decoder[0]
-                ray.get(actor.receive.remote(pool.kv_source(result)), timeout=120)
+                after_kill = i in work["decode_kills"]
+                while True:
+                    with lock:
+                        actor = decoder[0]
+                    try:
+                        ray.get(actor.receive.remote(pool.kv_source(result)), timeout=120)
+                        break
+                    except ray.exceptions.RayActorError:
+                        with lock:  # the actor another handoff's scheduled kill took down mid-pull: the KV is still held
+                            killed_beside = actor is not decoder[0]
+                        if not killed_beside:  # (the schedule replaces the actor twice: this ends)
+                            raise
+                        after_kill = True
                 got = ray.get(actor.pop_kv.remote(rid))
                 pool.release(result)
-                kind = "actor after a kill" if i in work["decode_kills"] else "actor"
+                kind = "actor after a kill" if after_kill else "actor"
                 handoffs[i] = kind if _close(got, ref_kv[i], rtol) else f"{kind}, KV differs"
             except Exception as exc:  # noqa: BLE001 -- recorded: a handoff that fails is accounted, then released
                 # a worker fault replaced its replica (before or during the handoff): the KV went with it

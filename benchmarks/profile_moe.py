@@ -37,7 +37,7 @@ from attention.backends.torch_sdpa import TorchSDPAPrefillBackend
 from configs.model import EP_SCHEDULES, load_model_config
 from workers.collectives import expert_parallel_group
 from workers.model import DeepseekPrefillModel
-from workers.moe import EPGroup
+from workers.expert_parallel import EPGroup
 from workers.weights import load_weights
 
 

@@ -157,7 +157,7 @@ def _moe_rank(rank, tokens, config, hidden, port, results):
     import torch.distributed as dist
 
     from configs.model import EP_SCHEDULES
-    from workers.moe import EPGroup
+    from workers.expert_parallel import EPGroup
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=len(tokens))
     ep = EPGroup(rank, len(tokens), dist.group.WORLD)

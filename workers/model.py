@@ -45,7 +45,8 @@ from attention.mla import MLAAttention, PrefillBatch, RMSNorm
 from configs.model import ModelConfig
 from workers.collectives import all_gather_into, reduce_scatter_into
 from workers.fp8 import BLOCK, FP8Linear
-from workers.moe import MoE, EPGroup, sm_carveout
+from workers.expert_parallel import EPGroup, sm_carveout
+from workers.moe import MoE
 from workers.pcp import PCPPlan, context_parallel_attention
 
 COLUMN_PARALLEL = ("q_b_proj.weight", "q_proj.weight", "kv_b_proj.weight", "gate_proj.weight", "up_proj.weight")

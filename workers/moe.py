@@ -31,47 +31,29 @@ experts (:meth:`MoE.start_routed`). The schedules (``configs.pool.PoolConfig.ep_
 
 - ``all-to-all``: one micro-batch, every row through the all-to-alls (a rank's own rows too);
 - ``local-first``: the pairs of a rank's own tokens on its own experts skip the all-to-all and are
-  computed while the dispatch of the others is in flight; the combine lands beside them;
+  computed while the dispatch of the others is in flight; the combine lands beside them. FP8 experts
+  quantize each token once, straight into its dispatch rows and local pair rows;
 - ``two-micro-batches``: the dispatch of the second half and the combine of the first run while the
   experts of the other compute (as DeepSeek's prefill does), with one host sync for both.
 
-Kernels running beside an all-to-all leave ``comm_sms`` SMs to it (:func:`sm_carveout`). With one
-rank the same code runs without the all-to-alls.
+Kernels running beside an all-to-all leave ``comm_sms`` SMs to it. The all-to-alls, the EP group
+and the SM carveout are ``workers.expert_parallel``'s. With one rank the same code runs without the
+all-to-alls.
 """
 
 from __future__ import annotations
 
 import os
 from collections.abc import Callable
-from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
 from configs.model import EP_SCHEDULES, MoEConfig
+from workers.expert_parallel import Dispatch, EPGroup, exchange_counts, sm_carveout
 from workers.fp8 import FP8, quantize_activations
-
-@dataclass(frozen=True)
-class EPGroup:
-    """This rank's place in the expert-parallel group (``group`` is a torch.distributed group)."""
-
-    rank: int = 0
-    size: int = 1
-    group: Any = None
-
-    def __post_init__(self) -> None:
-        if not 0 <= self.rank < self.size:
-            raise ValueError(f"EP rank {self.rank} is outside 0..{self.size - 1}")
-
-    def experts(self, num_experts: int, rank: int | None = None) -> range:
-        """The routed experts ``rank`` (default: this one) holds: a contiguous share, sizes differing by at most one."""
-        r = self.rank if rank is None else rank
-        return range(r * num_experts // self.size, (r + 1) * num_experts // self.size)
-
 
 def gather_sum(
     src: torch.Tensor, index: torch.Tensor, dtype: torch.dtype, *, out: torch.Tensor | None = None, impl: str = "auto"
@@ -211,24 +193,6 @@ class Experts(nn.Module):
 
 
 # ---- the layer ------------------------------------------------------------------------------------
-@contextmanager
-def sm_carveout(sms: int, device: torch.device):
-    """Kernels launched inside leave ``sms`` SMs to a collective running beside them (torch's SM
-    carveout, read by its grouped GEMMs and cuBLAS at launch). Without it a persistent GEMM launched
-    next to an NCCL kernel runs in two waves: the CTAs whose SMs the collective holds start only when
-    it ends (2 x H200: the experts' GEMMs 11.4 -> 13.9 ms beside the all-to-all,
-    ``benchmarks/results/2026-11-22-2xh200-moe-profile-ep2-mb*.json``). A no-op off CUDA or for 0."""
-    if sms <= 0 or device.type != "cuda":
-        yield
-        return
-    before = torch._C._get_sm_carveout_experimental()
-    torch._C._set_sm_carveout_experimental(sms)
-    try:
-        yield
-    finally:
-        torch._C._set_sm_carveout_experimental(before)
-
-
 class MoE(nn.Module):
     """One MoE MLP on one rank: ``gate`` (the router), this rank's ``experts`` and the TP shard of the
     ``shared_experts`` (an MLP module given by the caller; None without shared experts).
@@ -240,8 +204,8 @@ class MoE(nn.Module):
     experts have computed (the worker's expert-load report).
 
     ``schedule`` (one of :data:`EP_SCHEDULES`; see ``configs.pool.PoolConfig.ep_schedule``) orders the
-    expert-parallel work; ``comm_sms`` is the SM carveout (:func:`sm_carveout`) of the kernels that run
-    beside an all-to-all.
+    expert-parallel work; ``comm_sms`` is the SM carveout (``workers.expert_parallel.sm_carveout``) of
+    the kernels that run beside an all-to-all.
     """
 
     def __init__(
@@ -299,53 +263,61 @@ class MoE(nn.Module):
         if self.ep.size == 1:
             out = self._compute(x, ids - self.first_expert, weights, ids.numel()).to(x.dtype)
             return lambda: out
-        rows = self.experts.prepare(x)
         if self.schedule == "local-first":
-            return self._local_first(x, rows, ids, weights)
+            return self._local_first(x, ids, weights)
         # every rank splits, whatever its token count: the ranks' count exchanges must agree in size
-        return self._micro_batches(x, rows, ids, weights, 2 if self.schedule == "two-micro-batches" else 1)
+        return self._micro_batches(x, self.experts.prepare(x), ids, weights, 2 if self.schedule == "two-micro-batches" else 1)
+
+    def _pair_order(self, local_ids: torch.Tensor, pairs: int) -> _PairOrder:
+        """The ``pairs`` valid (row, slot)s of ``local_ids [N, k]`` (-1: not here) sorted by local expert."""
+        n, k = local_ids.shape
+        flat = local_ids.reshape(-1)
+        if pairs == flat.numel():
+            index = torch.arange(pairs, device=flat.device)
+        else:  # a known size: no host sync
+            index = torch.nonzero_static(flat >= 0, size=pairs).squeeze(1)
+        experts = flat[index]
+        index = index[torch.argsort(experts, stable=True)]
+        offs = torch.bincount(experts, minlength=self.experts.num_local).cumsum(0).to(torch.int32)
+        where = torch.full((n * k,), -1, dtype=torch.int64, device=flat.device)
+        where.index_copy_(0, index, torch.arange(pairs, device=flat.device))
+        return _PairOrder(index, offs, where.view(n, k))
 
     def _compute(
         self, rows: list[torch.Tensor] | torch.Tensor, local_ids: torch.Tensor, weights: torch.Tensor, pairs: int,
-        out: torch.Tensor | None = None,
+        out: torch.Tensor | None = None, order: _PairOrder | None = None,
     ) -> torch.Tensor:  # fmt: skip
         """Rows ``[N, ...]`` with their local expert ids ``[N, k]`` (-1: not here) and weights ``[N, k]``,
         ``pairs`` of the ids valid -> the weighted sum of each row's experts ``[N, H]`` (into ``out``).
         ``rows``: as :meth:`Experts.prepare` makes them, or the hidden rows themselves (FP8 experts then
-        quantize each row straight into its pairs' places)."""
+        quantize each row straight into its pairs' places), or with ``order`` (:meth:`_pair_order`)
+        the experts' input rows already in that order."""
         n, k = local_ids.shape
-        flat = local_ids.reshape(-1)
-        if pairs == flat.numel():
-            pair_index = torch.arange(pairs, device=flat.device)
-        else:  # a known size: no host sync
-            pair_index = torch.nonzero_static(flat >= 0, size=pairs).squeeze(1)
-        experts = flat[pair_index]
-        pair_index = pair_index[torch.argsort(experts, stable=True)]
-        offs = torch.bincount(experts, minlength=self.experts.num_local).cumsum(0).to(torch.int32)
         self.pairs += pairs
         hidden = rows if isinstance(rows, torch.Tensor) else None
         dtype = torch.bfloat16 if self.experts.fp8 else (rows if hidden is not None else rows[0]).dtype
         if not pairs:
             zeros = local_ids.new_zeros(n, self.experts.down_proj.shape[1], dtype=dtype)
             return zeros if out is None else out.copy_(zeros)
-        # where each (row, slot)'s pair is in the experts' rows (sorted by expert), or -1
-        where = torch.full((n * k,), -1, dtype=torch.int64, device=flat.device).index_copy_(
-            0, pair_index, torch.arange(pairs, device=flat.device)
-        )
-        if hidden is not None and self.experts.fp8:
-            pair_rows = self.experts.prepare(hidden, scatter_to=where.view(n, k), rows=pairs)
+        if order is not None:
+            pair_rows = rows
         else:
-            pair_rows = [r.index_select(0, pair_index // k) for r in ([hidden] if hidden is not None else rows)]
-        y = self.experts(pair_rows, weights.reshape(-1)[pair_index], offs)
-        return gather_sum(y, where.view(n, k), dtype, out=out)
+            order = self._pair_order(local_ids, pairs)
+            if hidden is not None and self.experts.fp8:
+                pair_rows = self.experts.prepare(hidden, scatter_to=order.where, rows=pairs)
+            else:
+                pair_rows = [r.index_select(0, order.index // k) for r in ([hidden] if hidden is not None else rows)]
+        y = self.experts(pair_rows, weights.reshape(-1)[order.index], order.offs)
+        return gather_sum(y, order.where, dtype, out=out)
 
     def _micro_batches(self, x, rows, ids, weights, parts: int) -> Callable[[], torch.Tensor]:
         """Every routed row, this rank's own too, through the all-to-alls; with two parts the dispatch
         of the second and the combine of the first run beside the other's experts."""
         tokens = x.shape[0]
         bounds = [tokens * i // parts for i in range(parts + 1)]
-        plans = [_Dispatch(self, ids[a:b], weights[a:b]) for a, b in zip(bounds, bounds[1:])]
-        _exchange_counts(plans, self.ep)
+        tables = self.expert_tables(ids.device)
+        plans = [Dispatch(self.ep, tables, ids[a:b], weights[a:b]) for a, b in zip(bounds, bounds[1:])]
+        exchange_counts(plans, self.ep)
         sent = [plan.send([r[a:b] for r in rows]) for plan, a, b in zip(plans, bounds, bounds[1:])]
         returns = []
         for plan, work in zip(plans, sent):
@@ -353,111 +325,47 @@ class MoE(nn.Module):
             with sm_carveout(self.comm_sms if parts > 1 else 0, x.device):  # beside the other part's all-to-all
                 y = self._compute(received[:-1], *plan.unpack_meta(received[-1]), plan.recv_pairs)
             returns.append(plan.send_back(y))
-        return lambda: torch.cat([plan.combine(work(), x.dtype) for plan, work in zip(plans, returns)])
+        return lambda: torch.cat([gather_sum(work()[0], plan.combine_index(), x.dtype) for plan, work in zip(plans, returns)])
 
-    def _local_first(self, x, rows, ids, weights) -> Callable[[], torch.Tensor]:
+    def _local_first(self, x, ids, weights) -> Callable[[], torch.Tensor]:
         """The pairs of this rank's tokens and experts never travel: they are computed while the other
-        rows' dispatch is in flight, into the first rows of the buffer the combine lands in."""
-        plan = _Dispatch(self, ids, weights, keep_local=True)
-        _exchange_counts([plan], self.ep)
-        dispatched = plan.send(rows)
+        rows' dispatch is in flight, into the first rows of the buffer the combine lands in. FP8
+        experts quantize each token once, straight into its places in the dispatch buffer and among
+        the local pairs (no gathers before the dispatch starts)."""
+        tokens = x.shape[0]
+        plan = Dispatch(self.ep, self.expert_tables(ids.device), ids, weights, keep_local=True)
+        exchange_counts([plan], self.ep)
+        local_ids, sent = plan.local_ids(), sum(plan.send_rows)
+        order = None
+        if self.experts.fp8:
+            order = self._pair_order(local_ids, plan.local_pairs)
+            dest = torch.cat([plan.send_places(), torch.where(order.where >= 0, order.where + sent, -1)], dim=1)
+            q, scale = self.experts.prepare(x, scatter_to=dest, rows=sent + plan.local_pairs)
+            dispatched = plan.send([q[:sent], scale[:sent]], gathered=True)
+            rows = [q[sent:], scale[sent:]]
+        else:
+            rows = self.experts.prepare(x)
+            dispatched = plan.send(rows)
         dtype = torch.bfloat16 if self.experts.fp8 else x.dtype
-        partials = x.new_empty(x.shape[0] + sum(plan.send_rows), x.shape[1], dtype=dtype)
+        partials = x.new_empty(tokens + sent, x.shape[1], dtype=dtype)
         with sm_carveout(self.comm_sms, x.device):
-            self._compute(rows, plan.local_ids(), weights, plan.local_pairs, out=partials[: x.shape[0]])
+            self._compute(rows, local_ids, weights, plan.local_pairs, out=partials[:tokens], order=order)
         received = dispatched()
         y = self._compute(received[:-1], *plan.unpack_meta(received[-1]), plan.recv_pairs)
-        work = plan.send_back(y, out=partials[x.shape[0] :])
-        return lambda: plan.combine(work(), x.dtype, local=partials)
+        work = plan.send_back(y, out=partials[tokens:])
+
+        def finish() -> torch.Tensor:
+            work()  # the received partial sums land in partials[tokens:]
+            return gather_sum(partials, plan.combine_index(local=True), x.dtype)
+
+        return finish
 
 
-class _Dispatch:
-    """One micro-batch's trip to the experts' ranks and back (see the module docstring). With
-    ``keep_local`` the rows for this rank's own experts stay here (the ``local-first`` schedule)."""
+@dataclass(frozen=True)
+class _PairOrder:
+    """(row, slot) pairs sorted by local expert: ``index [P]`` (flat ``row * k + slot``), ``offs [E_r]``
+    (int32: the end of each expert's pairs) and ``where [N, k]`` (each pair's place, -1: none)."""
 
-    def __init__(self, moe: MoE, ids: torch.Tensor, weights: torch.Tensor, *, keep_local: bool = False) -> None:
-        self.ep, self.keep_local = moe.ep, keep_local
-        self.tokens, self.k = ids.shape
-        size = self.ep.size
-        owner_of, first = moe.expert_tables(ids.device)
-        self.owner = owner_of[ids]  # [T, k]
-        goes = torch.zeros(self.tokens, size, dtype=torch.bool, device=ids.device).scatter_(1, self.owner, True)
-        pairs = torch.bincount(self.owner.reshape(-1), minlength=size)
-        self.counts = torch.stack([goes.sum(dim=0), pairs], dim=1)  # [W, 2]: rows and pairs per destination
-        if keep_local:
-            self.here = goes[:, self.ep.rank].clone()
-            goes[:, self.ep.rank] = False
-        self.goes_flat = goes.t().reshape(-1)  # [W * T]: (rank, token), rank-major
-        self.ids, self.weights, self.first = ids, weights, first
-
-    def set_counts(self, send: list[list[int]], recv: list[list[int]]) -> None:
-        if self.keep_local:  # this rank's own rows and pairs: not sent
-            me = self.ep.rank
-            self.local_pairs = send[me][1]
-            send, recv = list(send), list(recv)
-            send[me] = recv[me] = [0, 0]
-        self.send_rows = [rows for rows, _ in send]
-        self.recv_rows = [rows for rows, _ in recv]
-        self.recv_pairs = sum(pairs for _, pairs in recv)
-        # (rank, token) of every row sent, rank-major: a known count, so no host sync
-        self.slots = torch.nonzero_static(self.goes_flat, size=sum(self.send_rows)).squeeze(1)
-        self.token = self.slots % max(self.tokens, 1)
-
-    def local_ids(self) -> torch.Tensor:
-        """``[T, k]``: each pair's expert id on this rank where this rank holds it, else -1."""
-        return torch.where(self.owner == self.ep.rank, self.ids - self.first[self.ep.rank], -1)
-
-    def send(self, rows: list[torch.Tensor]):
-        """Start the dispatch of ``rows`` (each ``[T, ...]``) and the pairs' local ids and weights; returns
-        a function that waits and gives the received ``rows`` plus the packed metadata, in rank order."""
-        rank = self.slots // max(self.tokens, 1)
-        mine = self.owner.index_select(0, self.token) == rank[:, None]
-        local_ids = torch.where(mine, self.ids.index_select(0, self.token) - self.first[rank][:, None], -1)
-        meta = torch.cat([local_ids.to(torch.int32), self.weights.index_select(0, self.token).float().view(torch.int32)], dim=1)
-        return _all_to_all([*(r.index_select(0, self.token) for r in rows), meta], self.send_rows, self.recv_rows, self.ep)
-
-    def unpack_meta(self, meta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return meta[:, : self.k].long(), meta[:, self.k :].contiguous().view(torch.float32)
-
-    def send_back(self, y: torch.Tensor, out: torch.Tensor | None = None):
-        return _all_to_all([y], self.recv_rows, self.send_rows, self.ep, outs=None if out is None else [out])
-
-    def combine(self, received: list[torch.Tensor], dtype: torch.dtype, local: torch.Tensor | None = None) -> torch.Tensor:
-        """Every rank's partial sums of this micro-batch's tokens -> their sum ``[T, H]`` (fp32 accumulation,
-        in rank order). ``local``: the buffer whose first ``T`` rows are this rank's own partial sums and
-        whose other rows are ``received`` (the local-first schedule)."""
-        (y,) = received
-        first = 0 if local is None else self.tokens
-        where = torch.full((self.ep.size * self.tokens,), -1, dtype=torch.int64, device=y.device)
-        where.index_copy_(0, self.slots, torch.arange(first, first + len(self.slots), device=y.device))
-        if local is not None:
-            token = torch.arange(self.tokens, device=y.device)
-            where[self.ep.rank * self.tokens : (self.ep.rank + 1) * self.tokens] = torch.where(self.here, token, -1)
-        return gather_sum(y if local is None else local, where.view(self.ep.size, self.tokens).t(), dtype)
-
-
-def _exchange_counts(plans: list[_Dispatch], ep: EPGroup) -> None:
-    """One all-to-all of every micro-batch's row and pair counts, and one host sync for all of them."""
-    send = torch.cat([plan.counts for plan in plans], dim=1)  # [W, 2 * micro-batches]: row r goes to rank r
-    recv = torch.empty_like(send)
-    dist.all_to_all_single(recv, send, group=ep.group)
-    send_host, recv_host = torch.stack([send, recv]).tolist()
-    for i, plan in enumerate(plans):
-        plan.set_counts([row[2 * i : 2 * i + 2] for row in send_host], [row[2 * i : 2 * i + 2] for row in recv_host])
-
-
-def _all_to_all(tensors: list[torch.Tensor], send_rows: list[int], recv_rows: list[int], ep: EPGroup, outs=None):
-    """Start one all-to-all per tensor (rows split by ``send_rows``; FP8 moved as bytes) into ``outs``
-    (default: new tensors); returns a function that waits for them and gives the received tensors."""
-    works = []
-    if outs is None:
-        outs = [tensor.new_empty(sum(recv_rows), *tensor.shape[1:]) for tensor in tensors]
-    for tensor, out in zip(tensors, outs):
-        works.append(dist.all_to_all_single(out, tensor.contiguous(), recv_rows, send_rows, group=ep.group, async_op=True))
-
-    def wait() -> list[torch.Tensor]:
-        for work in works:
-            work.wait()
-        return outs
-
-    return wait
+    index: torch.Tensor
+    offs: torch.Tensor
+    where: torch.Tensor

@@ -53,7 +53,7 @@ from workers.fp8 import fp8_gemm_supported
 from workers.kv_cache import PagedKVCache, blocks_for
 from workers.kv_holder import KVHolder
 from workers.model import DeepseekPrefillModel, TPShard
-from workers.moe import EPGroup
+from workers.expert_parallel import EPGroup
 from workers.pcp import PCPCostModel, PCPGroup, PCPPlan, measure_cost_model, shard_rows
 from workers.placement import check_weights_fit, resolve_device, resolve_dtype
 from workers.weights import load_weights

@@ -20,7 +20,8 @@ from configs.model import EP_SCHEDULES, MoEConfig, load_model_config, model_conf
 from configs.pool import PoolConfig
 from workers.fp8 import FP8Linear, block_dequantize
 from workers.model import DeepseekPrefillModel
-from workers.moe import EPGroup, gather_sum, route, sm_carveout
+from workers.expert_parallel import EPGroup, sm_carveout
+from workers.moe import gather_sum, route
 from workers.pcp import interleave_shards
 from workers.weights import check_checkpoint, load_weights
 
