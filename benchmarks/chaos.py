@@ -188,14 +188,16 @@ def run_chaos(config: PoolConfig, *, requests: int = 200, seed: int = 0, in_flig
                         actor = decoder[0]
                     try:
                         ray.get(actor.receive.remote(pool.kv_source(result)), timeout=120)
+                        got = ray.get(actor.pop_kv.remote(rid))
                         break
                     except ray.exceptions.RayActorError:
-                        with lock:  # the actor another handoff's scheduled kill took down mid-pull: the KV is still held
+                        # the actor another handoff's scheduled kill took down, during this pull or before its
+                        # KV was popped: the KV is still held (released below, not by the actor)
+                        with lock:
                             killed_beside = actor is not decoder[0]
                         if not killed_beside:  # (the schedule replaces the actor twice: this ends)
                             raise
                         after_kill = True
-                got = ray.get(actor.pop_kv.remote(rid))
                 pool.release(result)
                 kind = "actor after a kill" if after_kill else "actor"
                 handoffs[i] = kind if _close(got, ref_kv[i], rtol) else f"{kind}, KV differs"
