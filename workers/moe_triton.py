@@ -11,12 +11,12 @@ experts x 7168 (``benchmarks/results/2026-11-22-h200-moe-profile-index-add.json`
 of the layer's GEMM time. Here every row is read once and no atomics are needed.
 
 ``route``: ``workers.moe.route``'s rules for ``BLOCK_T`` tokens per program, their scores in registers:
-scoring, the biased choice, each group's score and the best groups, then ``K`` rounds of argmax. Why
-a kernel: done with torch ops routing is a dozen launches and three ``topk`` calls over ``[T, E]``,
-0.6 ms of ``topk`` alone for 16K tokens of DeepSeek-V3 on H200 (``benchmarks/results/2026-11-22-h200-moe-profile.json``),
-while the kernel reads the logits once: 0.11 ms there
-(``benchmarks/results/2026-11-23-h200-moe-profile-routing-kernel.json``). Ties go to the lower expert id (torch's ``topk`` leaves them
-unspecified).
+scoring, the biased choice, each group's score and the best groups, then ``K`` rounds of argmax.
+Why a kernel: done with torch ops routing is a dozen launches and three ``topk`` calls over
+``[T, E]``, 0.6 ms of ``topk`` alone for 16K tokens of DeepSeek-V3 on H200
+(``benchmarks/results/2026-11-22-h200-moe-profile.json``), while the kernel reads the logits once:
+0.11 ms there (``benchmarks/results/2026-11-23-h200-moe-profile-routing-kernel.json``). Ties go to
+the lower expert id (torch's ``topk`` leaves them unspecified).
 """
 
 from __future__ import annotations
