@@ -82,18 +82,29 @@ def wants_spares(config: PoolConfig, use_gpus: bool) -> bool:
 
 def start_spares(config: PoolConfig, group, bundle_offset: int, use_gpus: bool) -> Spares:
     """Start the spares of a replica placed in ``group`` (returns at once; they preload meanwhile)."""
-    options = {"runtime_env": {"env_vars": {"RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES": "1"}}} if use_gpus else {}
+    workers = _start_workers(config, group, bundle_offset, use_gpus, spares=True)
+    return Spares(workers, [w.preload.remote() for w in workers])
+
+
+def _start_workers(config: PoolConfig, group, bundle_offset: int, use_gpus: bool, *, spares: bool = False) -> list:
+    """One worker actor per bundle of the replica, rank ``r`` in bundle ``bundle_offset + r``. Spares
+    take no resources and no rank, and see all of the node's GPUs (a promoted one takes the failed
+    rank's GPU itself); so do workers on shared GPUs (Ray may give two ranks one GPU: rank r takes
+    GPU r itself)."""
+    options = {}
+    if use_gpus and (spares or config.worker_gpus < 1):
+        options["runtime_env"] = {"env_vars": {"RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES": "1"}}
+    # the "kv" group answers the KV server (where a request's blocks are) while a prefill batch runs
     actor = ray.remote(concurrency_groups={KV_GROUP: 2})(PrefillWorker)
-    workers = [
+    return [
         actor.options(
-            num_cpus=0,
-            num_gpus=0,
+            num_cpus=0 if spares else config.worker_cpus,
+            num_gpus=config.worker_gpus if use_gpus and not spares else 0,
             scheduling_strategy=PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=bundle_offset + rank),
             **options,
-        ).remote(config, None, _worker_env(config, use_gpus))
+        ).remote(config, None if spares else rank, _worker_env(config, use_gpus))
         for rank in range(config.workers_per_replica)
     ]
-    return Spares(workers, [w.preload.remote() for w in workers])
 
 
 def start_replica(
@@ -142,21 +153,7 @@ def start_replica(
         uuids = [info.device_uuid for info in replacing.infos]
         promoted = [w.promote.remote(rank, uuids[rank]) for rank, w in enumerate(workers)]
     else:
-        options = {}
-        if use_gpus and config.worker_gpus < 1:  # shared GPUs: Ray may give two ranks one GPU; rank r takes GPU r itself
-            options["runtime_env"] = {"env_vars": {"RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES": "1"}}
-        # the "kv" group answers the KV server (where a request's blocks are) while a prefill batch runs
-        actor = ray.remote(concurrency_groups={KV_GROUP: 2})(PrefillWorker)
-        workers = [
-            actor.options(
-                num_cpus=config.worker_cpus,
-                num_gpus=config.worker_gpus if use_gpus else 0,
-                scheduling_strategy=PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=bundle_offset + rank),
-                **options,
-            ).remote(config, rank, _worker_env(config, use_gpus))
-            for rank in range(config.workers_per_replica)
-        ]
-        promoted = []
+        workers, promoted = _start_workers(config, group, bundle_offset, use_gpus), []
     try:
         ray.get(promoted, timeout=timeout_s)
         addr, port = ray.get(workers[0].rendezvous_address.remote(), timeout=timeout_s)

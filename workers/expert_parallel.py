@@ -83,20 +83,18 @@ class Dispatch:
         # (rank, token) of every row sent, rank-major: a known count, so no host sync
         self.slots = torch.nonzero_static(self.goes_flat, size=sum(self.send_rows)).squeeze(1)
         self.token = self.slots % max(self.tokens, 1)
+        # [T, W]: where each (token, rank) row is in the dispatch buffer, -1 where none goes
+        places = torch.full((self.ep.size * self.tokens,), -1, dtype=torch.int64, device=self.slots.device)
+        places.index_copy_(0, self.slots, torch.arange(len(self.slots), device=self.slots.device))
+        self.places = places.view(self.ep.size, self.tokens).t()
 
     def local_ids(self) -> torch.Tensor:
         """``[T, k]``: each pair's expert id on this rank where this rank holds it, else -1."""
         return torch.where(self.owner == self.ep.rank, self.ids - self.first[self.ep.rank], -1)
 
-    def send_places(self) -> torch.Tensor:
-        """``[T, W]``: where each (token, rank) row is in the dispatch buffer, -1 where none goes."""
-        places = torch.full((self.ep.size * self.tokens,), -1, dtype=torch.int64, device=self.slots.device)
-        places.index_copy_(0, self.slots, torch.arange(len(self.slots), device=self.slots.device))
-        return places.view(self.ep.size, self.tokens).t()
-
     def send(self, rows: list[torch.Tensor], *, gathered: bool = False):
         """Start the dispatch of ``rows`` (each ``[T, ...]``, or with ``gathered`` already the dispatch
-        buffer's rows in :meth:`send_places` order) and the pairs' local ids and weights; returns a
+        buffer's rows, in ``places`` order) and the pairs' local ids and weights; returns a
         function that waits and gives the received ``rows`` plus the packed metadata, in rank order."""
         rank = self.slots // max(self.tokens, 1)
         mine = self.owner.index_select(0, self.token) == rank[:, None]
@@ -114,10 +112,9 @@ class Dispatch:
 
     def combine_index(self, local: bool = False) -> torch.Tensor:
         """``[T, W]``: where each rank's partial sum of each token is, -1 where that rank has none: in
-        the combine's received rows, or with ``local`` in a buffer whose first ``T`` rows are this
+        the combine's received rows (they come back in ``places`` order), or with ``local`` in a buffer whose first ``T`` rows are this
         rank's own partial sums and whose other rows are the received ones (the local-first schedule)."""
-        places = self.send_places()
-        where = torch.where(places >= 0, places + (self.tokens if local else 0), -1)
+        where = torch.where(self.places >= 0, self.places + (self.tokens if local else 0), -1)
         if local:
             where[:, self.ep.rank] = torch.where(self.here, torch.arange(self.tokens, device=where.device), -1)
         return where

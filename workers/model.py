@@ -45,7 +45,7 @@ from attention.mla import MLAAttention, PrefillBatch, RMSNorm
 from configs.model import ModelConfig
 from workers.collectives import all_gather_into, reduce_scatter_into
 from workers.fp8 import BLOCK, FP8Linear
-from workers.expert_parallel import EPGroup, sm_carveout
+from workers.expert_parallel import EPGroup
 from workers.moe import MoE
 from workers.pcp import PCPPlan, context_parallel_attention
 
@@ -280,7 +280,7 @@ class DeepseekPrefillModel(nn.Module):
         finish = moe.start_routed(x[mine])
         local = h[mine]
         if moe.shared_experts is not None:  # while the routed experts' combine is in flight
-            with sm_carveout(moe.comm_sms if moe.ep.size > 1 else 0, x.device):
+            with moe.beside_combine(x.device):
                 local = local + self.tp.reduce_scatter(moe.shared_experts(x))
         return self.tp.all_gather(local + finish(), x.shape[0])
 

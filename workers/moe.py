@@ -247,9 +247,14 @@ class MoE(nn.Module):
         finish = self.start_routed(x)
         if self.shared_experts is None:
             return finish()
-        with sm_carveout(self.comm_sms if self.ep.size > 1 else 0, x.device):
+        with self.beside_combine(x.device):
             shared = self.shared_experts(x)
         return finish() + shared
+
+    def beside_combine(self, device: torch.device):
+        """The SM carveout of work launched between :meth:`start_routed` and its finish (the combine
+        all-to-all is in flight then; none with one rank)."""
+        return sm_carveout(self.comm_sms if self.ep.size > 1 else 0, device)
 
     def routed(self, x: torch.Tensor) -> torch.Tensor:
         """The routed experts' weighted sum for tokens ``x [T, H]`` held by this rank (every rank of the
@@ -339,7 +344,7 @@ class MoE(nn.Module):
         order = None
         if self.experts.fp8:
             order = self._pair_order(local_ids, plan.local_pairs)
-            dest = torch.cat([plan.send_places(), torch.where(order.where >= 0, order.where + sent, -1)], dim=1)
+            dest = torch.cat([plan.places, torch.where(order.where >= 0, order.where + sent, -1)], dim=1)
             q, scale = self.experts.prepare(x, scatter_to=dest, rows=sent + plan.local_pairs)
             dispatched = plan.send([q[:sent], scale[:sent]], gathered=True)
             rows = [q[sent:], scale[sent:]]
