@@ -23,7 +23,10 @@ Also per run: ``moe_layer``: the first MoE layer alone on ``--moe-tokens`` token
 dispatch, experts, combine; shared experts apart) against the raw grouped-GEMM kernels on the very
 shapes that call produced, and the whole layer (shared experts beside the combine) against those
 GEMMs plus the shared experts alone; ``agreement``: each prompt case's first prompt, logits and latent KV,
-against the first layout and weight format of the run (relative max error, first token).
+against the first layout and weight format of the run (relative max error, first token). The MoE
+layer's times are GPU times per call (CUDA events, calls queued back to back as a forward pass
+queues its layers); ``routed_synced_s`` is the routed call's wall time with the GPU synchronized
+around it, its host launch latency included.
 
     python benchmarks/bench_moe.py --model deepseek-v3 --num-layers 5 --layouts fp8:1 fp8:2 fp8:4 bf16:1 \\
         --prompts 1x8192 1x32768 1x131072 16x4096/gpu --out FILE.json
@@ -54,6 +57,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from spmd import chunk_batches  # noqa: E402 -- the tests' prompt-by-chunk batching, as the pool schedules it
 
 from machine import machine  # noqa: E402 -- benchmarks/machine.py
+from timing import seconds_per_call, sync  # noqa: E402 -- benchmarks/timing.py
 
 from configs.model import EP_SCHEDULES  # noqa: E402
 
@@ -127,24 +131,6 @@ def model_flops(config, prompt_lens: list[int]) -> float:
     return 2 * active * tokens + attention * config.num_hidden_layers
 
 
-def _sync() -> None:
-    if torch.cuda.is_initialized():
-        torch.cuda.synchronize()
-
-
-def _timed(fn, repeats: int) -> float:
-    """Median seconds of ``fn()`` after one warm-up call (device synchronized around each)."""
-    fn()
-    times = []
-    for _ in range(repeats):
-        _sync()
-        started = time.perf_counter()
-        fn()
-        _sync()
-        times.append(time.perf_counter() - started)
-    return statistics.median(times)
-
-
 def _run_prompts(worker, prompts: list[np.ndarray], chunk: int, tag: str):
     """Prefill every prompt (all in flight, each chunk by chunk); returns rank 0's results by id."""
     results = {}
@@ -171,20 +157,21 @@ def _moe_layer(worker, tokens: int) -> dict:
         return forward(rows, weights, offs)
 
     experts.forward = capture
-    routed_s = _timed(lambda: moe.routed(x), 10)
+    routed_s = seconds_per_call(lambda: moe.routed(x), 10)
     experts.forward = forward
     calls = calls[-len(calls) // 11 :]  # the last of the 11 routed calls
-    experts_s = _timed(lambda: [experts(*call) for call in calls], 10)
+    routed_synced_s = seconds_per_call(lambda: moe.routed(x), 10, synced=True)
+    experts_s = seconds_per_call(lambda: [experts(*call) for call in calls], 10)
     gemms = [_raw_gemms(experts, *call) for call in calls]
-    gemm_s = _timed(lambda: [run() for run in gemms], 10)
-    shared_s = _timed(lambda: moe.shared_experts(x), 10) if moe.shared_experts is not None else 0.0
-    layer_s = _timed(lambda: moe(x), 10)  # router, routed and shared experts (beside the combine)
+    gemm_s = seconds_per_call(lambda: [run() for run in gemms], 10)
+    shared_s = seconds_per_call(lambda: moe.shared_experts(x), 10) if moe.shared_experts is not None else 0.0
+    layer_s = seconds_per_call(lambda: moe(x), 10)  # router, routed and shared experts (beside the combine)
     pairs = sum(int(offs[-1]) for _, _, offs in calls)
     width = experts.intermediate
     flops = 2 * pairs * (hidden * 2 * width + width * hidden)
     return {
         "tokens_per_gpu": tokens, "pairs_here": pairs, "experts_here": experts.num_local,
-        "routed_s": routed_s, "experts_s": experts_s, "grouped_gemm_s": gemm_s, "shared_experts_s": shared_s,
+        "routed_s": routed_s, "routed_synced_s": routed_synced_s, "experts_s": experts_s, "grouped_gemm_s": gemm_s, "shared_experts_s": shared_s,
         "grouped_gemm_tflops": flops / gemm_s / 1e12,
         "routed_over_grouped_gemm": routed_s / gemm_s, "experts_over_grouped_gemm": experts_s / gemm_s,
         "layer_s": layer_s, "layer_over_grouped_gemm_and_shared": layer_s / (gemm_s + shared_s),
@@ -245,10 +232,10 @@ def _worker(rank: int, layout: Layout, args, port: int, queue) -> None:
             for run in range(args.repeats + 1):
                 if gpus > 1:
                     torch.distributed.barrier()
-                _sync()
+                sync()
                 started = time.perf_counter()
                 results = _run_prompts(worker, prompts, args.chunk_tokens, f"c{count}x{length}r{run}-")
-                _sync()
+                sync()
                 seconds = time.perf_counter() - started
                 if run:
                     times.append(seconds)

@@ -19,9 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import platform
-import statistics
 import sys
-import time
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -40,22 +38,12 @@ from workers.model import DeepseekPrefillModel
 from workers.expert_parallel import EPGroup
 from workers.weights import load_weights
 
-
-def _sync() -> None:
-    if torch.cuda.is_initialized():
-        torch.cuda.synchronize()
+from timing import seconds_per_call, sync  # benchmarks/timing.py
 
 
-def timed(fn, repeats: int = 10) -> float:
-    fn()
-    times = []
-    for _ in range(repeats):
-        _sync()
-        started = time.perf_counter()
-        fn()
-        _sync()
-        times.append(time.perf_counter() - started)
-    return statistics.median(times)
+def timed(fn) -> float:
+    """Median wall seconds of a call, the GPU synchronized around it."""
+    return seconds_per_call(fn, synced=True)
 
 
 def run(rank: int, args, port: int) -> None:
@@ -85,7 +73,7 @@ def run(rank: int, args, port: int) -> None:
     with profile(activities=activities) as prof:
         for _ in range(3):
             moe.routed(x)
-        _sync()
+        sync()
     if rank:
         dist.destroy_process_group()
         return

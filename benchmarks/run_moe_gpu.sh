@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU runs behind benchmarks/results/*-moe-*.json, step by step (each fits one 10-minute call):
 #   bash benchmarks/run_moe_gpu.sh OUT_DIR STEP...
-# Steps: tests (FP8 and MoE kernels, torch's FP8 GEMMs), accuracy (tiny MoE models vs the CPU reference),
+# Steps: tests (FP8 and MoE kernels, torch's FP8 GEMMs), quantize (the FP8 quantization kernel's tiles), accuracy (tiny MoE models vs the CPU reference),
 # profile, profile-ep (one MoE layer on 1 GPU; on $EP_GPUS (default 2), every ep_schedule without and with an SM carveout of
 # $COMM_SMS (default 16), the all-to-all's CTAs capped to it), v2lite (the whole DeepSeek-V2-Lite), v3 (a DeepSeek-V3 slice on $LAYOUTS, by
 # default FP8 on 1, 2 and 4 GPUs and bf16 on 1; a layout may name its EP schedule and carveout, bench_moe.py --help). Assumes flash-attn 4 on PYTHONPATH (deploy/offline_bundle.py).
@@ -14,6 +14,7 @@ slice=(--model deepseek-v3 --num-layers 5)  # 3 dense + 2 MoE layers, 256 expert
 for step in "$@"; do
   case $step in
     tests) python3 -m pytest -q -m gpu tests/unit/test_fp8.py tests/unit/test_moe.py 2>&1 | tee "$out/moe-gpu-tests.log" ;;
+    quantize) python3 benchmarks/bench_quantize.py --out "$out/fp8-quantize.json" ;;
     accuracy) python3 benchmarks/accuracy_moe.py --out "$out/moe-accuracy.json" ;;
     profile) python3 benchmarks/profile_moe.py --weights fp8 --out "$out/moe-profile-fp8.json" 2>&1 | tail -45 ;;
     profile-ep) for schedule in all-to-all local-first two-micro-batches; do for sms in 0 ${COMM_SMS:-16}; do

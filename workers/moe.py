@@ -281,9 +281,11 @@ class MoE(nn.Module):
             index = torch.arange(pairs, device=flat.device)
         else:  # a known size: no host sync
             index = torch.nonzero_static(flat >= 0, size=pairs).squeeze(1)
-        experts = flat[index]
-        index = index[torch.argsort(experts, stable=True)]
-        offs = torch.bincount(experts, minlength=self.experts.num_local).cumsum(0).to(torch.int32)
+        experts, by_expert = torch.sort(flat[index], stable=True)
+        index = index[by_expert]
+        # each expert's end: a search of the sorted ids (torch.bincount would wait for the GPU to size its output)
+        ends = torch.arange(1, self.experts.num_local + 1, device=flat.device)
+        offs = torch.searchsorted(experts, ends, out_int32=True)
         where = torch.full((n * k,), -1, dtype=torch.int64, device=flat.device)
         where.index_copy_(0, index, torch.arange(pairs, device=flat.device))
         return _PairOrder(index, offs, where.view(n, k))

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from configs.model import MoEConfig
+from workers import fp8_triton
 from workers.fp8 import FP8, FP8Linear, block_dequantize, block_quantize, quantize_activations, requantize_rows
 from workers.moe import Experts
 
@@ -73,6 +74,24 @@ def test_quantization_scattered_to_the_pairs_equals_quantizing_then_gathering(im
     assert q.shape == (50, 256) and scale.shape == (1, 50)
     assert torch.equal(scale[0], ref_scale[0][source])
     assert torch.equal(q.view(torch.uint8), ref_q.view(torch.uint8)[source])
+
+
+@pytest.mark.parametrize("group,silu_mul", [(128, False), (256, True), (768, False)], ids=["1x128", "activation", "row"])
+def test_triton_quantization_in_one_pass_equals_two_passes(group, silu_mul, monkeypatch):
+    """The kernel (Triton's interpreter) holds a group in registers (one pass) or, wider than
+    ``ONE_PASS_WIDTH``, reads it twice: the same FP8 bytes and scales either way, the scales torch's
+    and padding rows zeros."""
+    x = torch.randn(6, 1536) * torch.logspace(-1, 1, 1536)
+    weight = torch.rand(6) if silu_mul else None
+    kw = {"pad_rows_to": 4, "silu_mul": silu_mul, "row_weight": weight}
+    one_pass = quantize_activations(x, group, impl="triton", **kw)
+    monkeypatch.setattr(fp8_triton, "ONE_PASS_WIDTH", 64)
+    two_passes = quantize_activations(x, group, impl="triton", **kw)
+    assert fp8_triton.quantize_constants(group, 448, 1e-10, silu_mul=silu_mul, row_weight=False, scatter=0)["WIDTH"] == 128
+    assert torch.equal(one_pass[0].view(torch.uint8), two_passes[0].view(torch.uint8))
+    assert torch.equal(one_pass[1], two_passes[1])
+    torch.testing.assert_close(one_pass[1], quantize_activations(x, group, impl="torch", **kw)[1], rtol=1e-6, atol=0)
+    assert one_pass[0].shape == (8, 768 if silu_mul else 1536) and not one_pass[0][6:].float().any()
 
 
 def test_bad_quantization_groups_are_refused():

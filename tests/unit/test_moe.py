@@ -140,6 +140,36 @@ def test_gather_sum_adds_the_indexed_rows_in_float32(impl, device, dtype):
     assert torch.equal(got[7], torch.zeros(1100, device=device))
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.gpu
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
+def test_one_rank_runs_the_moe_layer_without_waiting_for_the_gpu(fp8):
+    """On one rank no step of the MoE layer (routing, sorting the pairs, the grouped GEMMs, the sums)
+    copies to the host or synchronizes: the host stays ahead and the GPU never idles between kernels."""
+    from workers.fp8 import requantize_rows
+    from workers.moe import MoE
+
+    config = load_model_config("deepseek-v3").moe
+    moe = MoE(config, 1024, dtype=torch.bfloat16, fp8=fp8, device="cuda")
+    with torch.no_grad():
+        for param in moe.parameters():
+            param.copy_(torch.randn(param.shape, device="cuda") * 0.05)  # FP8 experts are set below
+        if fp8:
+            for name in ("gate_up_proj", "down_proj"):
+                q, scale = requantize_rows(torch.randn(getattr(moe.experts, name).shape, device="cuda") * 0.05)
+                getattr(moe.experts, name).copy_(q)
+                getattr(moe.experts, f"{name}_scale").copy_(scale)
+        x = torch.randn(3000, 1024, device="cuda").to(torch.bfloat16)
+        expected = moe.routed(x)  # compiles the kernels
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            got = moe.routed(x)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    assert torch.equal(got, expected)
+
+
 # ---- whole models, one process ------------------------------------------------------------------------
 @pytest.mark.parametrize("name", ["v3", "v2", "v3-fp8"])
 def test_moe_model_logits_equal_transformers(checkpoints, prompts, name):

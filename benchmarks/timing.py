@@ -1,0 +1,38 @@
+"""How the benchmarks time a call."""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import torch
+
+
+def sync() -> None:
+    """Wait for the GPU, where one is in use."""
+    if torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+
+
+def seconds_per_call(fn, repeats: int = 10, *, synced: bool = False) -> float:
+    """Median seconds of one ``fn()`` after a warm-up call: on a GPU its GPU time from CUDA events around
+    each of ``repeats`` calls queued back to back (the host launching ahead, as in a forward pass);
+    ``synced`` (and on CPU): wall time with the device synchronized around each call (the host's
+    launch latency included)."""
+    fn()
+    if synced or not torch.cuda.is_initialized():
+        times = []
+        for _ in range(repeats):
+            sync()
+            started = time.perf_counter()
+            fn()
+            sync()
+            times.append(time.perf_counter() - started)
+        return statistics.median(times)
+    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(repeats)]
+    for start, end in events:
+        start.record()
+        fn()
+        end.record()
+    sync()
+    return statistics.median(start.elapsed_time(end) for start, end in events) / 1e3
