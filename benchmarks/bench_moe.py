@@ -302,7 +302,7 @@ def relative_l2(x: torch.Tensor, ref: torch.Tensor) -> float:
 
 
 def summarize(args, model_config, layout: Layout, ranks: list[dict]) -> dict:
-    from workers.pcp import interleave_shards
+    from workers.pcp_layout import interleave_shards
 
     layers, (weights, gpus, tp, schedule, comm_sms) = model_config.num_hidden_layers, layout
     info = ranks[0]["info"]

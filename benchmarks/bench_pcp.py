@@ -70,7 +70,8 @@ def prefill(attn, tokens: int, chunk: int, pcp, strategy: str, cost_model, works
     """Prefill one prompt of ``tokens`` through the layer; returns (seconds, per-chunk plan info[, out, kv])."""
     from attention.mla import plan_prefill_batch
     from workers.kv_cache import PagedKVCache, blocks_for
-    from workers.pcp import PCPPlan, context_parallel_attention, interleave_shards, shard_rows
+    from workers.pcp import PCPPlan, context_parallel_attention
+    from workers.pcp_layout import interleave_shards, shard_rows
 
     device, dtype = attn.o_proj.weight.device, attn.o_proj.weight.dtype
     rows = shard_rows(tokens, pcp.rank, pcp.size, block_size)

@@ -42,7 +42,7 @@ from configs.model import DTYPES
 from configs.pool import PoolConfig
 from workers.decode import DecodeState, ReferenceDecoder
 from workers.kv_link import KVLink, KVLinkBroken, KVLinkError
-from workers.pcp import interleave_shards, shard_rows
+from workers.pcp_layout import interleave_shards, shard_rows
 
 TRANSPORTS = ("auto", "p2p", "object")
 

@@ -45,7 +45,7 @@ from cluster.replica import Replica, cause, connect_ray, start_replica, stop_rep
 from cluster.scheduler import Recovery, ReplicaScheduler
 from configs.pool import PoolConfig
 from workers.kv_cache import blocks_for
-from workers.pcp import shard_rows
+from workers.pcp_layout import shard_rows
 from workers.weights import check_checkpoint_of
 from workers.worker import WorkerInfo
 

@@ -36,6 +36,7 @@ import asyncio
 import json
 import logging
 import uuid
+import warnings
 from typing import Any
 
 import msgpack
@@ -223,7 +224,11 @@ def _response(status: int, answer: dict[str, Any], form: str) -> Response:
 
 def build_app(config: ServeConfig) -> serve.Application:
     """The Serve application of ``config``: one autoscaled deployment of :class:`PrefillServer`."""
-    return serve.deployment(PrefillServer).options(**config.deployment_options()).bind(config)
+    with warnings.catch_warnings():
+        # Serve checks look_back_period_s against its deprecated metrics_interval_s (10 s), not against the
+        # interval replicas really report at (its environment variable, which ServeConfig checks against)
+        warnings.filterwarnings("ignore", message="`look_back_period_s`.*`metrics_interval_s`", category=FutureWarning)
+        return serve.deployment(PrefillServer).options(**config.deployment_options()).bind(config)
 
 
 def app(args: dict[str, Any]) -> serve.Application:

@@ -13,13 +13,13 @@ from typing import Any
 
 from attention.backends.registry import MLAPrefillBackendEnum
 from configs.model import DTYPES, EP_SCHEDULES, ModelConfig, load_model_config
-from workers.pcp import STRATEGIES as PCP_STRATEGIES
 
 DEVICES = ("auto", "cpu", "cuda")
 QUANTIZATIONS = ("auto", "none")
 PLACEMENTS = ("STRICT_PACK", "PACK", "SPREAD", "STRICT_SPREAD")
 NIXL_MODES = ("auto", "on", "off")
 SPARE_MODES = ("auto", "on", "off")
+PCP_STRATEGIES = ("auto", "sharded", "gather")  # how PCP attends to cached context: workers.pcp
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -9,10 +9,20 @@ each Serve replica is one placement group, ``[replica actor] + tp * pcp`` worker
 from __future__ import annotations
 
 import dataclasses
+import os
 from dataclasses import dataclass, field
 from typing import Any
 
 from configs.pool import PoolConfig
+
+
+REPORT_INTERVAL_ENV = "RAY_SERVE_REPLICA_AUTOSCALING_METRIC_PUSH_INTERVAL_S"
+
+
+def load_report_interval_s() -> float:
+    """How often Serve replicas report their load: Ray's ``RAY_SERVE_REPLICA_AUTOSCALING_METRIC_PUSH_INTERVAL_S``
+    (read by Serve's processes; default 10 s)."""
+    return float(os.environ.get(REPORT_INTERVAL_ENV, 10.0))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -24,8 +34,8 @@ class ServeConfig:
     min_replicas, max_replicas   autoscaling bounds (equal: a fixed number of replicas)
     target_ongoing_requests  requests per replica the autoscaler aims at
     upscale_delay_s, downscale_delay_s   how long demand must stay above / below target first
-    look_back_period_s       the window over which replicas' load is averaged (how often they report it
-                             is Ray's RAY_SERVE_REPLICA_AUTOSCALING_METRIC_PUSH_INTERVAL_S, default 10 s)
+    look_back_period_s       the window over which replicas' load is averaged; longer than the interval
+                             at which they report it (:func:`load_report_interval_s`)
     max_ongoing_requests     requests one replica takes at once (more wait in Serve's queue)
     max_body_bytes           larger request bodies get 413
     replica_cpus             CPUs of the replica actor itself (HTTP, scheduling; not the workers)
@@ -65,6 +75,11 @@ class ServeConfig:
         for name in ("upscale_delay_s", "downscale_delay_s"):
             if getattr(self, name) < 0:
                 raise ValueError(f"serve config: {name} must be >= 0, got {getattr(self, name)!r}")
+        if self.look_back_period_s <= load_report_interval_s():
+            raise ValueError(
+                f"serve config: look_back_period_s ({self.look_back_period_s}) must be longer than the interval at which "
+                f"replicas report their load ({load_report_interval_s()} s, {REPORT_INTERVAL_ENV})"
+            )
         if not 0 <= self.kv_port <= 65535:
             raise ValueError(f"serve config: kv_port must be in [0, 65535], got {self.kv_port}")
 

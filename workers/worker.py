@@ -54,7 +54,8 @@ from workers.kv_cache import PagedKVCache, blocks_for
 from workers.kv_holder import KVHolder
 from workers.model import DeepseekPrefillModel, TPShard
 from workers.expert_parallel import EPGroup
-from workers.pcp import PCPCostModel, PCPGroup, PCPPlan, measure_cost_model, shard_rows
+from workers.pcp import PCPCostModel, PCPGroup, PCPPlan, measure_cost_model
+from workers.pcp_layout import shard_rows
 from workers.placement import check_weights_fit, resolve_device, resolve_dtype
 from workers.weights import load_weights
 

@@ -94,3 +94,21 @@ def test_kuberay_manifests_have_the_keys_their_crds_require(file, kind):
     else:
         assert "serveConfigV2" in spec
         _check_ray_cluster_spec(spec["rayClusterConfig"], autoscaled=True)
+
+
+def test_a_look_back_window_shorter_than_the_load_reports_is_refused_and_a_longer_one_builds_quietly(monkeypatch):
+    """Serve averages each replica's reported load over ``look_back_period_s``: a window no longer than
+    the report interval (Ray's environment variable) is refused with both values; a longer one, even
+    under Serve's deprecated 10 s default, builds the application without Serve's FutureWarning."""
+    import warnings
+
+    from cluster.serve import build_app
+    from configs.pool import PoolConfig
+
+    with pytest.raises(ValueError, match=r"look_back_period_s \(5.0\) must be longer .* \(10.0 s, RAY_SERVE_REPLICA_AUTOSCALING"):
+        ServeConfig(look_back_period_s=5.0)
+    monkeypatch.setenv("RAY_SERVE_REPLICA_AUTOSCALING_METRIC_PUSH_INTERVAL_S", "0.5")
+    config = ServeConfig(pool=PoolConfig(device="cpu"), look_back_period_s=2.0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        build_app(config)

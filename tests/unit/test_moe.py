@@ -22,7 +22,7 @@ from workers.fp8 import FP8Linear, block_dequantize
 from workers.model import DeepseekPrefillModel
 from workers.expert_parallel import EPGroup, sm_carveout
 from workers.moe import gather_sum, route
-from workers.pcp import interleave_shards
+from workers.pcp_layout import interleave_shards
 from workers.weights import check_checkpoint, load_weights
 
 PROMPT_LENS = (1, 47, 130, 200)

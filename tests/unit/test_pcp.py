@@ -12,17 +12,8 @@ from attention.backends.torch_sdpa import TorchSDPAPrefillBackend
 from attention.mla import plan_prefill_batch
 from configs.pool import PoolConfig
 from workers.model import DeepseekPrefillModel
-from workers.pcp import (
-    PCPCostModel,
-    assign_requests,
-    PCPGroup,
-    PCPPlan,
-    interleave_shards,
-    rank_segments,
-    shard_positions,
-    shard_rows,
-    zigzag_segments,
-)
+from workers.pcp import PCPCostModel, PCPGroup, PCPPlan
+from workers.pcp_layout import assign_requests, interleave_shards, rank_segments, shard_positions, shard_rows, zigzag_segments
 from workers.weights import load_weights
 
 BASE = PoolConfig(model="tiny", num_layers=2, device="cpu", seed=5, block_size=16, workspace_tokens=40)
