@@ -33,6 +33,7 @@ from dataclasses import dataclass
 from functools import cached_property
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from attention.backends.base import MLADimensions, MLAPrefillBackend
@@ -277,7 +278,10 @@ def _make_chunk(
 
 
 class RMSNorm(nn.Module):
-    """``x / rms(x) * weight``, computed in float32."""
+    """``x / rms(x) * weight``, rounded as DeepSeek's reference rounds it: normalized in float32 and
+    rounded to ``x``'s dtype (torch's fused ``rms_norm``), then times the weight in that dtype. On H200
+    for 64K tokens x 7168: 1.75 ms; the reference's separate float32 ops 5.7 ms; torch's op with the
+    weight inside (one rounding, not the reference's) 0.65 ms (``benchmarks/probe_mla_ops.py``)."""
 
     def __init__(self, dim: int, eps: float = 1e-6, *, dtype: torch.dtype | None = None, device=None) -> None:
         super().__init__()
@@ -285,9 +289,7 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim, dtype=dtype, device=device))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(x.dtype)
+        return self.weight * F.rms_norm(x, self.weight.shape, eps=self.eps)
 
 
 class MLAAttention(nn.Module):
@@ -351,11 +353,12 @@ class MLAAttention(nn.Module):
         else:
             q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(hidden)))
         q = q.view(tokens, self.num_heads, c.dims.qk_head_dim)
-        kv_c, k_pe = self.kv_a_proj_with_mqa(hidden).split([c.kv_lora_rank, c.qk_rope_head_dim], dim=-1)
-        kv_c = self.kv_a_layernorm(kv_c)
+        latent = self.kv_a_proj_with_mqa(hidden)
+        latent[:, : c.kv_lora_rank] = self.kv_a_layernorm(latent[:, : c.kv_lora_rank])
         cos, sin = self.rope.cos_sin(positions)
-        q[..., c.qk_nope_head_dim :] = self.rope(q[..., c.qk_nope_head_dim :], cos, sin)
-        return q, torch.cat([kv_c, self.rope(k_pe, cos, sin)], dim=-1)
+        self.rope.rotate_(q[..., c.qk_nope_head_dim :], cos, sin)  # in place
+        self.rope.rotate_(latent[:, c.kv_lora_rank :], cos, sin)
+        return q, latent
 
     def up_project(self, latent: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Latent rows ``[S, Lkv+R]`` -> ``k [S, N, P+R]``, ``v [S, N, V]``."""
@@ -363,8 +366,11 @@ class MLAAttention(nn.Module):
         rows = latent.shape[0]
         kv = self.kv_b_proj(latent[:, : c.kv_lora_rank]).view(rows, self.num_heads, c.qk_nope_head_dim + c.v_head_dim)
         k_nope, v = kv.split([c.qk_nope_head_dim, c.v_head_dim], dim=-1)
-        k_pe = latent[:, c.kv_lora_rank :].unsqueeze(1).expand(rows, self.num_heads, c.qk_rope_head_dim)
-        return torch.cat([k_nope, k_pe], dim=-1), v
+        # two copies into k (3.4 ms for 64K tokens x 128 heads on H200; torch.cat of the strided parts 5.3 ms)
+        k = kv.new_empty(rows, self.num_heads, c.dims.qk_head_dim)
+        k[..., : c.qk_nope_head_dim].copy_(k_nope)
+        k[..., c.qk_nope_head_dim :].copy_(latent[:, None, c.kv_lora_rank :])  # one k_pe, every head
+        return k, v
 
     def output(self, attn: torch.Tensor) -> torch.Tensor:
         """``o_proj`` of the attention output ``[T, N, V]`` (a partial sum under TP)."""

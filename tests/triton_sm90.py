@@ -1,7 +1,7 @@
-"""Build the MoE and FP8 Triton kernels (``workers/moe_triton.py``, ``workers/fp8_triton.py``) for
-SM90 (H100/H200) without a GPU and print each one's resources as JSON: ``python tests/triton_sm90.py``
-(run without ``TRITON_INTERPRET``, which would hand Triton's compiler interpreted functions). Used by
-``tests/unit/test_triton_sm90.py``."""
+"""Build the MoE, FP8 and RoPE Triton kernels (``workers/moe_triton.py``, ``workers/fp8_triton.py``,
+``attention/rope_triton.py``) for SM90 (H100/H200) without a GPU and print each one's resources as
+JSON: ``python tests/triton_sm90.py`` (run without ``TRITON_INTERPRET``, which would hand Triton's
+compiler interpreted functions). Used by ``tests/unit/test_triton_sm90.py``."""
 
 import json
 import os
@@ -14,6 +14,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from configs.model import builtin_models, load_model_config
+from attention import rope_triton
 from workers import fp8_triton, moe_triton
 from workers.fp8 import EPS, FP8_MAX
 
@@ -22,6 +23,7 @@ ROUTE = {"logits_ptr": "*fp32", "bias_ptr": "*fp32", "weights_ptr": "*fp32", "id
 GATHER_SUM = {"src_ptr": "*bf16", "index_ptr": "*i64", "out_ptr": "*bf16", "H": "i32", "src_stride": "i32", "out_stride": "i32"}
 QUANTIZE = {"x_ptr": "*bf16", "w_ptr": "*fp32", "q_ptr": "*fp8e4nv", "s_ptr": "*fp32", "dest_ptr": "*i64",
             "M": "i32", "M_PAD": "i32", "K": "i32", "x_stride": "i32", "q_stride": "i32", "s_stride_g": "i32"}  # fmt: skip
+ROTATE = {"x_ptr": "*bf16", "cos_ptr": "*fp32", "sin_ptr": "*fp32", "T": "i32", "H": "i32", "stride_t": "i32", "stride_h": "i32"}
 QUANTIZE_CASES = {  # group, silu_mul, row_weight, scatter: as fp8.py and moe.py call it
     "linear-1x128": (128, False, False, 0),
     "experts-input": (7168, False, False, 0),
@@ -38,6 +40,8 @@ def cases() -> dict:
         moe = load_model_config(name).moe
         if moe is not None:
             out[f"route-{name}"] = (moe_triton._route_kernel, ROUTE, moe_triton.route_constants(moe, moe.n_routed_experts, biased=True))
+    for heads, name in ((128, "queries-128-heads"), (16, "queries-16-heads"), (1, "latent")):  # TP 1 and 8, the key
+        out[f"rope-{name}"] = (rope_triton._rotate_kernel, ROTATE, rope_triton.rotate_constants(64, heads, interleaved=True))
     out["gather-sum"] = (moe_triton._gather_sum_kernel, GATHER_SUM, {"SLOTS": 8, "BLOCK": moe_triton.BLOCK_H})
     for name, (group, silu_mul, row_weight, scatter) in QUANTIZE_CASES.items():
         constants = fp8_triton.quantize_constants(group, FP8_MAX, EPS, silu_mul=silu_mul, row_weight=row_weight, scatter=scatter)

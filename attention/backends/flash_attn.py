@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import importlib
 
-import torch
 import torch.nn.functional as F
 
 from attention.backends.base import (

@@ -105,6 +105,7 @@ def test_a_look_back_window_shorter_than_the_load_reports_is_refused_and_a_longe
     from cluster.serve import build_app
     from configs.pool import PoolConfig
 
+    monkeypatch.delenv("RAY_SERVE_REPLICA_AUTOSCALING_METRIC_PUSH_INTERVAL_S", raising=False)  # Ray's default, 10 s
     with pytest.raises(ValueError, match=r"look_back_period_s \(5.0\) must be longer .* \(10.0 s, RAY_SERVE_REPLICA_AUTOSCALING"):
         ServeConfig(look_back_period_s=5.0)
     monkeypatch.setenv("RAY_SERVE_REPLICA_AUTOSCALING_METRIC_PUSH_INTERVAL_S", "0.5")

@@ -9,7 +9,7 @@ from transformers.models.deepseek_v3 import modeling_deepseek_v3 as hf
 
 from attention.backends.torch_sdpa import TorchSDPAPrefillBackend
 from attention.mla import MLAAttention, MLAConfig, plan_prefill_batch
-from attention.rope import YarnScaling
+from attention.rope import RotaryEmbedding, YarnScaling
 
 YARN = dict(factor=4.0, original_max_position_embeddings=64, beta_fast=32, beta_slow=1, mscale=1.0, mscale_all_dim=0.8)
 TINY = dict(hidden_size=64, num_heads=4, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16)
@@ -83,6 +83,34 @@ def test_yarn_scaling_matches_transformers():
 
 
 @torch.no_grad()
+@pytest.mark.parametrize("interleaved", [True, False], ids=["interleaved", "neox"])
+@pytest.mark.parametrize(
+    "device,dtype",
+    [("cpu", torch.float32), ("cpu", torch.bfloat16)]
+    + ([pytest.param("cuda", torch.bfloat16, marks=pytest.mark.gpu)] if torch.cuda.is_available() else []),
+)
+def test_rotation_in_place_equals_the_torch_rotation(interleaved, device, dtype):
+    """The rotation kernel (Triton's interpreter on CPU) rotates the rope part of the query rows and
+    of the latent rows in place, through their strides, as the torch code computes it (float32 exactly,
+    bf16 within one rounding); the rows' other columns are untouched."""
+    rope = RotaryEmbedding(64, 10000.0, yarn=YarnScaling(**YARN), interleaved=interleaved)
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(37, 5, 192, generator=gen).to(device, dtype)  # 37 tokens: not a multiple of the kernel's block
+    latent = torch.randn(37, 576, generator=gen).to(device, dtype)
+    positions = torch.randint(0, 4000, (37,), generator=gen).to(device)
+    cos, sin = rope.cos_sin(positions)
+    for rows, part in ((q, (Ellipsis, slice(128, None))), (latent, (slice(None), slice(512, None)))):
+        expected = rows.clone()
+        expected[part] = rope(rows[part], cos, sin)
+        got = rows.clone()
+        assert rope.rotate_(got[part], cos, sin, impl="triton").data_ptr() == got[part].data_ptr()
+        if dtype == torch.float32:
+            torch.testing.assert_close(got, expected, rtol=0, atol=0)
+        else:  # one bf16 rounding (the interpreter's bf16 casts truncate)
+            torch.testing.assert_close(got, expected, rtol=8e-3, atol=1e-5)
+        assert torch.equal(got[..., :128] if rows is q else got[:, :512], rows[..., :128] if rows is q else rows[:, :512])
+
+
 def test_context_continuation_matches_transformers_on_the_whole_prompt():
     """Prefill a prefix, then the rest against its cached latent rows: equals one full pass."""
     reference, ours, hf_config = _layers()

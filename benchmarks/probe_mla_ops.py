@@ -1,0 +1,97 @@
+"""The MLA layer's element-wise steps on one GPU, each against the torch-ops form it replaced.
+
+At DeepSeek-V3's shapes for ``--tokens`` tokens (128 heads, 64 rope dims, hidden 7168): the rotation
+of the queries' rope part (``RotaryEmbedding.rotate_``: the Triton kernel against the torch ops, in
+DeepSeek's interleaved pairs and the NeoX halves) and of the latent rows' ``k_pe``; the key rows
+built from the up-projection and ``k_pe`` (two copies into one buffer against ``torch.cat`` of the
+strided parts); the RMSNorm of the hidden rows (``attention.mla.RMSNorm``: torch's fused
+normalization then the weight, against the reference's separate float32 ops, and the fused op
+with the weight inside, which rounds once). Milliseconds per call (median of 20 back-to-back calls).
+
+    python benchmarks/probe_mla_ops.py --out FILE.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from datetime import datetime, timezone
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from machine import machine  # benchmarks/machine.py
+from timing import seconds_per_call  # benchmarks/timing.py
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from attention.mla import RMSNorm  # noqa: E402
+from configs.model import load_model_config  # noqa: E402
+
+
+def _ms(fn) -> float:
+    return round(seconds_per_call(fn, 20) * 1e3, 4)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--tokens", type=int, default=65536)
+    parser.add_argument("--out", type=Path, required=True)
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        parser.error("needs a CUDA GPU")
+    attention = load_model_config("deepseek-v3").attention
+    dims, heads, tokens = attention.dims, attention.num_heads, args.tokens
+    nope, lora = attention.qk_nope_head_dim, attention.kv_lora_rank
+    rope = attention.rotary_embedding
+    bf16 = {"device": "cuda", "dtype": torch.bfloat16}
+    q = torch.randn(tokens, heads, dims.qk_head_dim, **bf16)
+    latent = torch.randn(tokens, attention.latent_dim, **bf16)
+    cos, sin = rope.cos_sin(torch.arange(tokens, device="cuda"))
+    result = {"rotate_ms": {}}
+    for name, rows in (("queries", q[..., nope:]), ("latent", latent[:, lora:])):
+        for impl in ("torch", "triton"):
+            result["rotate_ms"][f"{name}-{impl}"] = _ms(lambda rows=rows, impl=impl: rope.rotate_(rows, cos, sin, impl=impl))
+    rope.interleaved = False
+    result["rotate_ms"]["queries-neox-triton"] = _ms(lambda: rope.rotate_(q[..., nope:], cos, sin, impl="triton"))
+    rope.interleaved = True
+
+    kv = torch.randn(tokens, heads, nope + attention.v_head_dim, **bf16)
+    k_nope, k_pe = kv[..., :nope], latent[:, None, lora:]
+
+    def copies() -> torch.Tensor:
+        k = kv.new_empty(tokens, heads, dims.qk_head_dim)
+        k[..., :nope].copy_(k_nope)
+        k[..., nope:].copy_(k_pe)
+        return k
+
+    def cat() -> torch.Tensor:
+        return torch.cat([k_nope, k_pe.expand(tokens, heads, -1)], dim=-1)
+
+    result["keys_ms"] = {"two-copies": _ms(copies), "cat": _ms(cat), "equal": torch.equal(copies(), cat())}
+
+    hidden = torch.randn(tokens, attention.hidden_size, **bf16)
+    norm = RMSNorm(attention.hidden_size, **bf16)
+    norm.weight.data.normal_(1.0, 0.1)
+
+    def separate_ops() -> torch.Tensor:  # the reference's RMSNorm
+        xf = hidden.float()
+        return norm.weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + norm.eps)).to(hidden.dtype)
+
+    result["rms_norm_ms"] = {
+        "fused-then-weight": _ms(lambda: norm(hidden)), "separate-float32-ops": _ms(separate_ops),
+        "fused-weight-inside": _ms(lambda: F.rms_norm(hidden, norm.weight.shape, norm.weight, norm.eps)),
+        "fused-then-weight-equals-separate-ops": torch.equal(norm(hidden), separate_ops()),
+    }  # fmt: skip
+    result = {
+        "benchmark": "MLA element-wise steps", "tokens": tokens, "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "machine": machine(("triton",)), "command": " ".join([Path(sys.executable).name, *sys.argv]), **result,
+    }  # fmt: skip
+    print(json.dumps(result, indent=1))
+    args.out.write_text(json.dumps(result, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()

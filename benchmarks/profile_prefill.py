@@ -1,0 +1,106 @@
+"""Where the GPU time of one prefill batch goes: the pool's worker on one GPU under ``torch.profiler``.
+
+Builds a ``PrefillWorker`` of ``--model`` (``--num-layers`` of it, random weights, FP8 where the
+checkpoint format is FP8 and ``--weights fp8``), prefills ``--prompts N L`` (N prompts of L tokens,
+all in one batch when they fit ``--chunk-tokens``) twice to warm up, times a third run, profiles a
+fourth, and prints and writes the operators and kernels by GPU time, with the sum of kernel times
+and the time the GPU was busy (kernels merged) against the run's wall time.
+
+    python benchmarks/profile_prefill.py --model deepseek-v3 --num-layers 5 --prompts 16 4096 --out FILE.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from machine import machine  # benchmarks/machine.py
+from timing import sync  # benchmarks/timing.py
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+
+from spmd import chunk_batches  # noqa: E402 -- the tests' prompt-by-chunk batching, as the pool schedules it
+
+from configs.pool import PoolConfig  # noqa: E402
+from workers.worker import PrefillWorker, rendezvous_address  # noqa: E402
+
+
+def _busy_ms(events) -> float:
+    """Milliseconds in which at least one of ``events`` (GPU kernels, copies) ran."""
+    busy, current = 0.0, None
+    for start, end in sorted((e.time_range.start, e.time_range.end) for e in events):
+        if current is None or start > current[1]:
+            busy += 0 if current is None else current[1] - current[0]
+            current = [start, end]
+        else:
+            current[1] = max(current[1], end)
+    return (busy + (current[1] - current[0] if current else 0)) / 1e3
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default="deepseek-v3")
+    parser.add_argument("--num-layers", type=int, default=5)
+    parser.add_argument("--weights", default="fp8", choices=["fp8", "bf16"])
+    parser.add_argument("--prompts", type=int, nargs=2, default=[16, 4096], metavar=("N", "L"))
+    parser.add_argument("--chunk-tokens", type=int, default=32768)
+    parser.add_argument("--backend", default="auto", help="the MLA prefill backend (PoolConfig.backend)")
+    parser.add_argument("--top", type=int, default=40, help="operators and kernels listed")
+    parser.add_argument("--out", type=Path, required=True)
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        parser.error("needs a CUDA GPU")
+    count, length = args.prompts
+    config = PoolConfig(
+        model=args.model, num_layers=args.num_layers, backend=args.backend, dtype="bfloat16", device="cuda",
+        quantization="auto" if args.weights == "fp8" else "none", chunk_tokens=args.chunk_tokens,
+        max_batch_tokens=max(args.chunk_tokens, count * min(length, args.chunk_tokens)), gpu_memory_utilization=0.85, seed=0,
+    )  # fmt: skip
+    worker = PrefillWorker(config, 0)
+    info = worker.setup(*rendezvous_address())
+    gen = np.random.default_rng(0)
+    prompts = [gen.integers(0, worker.model.config.vocab_size, size=length).astype(np.int32) for _ in range(count)]
+
+    def run(tag: str) -> None:
+        for pieces in chunk_batches(prompts, args.chunk_tokens, tag):
+            worker.prefill(pieces)
+        worker.release([f"{tag}{i}" for i in range(count)])
+
+    run("warm0-")
+    run("warm1-")
+    sync()
+    started = time.perf_counter()
+    run("timed-")
+    sync()
+    wall = time.perf_counter() - started
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        run("profiled-")
+        sync()
+    gpu = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    rows = sorted(prof.key_averages(), key=lambda e: -e.device_time_total)[: args.top]
+    top = [{"name": e.key[:140], "cuda_ms": round(e.device_time_total / 1e3, 3), "calls": e.count} for e in rows]
+    result = {
+        "benchmark": "one prefill batch on one GPU, torch.profiler", "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "machine": machine(), "command": " ".join([Path(sys.executable).name, *sys.argv]),
+        "model": args.model, "layers": args.num_layers, "weights": info.weights, "backend": info.backend,
+        "prompts": count, "prompt_tokens": length, "wall_s": wall,
+        "layer_tokens_per_s": count * length * args.num_layers / wall,
+        "kernel_sum_ms": sum(e.device_time for e in gpu) / 1e3, "gpu_busy_ms": _busy_ms(gpu), "top": top,
+    }  # fmt: skip
+    print(f"{count} x {length} tokens, {args.num_layers} layers, {info.weights}, {info.backend}: {wall * 1e3:.1f} ms, "
+          f"kernels {result['kernel_sum_ms']:.1f} ms, GPU busy {result['gpu_busy_ms']:.1f} ms")  # fmt: skip
+    for row in top:
+        print(f"{row['cuda_ms']:10.2f} ms {row['calls']:6d}  {row['name'][:110]}")
+    args.out.write_text(json.dumps(result, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
