@@ -279,9 +279,9 @@ def _make_chunk(
 
 class RMSNorm(nn.Module):
     """``x / rms(x) * weight``, rounded as DeepSeek's reference rounds it: normalized in float32 and
-    rounded to ``x``'s dtype (torch's fused ``rms_norm``), then times the weight in that dtype. On H200
-    for 64K tokens x 7168: 1.75 ms; the reference's separate float32 ops 5.7 ms; torch's op with the
-    weight inside (one rounding, not the reference's) 0.65 ms (``benchmarks/probe_mla_ops.py``)."""
+    rounded to ``x``'s dtype, then times the weight in that dtype. On CUDA one pass of a Triton kernel
+    (``attention.rms_norm_triton``, rows up to 8192 wide); elsewhere torch's fused ``rms_norm``, then
+    the weight."""
 
     def __init__(self, dim: int, eps: float = 1e-6, *, dtype: torch.dtype | None = None, device=None) -> None:
         super().__init__()
@@ -289,6 +289,12 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim, dtype=dtype, device=device))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.is_cuda:
+            from attention.rms_norm_triton import MAX_WIDTH, rms_norm
+
+            if x.shape[-1] <= MAX_WIDTH:
+                rows = x if x.dim() == 2 and x.stride(-1) == 1 else x.reshape(-1, x.shape[-1])
+                return rms_norm(rows, self.weight, self.eps).view(x.shape)
         return self.weight * F.rms_norm(x, self.weight.shape, eps=self.eps)
 
 
@@ -313,6 +319,8 @@ class MLAAttention(nn.Module):
             )
         self.config, self.backend, self.num_heads = config, backend, heads
         self.rope = config.rotary_embedding
+        nope, rope = config.qk_nope_head_dim, config.qk_rope_head_dim
+        self._pow2_key_dims = (nope & (nope - 1)) == 0 and (rope & (rope - 1)) == 0  # what the key kernel takes
         c, kw = config, {"dtype": dtype, "device": device}
         if c.q_lora_rank is None:
             self.q_proj = nn.Linear(c.hidden_size, heads * c.dims.qk_head_dim, bias=False, **kw)
@@ -366,10 +374,14 @@ class MLAAttention(nn.Module):
         rows = latent.shape[0]
         kv = self.kv_b_proj(latent[:, : c.kv_lora_rank]).view(rows, self.num_heads, c.qk_nope_head_dim + c.v_head_dim)
         k_nope, v = kv.split([c.qk_nope_head_dim, c.v_head_dim], dim=-1)
-        # two copies into k (3.4 ms for 64K tokens x 128 heads on H200; torch.cat of the strided parts 5.3 ms)
+        k_pe = latent[:, c.kv_lora_rank :]  # one per row, for every head
+        if kv.is_cuda and self._pow2_key_dims:
+            from attention.mla_triton import build_keys
+
+            return build_keys(kv, k_pe, c.qk_nope_head_dim), v
         k = kv.new_empty(rows, self.num_heads, c.dims.qk_head_dim)
         k[..., : c.qk_nope_head_dim].copy_(k_nope)
-        k[..., c.qk_nope_head_dim :].copy_(latent[:, None, c.kv_lora_rank :])  # one k_pe, every head
+        k[..., c.qk_nope_head_dim :].copy_(k_pe[:, None])
         return k, v
 
     def output(self, attn: torch.Tensor) -> torch.Tensor:

@@ -121,13 +121,13 @@ class RotaryEmbedding:
 
     def rotate_(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *, impl: str = "auto") -> torch.Tensor:
         """Rotate ``x [T, R]`` or ``[T, H, R]`` (any strides, last dim contiguous) in place, as :meth:`__call__`
-        computes it. A Triton kernel on CUDA (``attention.rope_triton``; R/2 a power of two), torch ops
+        computes it. A Triton kernel on CUDA (``attention.mla_triton``; R/2 a power of two), torch ops
         elsewhere; ``impl`` forces one ("triton" on CPU tensors needs ``TRITON_INTERPRET=1``)."""
         half = self.rotary_dim // 2
         if impl == "triton" or (impl == "auto" and x.is_cuda and not half & (half - 1)):
             if impl == "triton" and not (x.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"):
                 raise ValueError("impl='triton' needs CUDA tensors (or TRITON_INTERPRET=1 for the interpreter on CPU)")
-            from attention.rope_triton import rotate_
+            from attention.mla_triton import rotate_
 
             return rotate_(x, cos, sin, interleaved=self.interleaved)
         return x.copy_(self(x, cos, sin))

@@ -3,10 +3,11 @@
 At DeepSeek-V3's shapes for ``--tokens`` tokens (128 heads, 64 rope dims, hidden 7168): the rotation
 of the queries' rope part (``RotaryEmbedding.rotate_``: the Triton kernel against the torch ops, in
 DeepSeek's interleaved pairs and the NeoX halves) and of the latent rows' ``k_pe``; the key rows
-built from the up-projection and ``k_pe`` (two copies into one buffer against ``torch.cat`` of the
-strided parts); the RMSNorm of the hidden rows (``attention.mla.RMSNorm``: torch's fused
-normalization then the weight, against the reference's separate float32 ops, and the fused op
-with the weight inside, which rounds once). Milliseconds per call (median of 20 back-to-back calls).
+built from the up-projection and ``k_pe`` (``attention.mla_triton`` against two copies into one
+buffer and ``torch.cat`` of the strided parts); the RMSNorm of the hidden rows
+(``attention.mla.RMSNorm``'s kernel against the reference's separate float32 ops, torch's fused normalization then the weight,
+and torch's op with the weight inside, which rounds once), with the fraction of values equal to the
+reference's. Milliseconds per call (median of 20 back-to-back calls).
 
     python benchmarks/probe_mla_ops.py --out FILE.json
 """
@@ -27,6 +28,7 @@ from timing import seconds_per_call  # benchmarks/timing.py
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from attention.mla_triton import build_keys  # noqa: E402
 from attention.mla import RMSNorm  # noqa: E402
 from configs.model import load_model_config  # noqa: E402
 
@@ -70,7 +72,11 @@ def main() -> None:
     def cat() -> torch.Tensor:
         return torch.cat([k_nope, k_pe.expand(tokens, heads, -1)], dim=-1)
 
-    result["keys_ms"] = {"two-copies": _ms(copies), "cat": _ms(cat), "equal": torch.equal(copies(), cat())}
+    def kernel() -> torch.Tensor:
+        return build_keys(kv, latent[:, lora:], nope)
+
+    same = torch.equal(kernel(), copies()) and torch.equal(kernel(), cat())
+    result["keys_ms"] = {"kernel": _ms(kernel), "two-copies": _ms(copies), "cat": _ms(cat), "all-equal": same}
 
     hidden = torch.randn(tokens, attention.hidden_size, **bf16)
     norm = RMSNorm(attention.hidden_size, **bf16)
@@ -81,9 +87,13 @@ def main() -> None:
         return norm.weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + norm.eps)).to(hidden.dtype)
 
     result["rms_norm_ms"] = {
-        "fused-then-weight": _ms(lambda: norm(hidden)), "separate-float32-ops": _ms(separate_ops),
-        "fused-weight-inside": _ms(lambda: F.rms_norm(hidden, norm.weight.shape, norm.weight, norm.eps)),
-        "fused-then-weight-equals-separate-ops": torch.equal(norm(hidden), separate_ops()),
+        "kernel": _ms(lambda: norm(hidden)), "separate-float32-ops": _ms(separate_ops),
+        "torch-fused-then-weight": _ms(lambda: norm.weight * F.rms_norm(hidden, norm.weight.shape, eps=norm.eps)),
+        "torch-fused-weight-inside": _ms(lambda: F.rms_norm(hidden, norm.weight.shape, norm.weight, norm.eps)),
+        "kernel-values-equal-to-separate-ops": (norm(hidden) == separate_ops()).float().mean().item(),
+        "weight-inside-values-equal-to-separate-ops": (
+            F.rms_norm(hidden, norm.weight.shape, norm.weight, norm.eps) == separate_ops()
+        ).float().mean().item(),
     }  # fmt: skip
     result = {
         "benchmark": "MLA element-wise steps", "tokens": tokens, "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),

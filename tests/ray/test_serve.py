@@ -29,6 +29,10 @@ from workers.model import DeepseekPrefillModel
 from workers.weights import load_weights
 from workers.worker import rendezvous_address
 
+# Serve's status objects re-check look_back_period_s against its deprecated 10 s metrics_interval_s, not
+# against the interval set here (ServeConfig checks that one; cluster.serve.build_app says more)
+pytestmark = pytest.mark.filterwarnings("ignore:`look_back_period_s`.*`metrics_interval_s`:FutureWarning")
+
 # replicas report their load every 0.5 s instead of 10 (read by Serve's processes: set before Ray starts)
 os.environ["RAY_SERVE_REPLICA_AUTOSCALING_METRIC_PUSH_INTERVAL_S"] = "0.5"
 os.environ["RAY_SERVE_HANDLE_AUTOSCALING_METRIC_PUSH_INTERVAL_S"] = "0.5"

@@ -8,7 +8,7 @@ from transformers import DeepseekV3Config
 from transformers.models.deepseek_v3 import modeling_deepseek_v3 as hf
 
 from attention.backends.torch_sdpa import TorchSDPAPrefillBackend
-from attention.mla import MLAAttention, MLAConfig, plan_prefill_batch
+from attention.mla import MLAAttention, MLAConfig, RMSNorm, plan_prefill_batch
 from attention.rope import RotaryEmbedding, YarnScaling
 
 YARN = dict(factor=4.0, original_max_position_embeddings=64, beta_fast=32, beta_slow=1, mscale=1.0, mscale_all_dim=0.8)
@@ -109,6 +109,55 @@ def test_rotation_in_place_equals_the_torch_rotation(interleaved, device, dtype)
         else:  # one bf16 rounding (the interpreter's bf16 casts truncate)
             torch.testing.assert_close(got, expected, rtol=8e-3, atol=1e-5)
         assert torch.equal(got[..., :128] if rows is q else got[:, :512], rows[..., :128] if rows is q else rows[:, :512])
+
+
+@pytest.mark.parametrize("width,strided", [(7168, False), (512, True)], ids=["hidden-7168", "latent-slice-512"])
+@pytest.mark.parametrize(
+    "device,dtype",
+    [("cpu", torch.float32), ("cpu", torch.bfloat16)]
+    + ([pytest.param("cuda", torch.bfloat16, marks=pytest.mark.gpu)] if torch.cuda.is_available() else []),
+)
+def test_rms_norm_kernel_rounds_as_the_reference(width, strided, device, dtype):
+    """The one-pass RMSNorm kernel (Triton's interpreter on CPU) against the reference's float32 ops,
+    normalized rows rounded before the weight: float32 within float32 rounding, bf16 within one bf16
+    rounding and (on a GPU) nearly every value equal; rows read through their stride."""
+    from attention.rms_norm_triton import rms_norm
+
+    gen = torch.Generator().manual_seed(1)
+    rows = torch.randn(37, width + 64 if strided else width, generator=gen).to(device, dtype) * 3
+    x = rows[:, :width]  # a column slice when strided: the latent rows' kv_c
+    weight = (1 + 0.1 * torch.randn(width, generator=gen)).to(device, dtype)
+    xf = x.float()
+    expected = weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-6)).to(dtype)
+    got = rms_norm(x, weight, 1e-6)
+    assert got.shape == x.shape and got.is_contiguous()
+    if dtype == torch.float32:
+        torch.testing.assert_close(got, expected, rtol=2e-6, atol=1e-6)
+    else:  # one bf16 rounding (the interpreter's bf16 casts truncate)
+        torch.testing.assert_close(got, expected, rtol=1.6e-2, atol=1e-5)
+    if device == "cuda":
+        assert (got != expected).float().mean().item() < 1e-3
+        module = RMSNorm(width, 1e-6, dtype=dtype, device=device)
+        with torch.no_grad():
+            module.weight.copy_(weight)
+            assert torch.equal(module(x), got)  # the layer's norm runs the kernel on CUDA
+
+
+@pytest.mark.parametrize(
+    "device", ["cpu"] + ([pytest.param("cuda", marks=pytest.mark.gpu)] if torch.cuda.is_available() else [])
+)
+def test_key_kernel_builds_the_key_rows_of_every_head(device):
+    """The key kernel (Triton's interpreter on CPU) writes each head's up-projected ``k_nope`` and the
+    row's shared ``k_pe`` (a column slice of the latent rows), exactly as the two torch copies do."""
+    from attention.mla_triton import build_keys
+
+    gen = torch.Generator().manual_seed(2)
+    kv = torch.randn(37, 5, 256, generator=gen).to(device, torch.bfloat16)  # [rows, heads, nope + v]
+    latent = torch.randn(37, 576, generator=gen).to(device, torch.bfloat16)
+    k = build_keys(kv, latent[:, 512:], 128)
+    assert k.shape == (37, 5, 192) and k.is_contiguous()
+    assert torch.equal(k[..., :128], kv[..., :128])
+    assert torch.equal(k[..., 128:], latent[:, None, 512:].expand(37, 5, 64))
 
 
 def test_context_continuation_matches_transformers_on_the_whole_prompt():

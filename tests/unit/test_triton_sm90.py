@@ -1,4 +1,4 @@
-"""The MoE, FP8 and RoPE Triton kernels built for an H100/H200 (SM90) on any machine, CI included: Triton
+"""The MoE, FP8 and MLA (RoPE, RMSNorm, key rows) Triton kernels built for an H100/H200 (SM90) on any machine, CI included: Triton
 compiles each to a cubin with the ptxas in its own wheel, with the compile-time arguments the launchers choose for
 every built-in model, as the first call on a GPU would (``tests/triton_sm90.py``); its cuobjdump then
 reads the resources. A kernel that does not compile for the GPU, or spills registers to local
