@@ -20,7 +20,7 @@ be cancelled (``future.cancel()`` or :meth:`PrefillPool.cancel`): it is taken ou
 before its next chunk and its KV blocks are freed. A batch that fails (a worker
 raised, died or got stuck) replaces its replica; its requests are retried once
 (``cluster.scheduler``). ``stats`` counts every outcome, ``stats.recoveries``
-times each replacement.
+times each replacement. The result, counter and error types are ``cluster.results``'.
 This module, ``cluster.replica`` and ``cluster.handoff`` are the only places that call ``ray.get``/``ray.wait``.
 """
 
@@ -32,7 +32,6 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, InvalidStateError
-from dataclasses import dataclass, field
 
 import numpy as np
 import ray
@@ -42,6 +41,7 @@ from cluster.handoff import KVSource, pull_kv
 from cluster.metrics import PoolMetrics
 from cluster.queueing import Request, RequestQueue, validate_tokens
 from cluster.replica import Replica, cause, connect_ray, start_replica, stop_replica
+from cluster.results import DuplicateRequest, PoolStats, PrefillResult, PromptTooLong
 from cluster.scheduler import Recovery, ReplicaScheduler
 from configs.pool import PoolConfig
 from workers.kv_cache import blocks_for
@@ -50,51 +50,6 @@ from workers.weights import check_checkpoint_of
 from workers.worker import WorkerInfo
 
 logger = logging.getLogger(__name__)
-
-
-class PromptTooLong(ValueError):
-    """A prompt whose KV could never fit in a replica (an HTTP front end answers 413)."""
-
-
-class DuplicateRequest(ValueError):
-    """A request id already in flight or holding KV."""
-
-
-@dataclass
-class PrefillResult:
-    """One prefilled request. Its KV stays on the replica's workers while ``kv_kept``."""
-
-    request_id: str
-    num_tokens: int
-    logits: torch.Tensor  # [vocab] float32
-    last_hidden: torch.Tensor  # [hidden] float32
-    replica: int
-    ttft_s: float
-    kv_kept: bool
-    generation: int = 0  # the replica's incarnation that holds the KV (it changes when a worker dies)
-    finished: float = field(default_factory=time.monotonic)  # when the prefill finished (time.monotonic)
-
-    @property
-    def first_token(self) -> int:
-        return int(self.logits.argmax())
-
-
-@dataclass
-class PoolStats:
-    """Counters since start: batches run, chunk pieces in them; requests completed, failed,
-    cancelled, and retried after a replica fault; each replica fault (``recoveries``); under PCP
-    the batches per context strategy and the bytes one worker received for them. Every submitted
-    request ends up in exactly one of completed, failed and cancelled."""
-
-    batches: int = 0
-    pieces: int = 0
-    completed: int = 0
-    failed: int = 0
-    cancelled: int = 0
-    retried: int = 0
-    recoveries: list[Recovery] = field(default_factory=list)
-    pcp_strategies: dict[str, int] = field(default_factory=dict)
-    pcp_bytes: int = 0
 
 
 class PrefillPool:

@@ -49,7 +49,8 @@ from starlette.responses import Response
 
 from cluster.kv_server import KVServer
 from cluster.metrics import PoolMetrics
-from cluster.pool import PrefillPool, PromptTooLong
+from cluster.pool import PrefillPool
+from cluster.results import PromptTooLong
 from configs.serve import ServeConfig
 
 logger = logging.getLogger("ray.serve")

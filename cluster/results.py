@@ -1,0 +1,56 @@
+"""What the pool hands back (``cluster.pool``): a prefilled request's result, the pool's counters, and
+the errors that refuse a request at submit."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from cluster.scheduler import Recovery
+
+
+class PromptTooLong(ValueError):
+    """A prompt whose KV could never fit in a replica (an HTTP front end answers 413)."""
+
+
+class DuplicateRequest(ValueError):
+    """A request id already in flight or holding KV."""
+
+
+@dataclass
+class PrefillResult:
+    """One prefilled request. Its KV stays on the replica's workers while ``kv_kept``."""
+
+    request_id: str
+    num_tokens: int
+    logits: torch.Tensor  # [vocab] float32
+    last_hidden: torch.Tensor  # [hidden] float32
+    replica: int
+    ttft_s: float
+    kv_kept: bool
+    generation: int = 0  # the replica's incarnation that holds the KV (it changes when a worker dies)
+    finished: float = field(default_factory=time.monotonic)  # when the prefill finished (time.monotonic)
+
+    @property
+    def first_token(self) -> int:
+        return int(self.logits.argmax())
+
+
+@dataclass
+class PoolStats:
+    """Counters since start: batches run, chunk pieces in them; requests completed, failed,
+    cancelled, and retried after a replica fault; each replica fault (``recoveries``); under PCP
+    the batches per context strategy and the bytes one worker received for them. Every submitted
+    request ends up in exactly one of completed, failed and cancelled."""
+
+    batches: int = 0
+    pieces: int = 0
+    completed: int = 0
+    failed: int = 0
+    cancelled: int = 0
+    retried: int = 0
+    recoveries: list[Recovery] = field(default_factory=list)
+    pcp_strategies: dict[str, int] = field(default_factory=dict)
+    pcp_bytes: int = 0
