@@ -1,13 +1,30 @@
-"""A replica's process groups, and tensor collectives under the names of the running torch: 2.13
+"""A replica's process groups (:class:`GroupRank`: a rank's place in one), and tensor collectives under
+the names of the running torch: 2.13
 renamed ``all_gather_into_tensor`` and ``reduce_scatter_tensor`` to ``all_gather_single`` and
 ``reduce_scatter_single`` (the old names are deprecated); older versions have only the old ones."""
 
 from __future__ import annotations
 
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, ClassVar
 
 import torch
 import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class GroupRank:
+    """This rank's place in a group of ranks: ``rank`` of ``size``, ``group`` the torch.distributed group
+    (None with one rank). Subclasses name the kind of group (``KIND``) and add its collectives."""
+
+    rank: int = 0
+    size: int = 1
+    group: Any = None
+    KIND: ClassVar[str] = "group"
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.rank < self.size:
+            raise ValueError(f"{self.KIND} rank {self.rank} is outside 0..{self.size - 1}")
 
 
 def all_gather_into(buffer: torch.Tensor, send: torch.Tensor, group, *, async_op: bool = False) -> Any:

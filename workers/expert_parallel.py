@@ -8,23 +8,19 @@ from __future__ import annotations
 
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any
+from typing import ClassVar
 
 import torch
 import torch.distributed as dist
 
+from workers.collectives import GroupRank
+
 
 @dataclass(frozen=True)
-class EPGroup:
-    """This rank's place in the expert-parallel group (``group`` is a torch.distributed group)."""
+class EPGroup(GroupRank):
+    """This rank's place in the expert-parallel group."""
 
-    rank: int = 0
-    size: int = 1
-    group: Any = None
-
-    def __post_init__(self) -> None:
-        if not 0 <= self.rank < self.size:
-            raise ValueError(f"EP rank {self.rank} is outside 0..{self.size - 1}")
+    KIND: ClassVar[str] = "EP"
 
     def experts(self, num_experts: int, rank: int | None = None) -> range:
         """The routed experts ``rank`` (default: this one) holds: a contiguous share, sizes differing by at most one."""

@@ -34,7 +34,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -43,7 +43,7 @@ from torch import nn
 from attention.backends.base import MLAPrefillBackend
 from attention.mla import MLAAttention, PrefillBatch, RMSNorm
 from configs.model import ModelConfig
-from workers.collectives import all_gather_into, reduce_scatter_into
+from workers.collectives import GroupRank, all_gather_into, reduce_scatter_into
 from workers.fp8 import BLOCK, FP8Linear
 from workers.expert_parallel import EPGroup
 from workers.moe import MoE
@@ -54,16 +54,10 @@ ROW_PARALLEL = ("o_proj.weight", "down_proj.weight")
 
 
 @dataclass(frozen=True)
-class TPShard:
-    """This rank's place in its tensor-parallel group (``group`` is a torch.distributed group)."""
+class TPShard(GroupRank):
+    """This rank's place in its tensor-parallel group."""
 
-    rank: int = 0
-    size: int = 1
-    group: Any = None
-
-    def __post_init__(self) -> None:
-        if not 0 <= self.rank < self.size:
-            raise ValueError(f"TP rank {self.rank} is outside 0..{self.size - 1}")
+    KIND: ClassVar[str] = "TP"
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         if self.size > 1:

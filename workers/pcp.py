@@ -56,7 +56,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 import torch.distributed as dist
@@ -65,22 +65,16 @@ from attention.backends.base import MLADimensions, MLAPrefillBackend
 from attention.mla import MLAAttention, offsets, plan_context_chunks
 from attention.merge import merge_attn_states_many
 from configs.pool import PCP_STRATEGIES
-from workers.collectives import all_gather_into
+from workers.collectives import GroupRank, all_gather_into
 from workers.pcp_layout import assign_requests, request_segments, shard_rows
 
 
 # ---- the group -----------------------------------------------------------------------------------
 @dataclass(frozen=True)
-class PCPGroup:
-    """This rank's place in its PCP group (``group`` is a torch.distributed group)."""
+class PCPGroup(GroupRank):
+    """This rank's place in its PCP group."""
 
-    rank: int = 0
-    size: int = 1
-    group: Any = None
-
-    def __post_init__(self) -> None:
-        if not 0 <= self.rank < self.size:
-            raise ValueError(f"PCP rank {self.rank} is outside 0..{self.size - 1}")
+    KIND: ClassVar[str] = "PCP"
 
     def all_gather(self, rows: torch.Tensor, padded: int) -> tuple[Any, torch.Tensor]:
         """Start gathering every rank's ``rows [n_r, ...]`` (``n_r <= padded``) into ``[P * padded, ...]``;

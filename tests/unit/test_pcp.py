@@ -64,6 +64,17 @@ def test_short_requests_go_whole_to_the_least_loaded_rank_long_ones_and_chunks_w
     assert assign_requests([8192], [0], 4) == [None]  # one prompt: split
 
 
+@pytest.mark.parametrize("kind", ["TP", "PCP", "EP"])
+def test_a_rank_outside_its_group_is_refused_with_the_kind_and_range(kind):
+    from workers.expert_parallel import EPGroup
+    from workers.model import TPShard
+
+    group = {"TP": TPShard, "PCP": PCPGroup, "EP": EPGroup}[kind]
+    assert group(1, 2).rank == 1
+    with pytest.raises(ValueError, match=f"^{kind} rank 2 is outside 0..1$"):
+        group(2, 2)
+
+
 def test_interleave_refuses_inconsistent_shards():
     with pytest.raises(ValueError, match="PCP rank 0 returned 10 KV rows; a 13-token request has 13"):
         interleave_shards([torch.zeros(1, 10, 4), torch.zeros(1, 3, 4)], 16)
