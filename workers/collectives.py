@@ -1,7 +1,7 @@
 """A replica's process groups (:class:`GroupRank`: a rank's place in one), and tensor collectives under
-the names of the running torch: 2.13
-renamed ``all_gather_into_tensor`` and ``reduce_scatter_tensor`` to ``all_gather_single`` and
-``reduce_scatter_single`` (the old names are deprecated); older versions have only the old ones."""
+the names of the running torch: 2.13 renamed ``all_gather_into_tensor`` and ``reduce_scatter_tensor``
+to ``all_gather_single`` and ``reduce_scatter_single`` (the old names are deprecated); older versions
+have only the old ones."""
 
 from __future__ import annotations
 

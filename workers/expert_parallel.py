@@ -59,7 +59,8 @@ class Dispatch:
         owner_of, first = tables  # the rank of each expert, each rank's first expert
         self.owner = owner_of[ids]  # [T, k]
         goes = torch.zeros(self.tokens, size, dtype=torch.bool, device=ids.device).scatter_(1, self.owner, True)
-        pairs = torch.bincount(self.owner.reshape(-1), minlength=size)
+        owners = self.owner.reshape(-1)  # a scatter-add, not torch.bincount: that waits for the GPU to size its output
+        pairs = torch.zeros(size, dtype=torch.int64, device=ids.device).scatter_add_(0, owners, torch.ones_like(owners))
         self.counts = torch.stack([goes.sum(dim=0), pairs], dim=1)  # [W, 2]: rows and pairs per destination
         if keep_local:
             self.here = goes[:, self.ep.rank].clone()
