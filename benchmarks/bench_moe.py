@@ -1,14 +1,15 @@
 """MoE prefill benchmark: DeepSeek-shaped slices and whole smaller models, 1..N GPUs, FP8 and bf16.
 
-For each layout ``FORMAT:G[:tpT][:SCHEDULE][:smsN]`` (weights ``fp8`` or ``bf16``, G GPUs, TP=T,
-default 1; the EP schedule and SM carveout of ``PoolConfig.ep_schedule``/``ep_comm_sms``), one
+For each layout ``FORMAT:G[:tpT][:SCHEDULE][:smsN][:chunkC]`` (weights ``fp8`` or ``bf16``, G GPUs,
+TP=T, default 1; the EP schedule and SM carveout of ``PoolConfig.ep_schedule``/``ep_comm_sms``;
+chunks of C tokens instead of ``--chunk-tokens``), one
 process per GPU runs a ``PrefillWorker`` of one replica (TP=T x PCP=G/T: the PCP ranks take their
 share of every prompt's tokens, and the MoE layers' routed experts are split over all G GPUs,
 EP=G), with the model's seeded random weights (FP8 in DeepSeek's
 block format where the config says so; ``bf16`` dequantizes the same weights at load). Batches go to
 every worker directly, as the pool's scheduler sends them, so the times are the workers' own (no Ray
 call or driver queue in them). Per prompt case ``NxL`` (N prompts of L tokens in flight, prefilled
-in chunks of at most ``--chunk-tokens`` tokens each):
+in chunks of at most ``--chunk-tokens`` tokens each, or the layout's own):
 
 Cases ``NxL/gpu`` give each GPU N prompts (weak scaling: the per-GPU work stays that of one GPU).
 
@@ -23,7 +24,11 @@ Also per run: ``moe_layer``: the first MoE layer alone on ``--moe-tokens`` token
 dispatch, experts, combine; shared experts apart) against the raw grouped-GEMM kernels on the very
 shapes that call produced, and the whole layer (shared experts beside the combine) against those
 GEMMs plus the shared experts alone; ``agreement``: each prompt case's first prompt, logits and latent KV,
-against the first layout and weight format of the run (relative max error, first token). The MoE
+against the first layout of the same weight format (or the run's first layout, for the first of a
+format: FP8 against bf16), relative max and L2 errors and the first token. A layout that differs from
+its baseline only in its chunk size (``fp8:1 fp8:1:chunk4096``) gives the noise floor of these
+comparisons: the same math as PCP's (partial attention merged by its LSE) in another rounding order,
+amplified as far as the model amplifies it (FP8 activation scales, top-k expert choice). The MoE
 layer's times are GPU times per call (CUDA events, calls queued back to back as a forward pass
 queues its layers); ``routed_synced_s`` is the routed call's wall time with the GPU synchronized
 around it, its host launch latency included.
@@ -70,10 +75,11 @@ class Layout(NamedTuple):
     tp: int = 1
     schedule: str = "all-to-all"  # PoolConfig.ep_schedule
     comm_sms: int = 0  # PoolConfig.ep_comm_sms
+    chunk: int = 0  # tokens per chunk, 0: --chunk-tokens
 
     @classmethod
     def parse(cls, text: str) -> Layout:
-        """``FORMAT:GPUS`` followed by any of ``:tpT``, ``:SCHEDULE`` (an EP schedule) and ``:smsN``."""
+        """``FORMAT:GPUS`` followed by any of ``:tpT``, ``:SCHEDULE`` (an EP schedule), ``:smsN`` and ``:chunkC``."""
         weights, _, rest = text.partition(":")
         gpus, *options = rest.split(":")
         fields = {}
@@ -82,6 +88,8 @@ class Layout(NamedTuple):
                 fields["tp"] = int(option[2:])
             elif option.startswith("sms") and option[3:].isdigit():
                 fields["comm_sms"] = int(option[3:])
+            elif option.startswith("chunk") and option[5:].isdigit() and int(option[5:]) > 0:
+                fields["chunk"] = int(option[5:])
             elif option in EP_SCHEDULES:
                 fields["schedule"] = option
             else:
@@ -89,8 +97,8 @@ class Layout(NamedTuple):
                 break
         if weights not in ("fp8", "bf16") or not gpus.isdigit() or fields is None or int(gpus) % fields.get("tp", 1):
             raise ValueError(
-                f"layout {text!r} is not FORMAT:GPUS[:tpT][:SCHEDULE][:smsN] (FORMAT fp8 or bf16, T dividing GPUS, "
-                f"SCHEDULE one of {', '.join(EP_SCHEDULES)})"
+                f"layout {text!r} is not FORMAT:GPUS[:tpT][:SCHEDULE][:smsN][:chunkC] (FORMAT fp8 or bf16, T dividing "
+                f"GPUS, SCHEDULE one of {', '.join(EP_SCHEDULES)}, C > 0 tokens)"
             )
         return cls(weights, int(gpus), **fields)
 
@@ -100,6 +108,7 @@ class Layout(NamedTuple):
         if self.gpus > 1:  # one GPU has no all-to-all
             options += [self.schedule] if self.schedule != "all-to-all" else []
             options += [f"sms{self.comm_sms}"] if self.comm_sms else []
+        options += [f"chunk{self.chunk}"] if self.chunk else []
         return "-".join([self.weights, f"{self.gpus}gpu", *options])
 
 
@@ -208,13 +217,13 @@ def _worker(rank: int, layout: Layout, args, port: int, queue) -> None:
     from configs.pool import PoolConfig
     from workers.worker import PrefillWorker
 
-    weights, gpus = layout.weights, layout.gpus
+    weights, gpus, chunk = layout.weights, layout.gpus, layout.chunk or args.chunk_tokens
     cases = {spec: parse_case(spec, gpus) for spec in args.prompts}
     config = PoolConfig(
         model=args.model, num_layers=args.num_layers, tp=layout.tp, pcp=gpus // layout.tp, backend=args.backend,
         dtype="bfloat16" if args.device == "cuda" else "float32",
-        quantization="auto" if weights == "fp8" else "none", device=args.device, chunk_tokens=args.chunk_tokens,
-        max_batch_tokens=max(args.chunk_tokens, max(n * min(length, args.chunk_tokens) for n, length in cases.values())),
+        quantization="auto" if weights == "fp8" else "none", device=args.device, chunk_tokens=chunk,
+        max_batch_tokens=max(chunk, max(n * min(length, chunk) for n, length in cases.values())),
         gpu_memory_utilization=0.85, ep_schedule=layout.schedule, ep_comm_sms=layout.comm_sms, seed=0,
     )  # fmt: skip
     try:
@@ -234,7 +243,7 @@ def _worker(rank: int, layout: Layout, args, port: int, queue) -> None:
                     torch.distributed.barrier()
                 sync()
                 started = time.perf_counter()
-                results = _run_prompts(worker, prompts, args.chunk_tokens, f"c{count}x{length}r{run}-")
+                results = _run_prompts(worker, prompts, chunk, f"c{count}x{length}r{run}-")
                 sync()
                 seconds = time.perf_counter() - started
                 if run:
@@ -304,7 +313,7 @@ def relative_l2(x: torch.Tensor, ref: torch.Tensor) -> float:
 def summarize(args, model_config, layout: Layout, ranks: list[dict]) -> dict:
     from workers.pcp_layout import interleave_shards
 
-    layers, (weights, gpus, tp, schedule, comm_sms) = model_config.num_hidden_layers, layout
+    layers, (weights, gpus, tp, schedule, comm_sms, chunk) = model_config.num_hidden_layers, layout
     info = ranks[0]["info"]
     entry = {
         "layout": layout.name, "weights": weights, "gpus": gpus, "tp": tp, "pcp": gpus // tp, "ep": gpus,
@@ -321,7 +330,7 @@ def summarize(args, model_config, layout: Layout, ranks: list[dict]) -> dict:
         seconds = case["seconds"]
         per_gpu = flops / seconds / gpus / 1e12
         entry["cases"].append({
-            "case": case["case"], "prompts": count, "prompt_tokens": length, "tokens": tokens, "chunk_tokens": args.chunk_tokens,
+            "case": case["case"], "prompts": count, "prompt_tokens": length, "tokens": tokens, "chunk_tokens": chunk or args.chunk_tokens,
             "seconds": round(seconds, 4), "ttft_s": round(seconds, 4) if count == 1 else None,
             "runs_s": [round(t, 4) for t in case["runs_s"]],
             "tokens_per_s": round(tokens / seconds, 1), "tokens_per_s_per_gpu": round(tokens / seconds / gpus, 1),
@@ -348,8 +357,9 @@ def main() -> None:
     parser.add_argument("--model", default="deepseek-v3")
     parser.add_argument("--num-layers", type=int, default=None, help="the first N layers (DeepSeek-V3: 3 dense, then MoE)")
     parser.add_argument("--layouts", nargs="+", default=["fp8:1"],
-                        help="FORMAT:GPUS[:tpT][:SCHEDULE][:smsN]: fp8 or bf16, TP=T (default 1, the rest PCP), the EP "
-                             "schedule (default all-to-all) and SM carveout (default 0); the first is the baseline")  # fmt: skip
+                        help="FORMAT:GPUS[:tpT][:SCHEDULE][:smsN][:chunkC]: fp8 or bf16, TP=T (default 1, the rest PCP), the EP "
+                             "schedule (default all-to-all), SM carveout (default 0) and chunk size (default "
+                             "--chunk-tokens); each layout's outputs are compared with the first of its format")  # fmt: skip
     parser.add_argument("--prompts", nargs="+", default=["1x8192"], help="cases NxL: N prompts of L tokens in flight")
     parser.add_argument("--chunk-tokens", type=int, default=32768)
     parser.add_argument("--repeats", type=int, default=3)
@@ -377,7 +387,7 @@ def main() -> None:
         layouts = [Layout.parse(text) for text in args.layouts]
     except ValueError as exc:
         parser.error(str(exc))
-    baseline, rates = None, {}
+    baselines, rates = {}, {}  # the first run's outputs of each weight format
     for layout in layouts:
         try:
             entry, outputs = summarize(args, model_config, layout, run(args, layout))
@@ -389,9 +399,9 @@ def main() -> None:
         result["runs"].append(entry)
         for case in entry["cases"]:
             rates[(layout, case["case"])] = case["tokens_per_s"]
-        if baseline is None:
-            baseline = (layout.name, outputs)
-        else:
+        baseline = baselines.get(layout.weights) or next(iter(baselines.values()), None)
+        baselines.setdefault(layout.weights, (layout.name, outputs))
+        if baseline is not None:
             for spec, (logits, kv) in outputs.items():
                 ref_logits, ref_kv = baseline[1][spec]
                 result["agreement"][f"{layout.name} vs {baseline[0]}, {spec}, first prompt"] = {
