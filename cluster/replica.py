@@ -53,23 +53,24 @@ class Replica:
 class Spares:
     """One spare worker process per rank of a replica, in the replica's bundles with no resources of
     their own (a spare sees all of its node's GPUs), each importing what a worker's setup imports
-    first (``PrefillWorker.preload``). When the replica fails, its actors are killed and the spares,
-    if ready, take the failed ranks' places and GPUs (``PrefillWorker.promote``): the replacement
-    skips starting processes and importing its kernel library."""
+    first (``PrefillWorker.preload``). When the replica fails, its actors are killed and the spares
+    take the failed ranks' places and GPUs (``PrefillWorker.promote``): the replacement skips starting
+    processes and importing its kernel library. Spares still preloading (a second fault soon after
+    the first) are promoted once they are ready (a worker runs its calls in order): they are further
+    along than new processes would be. Only spares whose preload failed are replaced by new ones."""
 
     workers: list
     ready: list  # the preload calls
 
-    def all_ready(self) -> bool:
+    def failed(self) -> bool:
+        """Whether a spare's preload has failed so far (raised, or its process died)."""
         done, _ = ray.wait(self.ready, num_returns=len(self.ready), timeout=0)
-        if len(done) < len(self.ready):
-            return False
         try:
             ray.get(done)
         except ray.exceptions.RayError as exc:
             logger.warning("a spare worker failed to preload, so a replacement starts new ones: %s", cause(exc))
-            return False
-        return True
+            return True
+        return False
 
     def kill(self) -> None:
         for worker in self.workers:
@@ -122,9 +123,10 @@ def start_replica(
     with the replica when ``owns_group``), start one worker actor per bundle and set them up (process
     group, weights, KV cache, warm-up); raises ``RuntimeError`` with the reason, leaving nothing
     behind, when any of that fails. ``replacing``: the failed replica (its actors killed, its group
-    kept), whose spares, if ready, become the workers; its spares are used up either way."""
+    kept), whose spares, unless one failed to preload, become the workers (waiting for any still
+    preloading); its spares are used up either way."""
     spares = replacing.spares if replacing is not None else None
-    if spares is not None and not spares.all_ready():
+    if spares is not None and spares.failed():
         spares.kill()
         spares = None
     bundle = {"CPU": config.worker_cpus, **({"GPU": config.worker_gpus} if use_gpus else {})}
@@ -148,7 +150,7 @@ def start_replica(
             f"{ray.available_resources()} available. Lower tp, pcp or replicas, or add nodes."
         )
     started = time.perf_counter()
-    if spares is not None:  # in the failed ranks' bundles, on their GPUs
+    if spares is not None:  # in the failed ranks' bundles, on their GPUs; after their preload
         workers = spares.workers
         uuids = [info.device_uuid for info in replacing.infos]
         promoted = [w.promote.remote(rank, uuids[rank]) for rank, w in enumerate(workers)]

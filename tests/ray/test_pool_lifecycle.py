@@ -243,3 +243,18 @@ def test_spare_workers_replace_the_failed_ranks_and_new_spares_follow(ray_cluste
         assert pool.stats.retried == 2 and pool.stats.failed == 0
     time.sleep(1.0)  # killed actors leave the GCS's ALIVE list asynchronously
     assert _alive_actors() == before
+
+
+def test_spares_still_importing_at_a_fault_are_promoted_not_replaced(ray_cluster):
+    """A fault before the spares have finished importing (here: right after the start; in the field, a
+    second fault soon after the first) still promotes them once they are ready, rather than killing
+    them and starting new processes, which are further behind."""
+    config = BASE.replace(tp=2, num_layers=2, chunk_tokens=16, max_batch_tokens=32, collective_timeout_s=5.0, spare_workers="on")
+    with PrefillPool(config).start() as pool:
+        replica = pool._replicas[0]
+        spares = replica.spares
+        importing = len(ray.wait(spares.ready, num_returns=2, timeout=0)[0]) < 2
+        ray.get(replica.workers[0].inject_fault.remote("raise", layer=0))
+        assert pool.submit(np.arange(1, 40)).result(timeout=120).logits.shape[-1] == pool.model_config.vocab_size
+        assert importing  # the case under test: the spares had not finished importing at the fault
+        assert pool.stats.recoveries[0].start_s["spares"] is True and replica.workers == spares.workers
