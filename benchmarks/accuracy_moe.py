@@ -25,7 +25,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
-from hf_models import save_fp8, tiny_moe  # noqa: E402 -- the tests' model builders
+from hf_models import save_fp8, tiny_fp8_moe, tiny_moe  # noqa: E402 -- the tests' model builders
 
 from attention.backends.base import DeviceCapability, MLAPrefillSelectorConfig  # noqa: E402
 from attention.backends.selector import get_mla_prefill_backend  # noqa: E402
@@ -73,7 +73,7 @@ def main() -> None:
     for name in ("v3", "v2", "v3-fp8"):
         path = scratch / name
         if name == "v3-fp8":
-            hf = save_fp8(tiny_moe("v3", hidden=256, seed=7), path, scratch / "dequantized")
+            hf = save_fp8(tiny_fp8_moe(seed=7), path, scratch / "dequantized")
         else:
             hf = tiny_moe(name, seed=6)
             hf.save_pretrained(path)

@@ -5,7 +5,9 @@ computes the documented result in float32 from the dequantized operands:
 
 - ``_scaled_mm`` with DeepSeek's recipe: ``a [M, K]`` row-major with 1x128 scales ``[M, K/128]``
   outer-dim-major (stride ``(1, M)``, so ``M % 4 == 0``); ``b [K, N]`` column-major with 128x128 scales
-  ``[K/128, ceil(N/128)]`` inner-dim-major with a 16-byte aligned outer stride (``(1, L)``, ``L % 4 == 0``);
+  ``[K/128, ceil(N/128)]`` inner-dim-major with an outer stride of exactly ``K/128`` (torch's check),
+  which must be 16-byte aligned when ``N > 128`` (cuBLAS computes wrong results otherwise, measured:
+  ``workers.fp8.block_gemm_shape_ok``);
 - ``_scaled_grouped_mm`` row-wise: ``a [P, K]`` with scales ``[P]``; ``b [E, K, N]`` with ``stride(1) == 1``
   ("transposed") and scales ``[E, N]``; ``offs [E]`` int32, the end of each group's rows.
 """
@@ -21,9 +23,9 @@ def scaled_mm(a, b, scale_a, scale_b, out_dtype, **_):
     n = b.shape[1]
     assert a.dtype == b.dtype == FP8 and a.stride(1) == 1 and b.stride(0) == 1, "a row-major, b column-major, both FP8"
     assert m % 4 == 0 and scale_a.shape == (m, k // 128) and scale_a.stride() == (1, m), (scale_a.shape, scale_a.stride())
-    k_blocks = k // 128
-    assert scale_b.shape == (k_blocks, -(-n // 128)) and scale_b.stride(0) == 1 and scale_b.stride(1) % 4 == 0, (
-        scale_b.shape, scale_b.stride())  # fmt: skip
+    k_blocks, n_blocks = k // 128, -(-n // 128)
+    assert scale_b.shape == (k_blocks, n_blocks) and scale_b.stride(0) == 1, (scale_b.shape, scale_b.stride())
+    assert n_blocks == 1 or (scale_b.stride(1) == k_blocks and k_blocks % 4 == 0), (scale_b.shape, scale_b.stride())
     a_full = a.float() * scale_a.repeat_interleave(128, dim=1)
     w_scale = scale_b.t().repeat_interleave(128, dim=0)[:n].repeat_interleave(128, dim=1)  # [N, K]
     return (a_full @ (b.float() * w_scale.t())).to(out_dtype)

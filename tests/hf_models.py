@@ -35,7 +35,9 @@ def tiny_deepseek_v3(*, vocab_size=300, num_layers=3, max_positions=256, mscale_
     return model
 
 
-def tiny_moe(family="v3", *, vocab_size=320, num_layers=3, max_positions=512, hidden=64, seed=1, bias_std=0.5):
+def tiny_moe(
+    family="v3", *, vocab_size=320, num_layers=3, max_positions=512, hidden=64, intermediate=96, q_lora_rank=24, seed=1, bias_std=0.5
+):
     """A transformers DeepSeek MoE model, in eval mode, weights ~ N(0, 0.1):
 
     - ``v3``: DeepseekV3ForCausalLM, 16 routed experts (top-4 in 2 of 4 groups by sigmoid scores plus a
@@ -43,9 +45,9 @@ def tiny_moe(family="v3", *, vocab_size=320, num_layers=3, max_positions=512, hi
     - ``v2``: DeepseekV2ForCausalLM, no q LoRA, 16 routed experts (top-4 by softmax in 2 of 4 groups,
       ``group_limited_greedy``), 2 shared experts.
 
-    Layer 0 is dense, the others MoE; YaRN RoPE."""
+    Layer 0 is dense (``intermediate`` units), the others MoE; YaRN RoPE."""
     common = dict(
-        vocab_size=vocab_size, hidden_size=hidden, intermediate_size=96, moe_intermediate_size=32,
+        vocab_size=vocab_size, hidden_size=hidden, intermediate_size=intermediate, moe_intermediate_size=32,
         num_hidden_layers=num_layers, num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=32,
         qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, n_routed_experts=16, num_experts_per_tok=4,
         n_group=4, topk_group=2, first_k_dense_replace=1, max_position_embeddings=max_positions,
@@ -53,7 +55,7 @@ def tiny_moe(family="v3", *, vocab_size=320, num_layers=3, max_positions=512, hi
     )  # fmt: skip
     rope = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": max_positions // 4}
     if family == "v3":
-        config = DeepseekV3Config(**common, q_lora_rank=24, n_shared_experts=1, routed_scaling_factor=2.5,
+        config = DeepseekV3Config(**common, q_lora_rank=q_lora_rank, n_shared_experts=1, routed_scaling_factor=2.5,
                                   rope_parameters={**rope, "mscale": 1.0, "mscale_all_dim": 1.0})  # fmt: skip
         model_cls = DeepseekV3ForCausalLM
     else:
@@ -71,6 +73,15 @@ def tiny_moe(family="v3", *, vocab_size=320, num_layers=3, max_positions=512, hi
             if name.endswith("e_score_correction_bias"):
                 buffer.normal_(0, bias_std)
     return model
+
+
+def tiny_fp8_moe(seed: int):
+    """The V3 :func:`tiny_moe` written in FP8 by the tests: 512 hidden units, so the layers reading the
+    hidden state keep whole 128-column blocks in a layout torch's FP8 GEMM takes
+    (``workers.fp8.block_gemm_shape_ok``); the dense MLP's 512 units stack ``gate_proj`` over ``up_proj``
+    on a block boundary (one FP8 GEMM, as at full size), the shared expert's 32 do not (dequantized at
+    load), and ``q_a_proj``'s 48 rows are one partial block."""
+    return tiny_moe("v3", hidden=512, intermediate=512, q_lora_rank=48, seed=seed)
 
 
 def save_fp8(hf_model, path, reference_path):

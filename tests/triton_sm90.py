@@ -29,6 +29,7 @@ RMS_NORM = {"x_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": "*bf16", "M": "i32", 
 ROTATE = {"x_ptr": "*bf16", "cos_ptr": "*fp32", "sin_ptr": "*fp32", "T": "i32", "H": "i32", "stride_t": "i32", "stride_h": "i32"}
 QUANTIZE_CASES = {  # group, silu_mul, row_weight, scatter: as fp8.py and moe.py call it
     "linear-1x128": (128, False, False, 0),
+    "dense-activation-1x128": (128, True, False, 0),  # an FP8 down_proj's input: silu(g) * u of the dense MLP
     "experts-input": (7168, False, False, 0),
     "experts-input-scattered": (7168, False, False, 8),
     "experts-activation": (2048, True, True, 0),

@@ -119,37 +119,42 @@ def quantize_activations(
     return q, scale.new_empty(scale.shape[1], rows).copy_(scale.t())  # [groups, rows], strides (rows, 1) even for 1 group
 
 
+def block_gemm_shape_ok(in_features: int, out_features: int) -> bool:
+    """Whether torch's block-scaled FP8 GEMM computes a weight of this shape right: ``K % 128 == 0``,
+    ``N % 16 == 0`` and, with more than one 128-row block of ``N``, ``K % 512 == 0``. torch takes the
+    weight scales ``[K/128, N/128]`` only with an outer stride of exactly ``K/128``, and cuBLAS reads them
+    right only when that stride is 16-byte aligned: any other ``K`` is refused (a padded stride) or gives
+    wrong results (the exact one). Measured on H200, torch 2.11:
+    ``benchmarks/results/2026-11-23-h200-fp8-weight-scale-layout.json``."""
+    return in_features % BLOCK == 0 and out_features % 16 == 0 and (out_features <= BLOCK or in_features % (4 * BLOCK) == 0)
+
+
 class FP8Linear(nn.Module):
     """``y = x @ W.T`` with ``W`` kept in DeepSeek's FP8 block format (``weight``, ``weight_scale_inv``:
     the checkpoint's names), run as torch's block-scaled ``_scaled_mm`` (1x128 activation scales,
-    128x128 weight scales) with a bf16 output. Needs ``in_features % 128 == 0`` and SM90."""
+    128x128 weight scales) with a bf16 output. Needs SM90 and a shape :func:`block_gemm_shape_ok` allows."""
 
     def __init__(self, in_features: int, out_features: int, *, device=None, out_dtype: torch.dtype = torch.bfloat16) -> None:
         super().__init__()
-        if in_features % BLOCK:
-            raise ValueError(f"FP8Linear needs in_features divisible by {BLOCK}, got {in_features}")
+        if not block_gemm_shape_ok(in_features, out_features):
+            raise ValueError(
+                f"FP8Linear of {in_features} -> {out_features}: torch's block-scaled GEMM needs in_features % 128 == 0, "
+                f"out_features % 16 == 0 and, for out_features > 128, in_features % 512 == 0"
+            )
         self.in_features, self.out_features, self.out_dtype = in_features, out_features, out_dtype
         blocks = (-(-out_features // BLOCK), in_features // BLOCK)
         self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=FP8, device=device), requires_grad=False)
         self.weight_scale_inv = nn.Parameter(torch.empty(blocks, dtype=torch.float32, device=device), requires_grad=False)
-        self._scale_b: tuple[int, torch.Tensor] | None = None  # (version of weight_scale_inv, torch's layout of it)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, *, silu_mul: bool = False) -> torch.Tensor:
+        """``x [..., K]`` -> ``[..., N]``; ``silu_mul``: ``x`` is ``[..., 2K]`` and the input is
+        ``silu(x[..., :K]) * x[..., K:]``, computed in the quantization pass."""
         shape = x.shape
-        x2 = x.reshape(-1, self.in_features)
-        q, scale = quantize_activations(x2, BLOCK, pad_rows_to=4)
-        y = torch._scaled_mm(q, self.weight.t(), scale_a=scale.t(), scale_b=self._weight_scales(), out_dtype=self.out_dtype)
+        x2 = x.reshape(-1, self.in_features * (2 if silu_mul else 1))
+        q, scale = quantize_activations(x2, BLOCK, pad_rows_to=4, silu_mul=silu_mul)
+        # the weight scales as torch takes them: [K blocks, N blocks], inner-dim-major (a view)
+        y = torch._scaled_mm(q, self.weight.t(), scale_a=scale.t(), scale_b=self.weight_scale_inv.t(), out_dtype=self.out_dtype)
         return y[: x2.shape[0]].view(*shape[:-1], self.out_features)
-
-    def _weight_scales(self) -> torch.Tensor:
-        """The block scales as torch takes them: ``[K blocks, N blocks]``, inner-dim-major with a 16-byte
-        aligned stride; laid out once, again only after the parameter is written (e.g. reloaded)."""
-        version = self.weight_scale_inv._version
-        if self._scale_b is None or self._scale_b[0] != version:
-            k_blocks = self.weight_scale_inv.shape[1]
-            layout = nn.functional.pad(self.weight_scale_inv, (0, -k_blocks % 4))[:, :k_blocks].t()
-            self._scale_b = (version, layout)
-        return self._scale_b[1]
 
     def dequantized(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The weight ``[N, K]`` in ``dtype`` (for code that needs it whole, such as the absorbed decoder)."""

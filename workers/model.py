@@ -5,7 +5,8 @@
         a, latent = self_attn(input_layernorm(h))                (MLA, this rank's heads)
         h = h + all_reduce(a)
         x = post_attention_layernorm(h)
-        dense layer:  h = h + all_reduce(down_proj(silu(gate_proj(x)) * up_proj(x)))
+        dense layer:  g, u = split(gate_up_proj(x))                  (gate_proj and up_proj stacked)
+                      h = h + all_reduce(down_proj(silu(g) * u))
         MoE layer:    this TP rank's 1/tp of the tokens go through the routed experts (expert
                       parallel over the whole replica, ``workers.moe``); the shared experts run
                       TP-split on all tokens (while the routed experts' combine is in flight),
@@ -15,14 +16,15 @@
     logits = lm_head(last)                                       [B, vocab] float32
 
 Tensor parallelism (Megatron style) over ``tp.size`` ranks: ``q_b_proj``/
-``q_proj``, ``kv_b_proj``, ``gate_proj`` and ``up_proj`` are split by output
+``q_proj``, ``kv_b_proj`` and ``gate_up_proj`` (each of its halves) are split by output
 rows (heads, intermediate units); ``o_proj`` and ``down_proj`` by input
 columns, so their outputs are partial sums reduced over the TP group. Norms,
 ``q_a_proj``, ``kv_a_proj_with_mqa`` (the shared latent), the embedding,
 ``lm_head`` and the router are replicated; routed experts are split by expert
 over every rank of the replica (``ep``), never by TP, so no expert runs twice
-for a token. Parameter names are the HF checkpoint names (stacked experts:
-transformers' ``mlp.experts.gate_up_proj``/``down_proj``).
+for a token. Parameter names are the HF checkpoint names, but for two stacks: the
+routed experts' (transformers' ``mlp.experts.gate_up_proj``/``down_proj``) and the
+dense MLPs' ``gate_up_proj``, ``gate_proj`` over ``up_proj`` (:class:`DenseMLP`).
 
 With ``fp8`` the linear layers whose shard keeps DeepSeek's 128x128 blocks whole
 are ``workers.fp8.FP8Linear`` and the experts FP8 (``workers.moe.Experts``);
@@ -44,12 +46,12 @@ from attention.backends.base import MLAPrefillBackend
 from attention.mla import MLAAttention, PrefillBatch, RMSNorm
 from configs.model import ModelConfig
 from workers.collectives import GroupRank, all_gather_into, reduce_scatter_into
-from workers.fp8 import BLOCK, FP8Linear
+from workers.fp8 import BLOCK, FP8Linear, block_gemm_shape_ok
 from workers.expert_parallel import EPGroup
 from workers.moe import MoE
 from workers.pcp import PCPPlan, context_parallel_attention
 
-COLUMN_PARALLEL = ("q_b_proj.weight", "q_proj.weight", "kv_b_proj.weight", "gate_proj.weight", "up_proj.weight")
+COLUMN_PARALLEL = ("q_b_proj.weight", "q_proj.weight", "kv_b_proj.weight", "gate_up_proj.weight")
 ROW_PARALLEL = ("o_proj.weight", "down_proj.weight")
 
 
@@ -107,14 +109,36 @@ class PrefillOutput:
 
 
 class DenseMLP(nn.Module):
+    """``down_proj(silu(gate_proj(x)) * up_proj(x))`` (this rank's ``intermediate`` units), with
+    ``gate_proj`` and ``up_proj`` stacked by rows into one ``gate_up_proj [2I, H]``: one GEMM (and,
+    in FP8, one quantization of ``x``) instead of two, and an FP8 ``down_proj`` quantizes
+    ``silu(g) * u`` in the same pass (``FP8Linear(..., silu_mul=True)``), never writing it in bf16.
+    :attr:`merged_rows` names the checkpoint tensors behind the stack (``workers.weights`` reads them
+    into its halves); ``load_state_dict`` takes HF's names too."""
+
     def __init__(self, hidden: int, intermediate: int, **kw) -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(hidden, intermediate, bias=False, **kw)
-        self.up_proj = nn.Linear(hidden, intermediate, bias=False, **kw)
+        self.gate_up_proj = nn.Linear(hidden, 2 * intermediate, bias=False, **kw)
         self.down_proj = nn.Linear(intermediate, hidden, bias=False, **kw)
+        self.merged_rows = {"gate_up_proj": (("gate_proj", intermediate), ("up_proj", intermediate))}
+        self.register_load_state_dict_pre_hook(_stack_checkpoint_rows)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate_up = self.gate_up_proj(x)
+        if isinstance(self.down_proj, FP8Linear):
+            return self.down_proj(gate_up, silu_mul=True)
+        gate, up = gate_up.chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+def _stack_checkpoint_rows(module: nn.Module, state: dict, prefix: str, *_) -> None:
+    """``load_state_dict`` pre-hook: a state dict with the checkpoint's separate tensors (``gate_proj.weight``,
+    ``up_proj.weight``, ...) fills the module's stacked ones (:attr:`DenseMLP.merged_rows`)."""
+    for merged, parts in module.merged_rows.items():
+        for suffix in ("weight", "bias", "weight_scale_inv"):
+            names = [f"{prefix}{part}.{suffix}" for part, _ in parts]
+            if all(name in state for name in names):
+                state[f"{prefix}{merged}.{suffix}"] = torch.cat([state.pop(name) for name in names])
 
 
 class DecoderLayer(nn.Module):
@@ -207,9 +231,10 @@ class DeepseekPrefillModel(nn.Module):
         """Swap every quantized linear layer (all but ``lm_head``) whose shard keeps the 128x128 blocks
         whole for an :class:`FP8Linear`; the others stay in bf16 (their FP8 weights are dequantized)."""
         for name, module in list(self.model.named_modules()):
-            if not isinstance(module, nn.Linear) or not fp8_shard_aligned(module, self.tp.split_dim(name + ".weight"), self.tp.size):
-                continue
             parent, _, child = name.rpartition(".")
+            parts = [rows for _, rows in merged_parts(self.model.get_submodule(parent), child)] if parent else []
+            if not isinstance(module, nn.Linear) or not fp8_shard_aligned(module, self.tp.split_dim(name + ".weight"), self.tp.size, tuple(parts)):
+                continue
             setattr(self.model.get_submodule(parent), child, FP8Linear(module.in_features, module.out_features, device="meta"))
 
     @property
@@ -297,10 +322,19 @@ class DeepseekPrefillModel(nn.Module):
             )
 
 
-def fp8_shard_aligned(linear: nn.Linear, split_dim: int | None, tp_size: int) -> bool:
-    """Whether a TP shard of this (local-shape) linear layer holds whole 128x128 weight blocks: its
-    input width is a multiple of 128 and, when split, so is the split width (so every shard starts
-    on a block boundary)."""
-    if linear.in_features % BLOCK or linear.out_features % 16:  # torch's FP8 GEMM needs N % 16 == 0
+def merged_parts(parent: nn.Module, child: str) -> tuple[tuple[str, int], ...]:
+    """The checkpoint tensors (names beside ``child``, local rows) stacked into ``parent.<child>``, or ()."""
+    return getattr(parent, "merged_rows", {}).get(child, ())
+
+
+def fp8_shard_aligned(linear: nn.Linear, split_dim: int | None, tp_size: int, parts: tuple[int, ...] = ()) -> bool:
+    """Whether a TP shard of this (local-shape) linear layer holds whole 128x128 weight blocks of a shape
+    torch's FP8 GEMM runs (``workers.fp8.block_gemm_shape_ok``) and, when split, its split width is a
+    multiple of 128 (so every shard starts on a block boundary). A stack of checkpoint tensors
+    (``parts``: the local rows of each) also needs every part but the last to end on a block boundary,
+    so that their block scales stack."""
+    if not block_gemm_shape_ok(linear.in_features, linear.out_features):
         return False
-    return split_dim != 0 or tp_size == 1 or linear.out_features % BLOCK == 0
+    if any(rows % BLOCK for rows in parts[:-1]):
+        return False
+    return split_dim != 0 or tp_size == 1 or all(rows % BLOCK == 0 for rows in parts or (linear.out_features,))

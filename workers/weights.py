@@ -11,6 +11,9 @@ of a rank's model is filled from the tensors it needs (:func:`load_plan`):
 - the stacked routed experts ``mlp.experts.gate_up_proj [E_r, 2I, H]`` and
   ``down_proj [E_r, H, I]`` from ``mlp.experts.{e}.gate_proj/up_proj/down_proj.weight``
   of this rank's experts ``e`` only;
+- a stack of checkpoint tensors (a module's ``merged_rows``, e.g. the dense MLPs'
+  ``gate_up_proj`` from ``gate_proj`` and ``up_proj``), each part's rows (its TP
+  shard's) into its place;
 - ``lm_head.weight`` from the embedding when the config ties them and the
   checkpoint has no ``lm_head``.
 
@@ -50,7 +53,7 @@ from torch import nn
 from attention.backends.torch_sdpa import TorchSDPAPrefillBackend
 from configs.model import ModelConfig
 from workers.fp8 import BLOCK, FP8Linear, block_dequantize, block_quantize, requantize_rows
-from workers.model import DeepseekPrefillModel
+from workers.model import DeepseekPrefillModel, merged_parts
 from workers.moe import Experts
 
 logger = logging.getLogger(__name__)
@@ -201,19 +204,25 @@ def load_plan(model: DeepseekPrefillModel, *, full: bool = False) -> Iterator[Pi
     for name, param in model.named_parameters():
         if name.endswith(SCALE) or name.endswith("_proj_scale"):
             continue  # filled with their weights
-        module = model.get_submodule(name.rpartition(".")[0])
+        module_name, _, kind = name.rpartition(".")
+        module = model.get_submodule(module_name)
         if isinstance(module, Experts):
             yield from _expert_pieces(model, name, module, full)
             continue
-        shape = list(param.shape)
-        dim = tp.split_dim(name)
-        if dim is not None:
-            shape[dim] *= tp.size
-        rows, cols = slice(None), (slice(None) if param.dim() == 2 else None)
-        if dim is not None and tp.size > 1 and not full:
-            mine = slice(tp.rank * param.shape[dim], (tp.rank + 1) * param.shape[dim])
-            rows, cols = (mine, cols) if dim == 0 else (rows, mine)
-        yield Piece(name, name, tuple(shape), rows, cols)
+        parent, _, child = module_name.rpartition(".")
+        parts = merged_parts(model.get_submodule(parent), child) or ((child, param.shape[0]),)
+        dim, start = tp.split_dim(name), 0
+        for part, local_rows in parts:  # one part, the tensor of the parameter's own name, unless merged
+            shape = [local_rows, *param.shape[1:]]
+            if dim is not None:
+                shape[dim] *= tp.size
+            rows, cols = slice(None), (slice(None) if param.dim() == 2 else None)
+            if dim is not None and tp.size > 1 and not full:
+                mine = slice(tp.rank * shape[dim] // tp.size, (tp.rank + 1) * shape[dim] // tp.size)
+                rows, cols = (mine, cols) if dim == 0 else (rows, mine)
+            dest = (slice(start, start + local_rows),) if len(parts) > 1 else ()
+            yield Piece(name, f"{parent}.{part}.{kind}" if dest else name, tuple(shape), rows, cols, dest)
+            start += local_rows
 
 
 def _expert_pieces(model: DeepseekPrefillModel, name: str, experts: Experts, full: bool) -> Iterator[Piece]:
@@ -346,11 +355,14 @@ def _read_float(source, piece: Piece, dtype: torch.dtype, device: torch.device) 
 
 
 def _load_block_fp8(source, piece: Piece, weight: nn.Parameter, scale: nn.Parameter) -> None:
-    """An ``FP8Linear``'s weight and block scales: the checkpoint's own (a shard starts on a block
-    boundary: ``workers.model.fp8_shard_aligned``), or a float tensor quantized here."""
+    """An ``FP8Linear``'s weight and block scales (or one stacked part of them, from ``piece.dest``'s
+    first row on): the checkpoint's own (a shard or part starts on a block boundary:
+    ``workers.model.fp8_shard_aligned``), or a float tensor quantized here."""
     cols = piece.cols.indices(piece.full_shape[1])
     scale_cols = slice(cols[0] // BLOCK, -(-cols[1] // BLOCK))
+    first = piece.dest[0].start if piece.dest else 0
     for dest_rows, rows in _row_chunks(piece, source, 1):
+        dest_rows = slice(first + dest_rows.start, first + dest_rows.stop)
         dest_blocks = slice(dest_rows.start // BLOCK, -(-dest_rows.stop // BLOCK))
         if source.is_fp8(piece.tensor):
             q = source.read(piece.tensor, rows, piece.cols)

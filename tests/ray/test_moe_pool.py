@@ -12,7 +12,7 @@ import json
 import numpy as np
 import pytest
 import torch
-from hf_models import save_fp8, tiny_moe
+from hf_models import save_fp8, tiny_fp8_moe, tiny_moe
 
 from attention.backends.torch_sdpa import TorchSDPAPrefillBackend
 from cluster import job
@@ -44,7 +44,7 @@ def models(tmp_path_factory):
     for name in ("v3", "v2", "v3-fp8"):
         path = tmp_path_factory.mktemp(name)
         if name == "v3-fp8":
-            hf = save_fp8(tiny_moe("v3", hidden=256, seed=7), path, tmp_path_factory.mktemp("dequantized"))
+            hf = save_fp8(tiny_fp8_moe(seed=7), path, tmp_path_factory.mktemp("dequantized"))
         else:
             hf = tiny_moe(name, seed=6)
             hf.save_pretrained(path)

@@ -7,7 +7,15 @@ import torch
 
 from configs.model import MoEConfig
 from workers import fp8_triton
-from workers.fp8 import FP8, FP8Linear, block_dequantize, block_quantize, quantize_activations, requantize_rows
+from workers.fp8 import (
+    FP8,
+    FP8Linear,
+    block_dequantize,
+    block_gemm_shape_ok,
+    block_quantize,
+    quantize_activations,
+    requantize_rows,
+)
 from workers.moe import Experts
 
 CUDA = torch.cuda.is_available()
@@ -99,13 +107,26 @@ def test_bad_quantization_groups_are_refused():
         quantize_activations(torch.randn(4, 200), 128)
 
 
+def test_fp8_linear_refuses_shapes_torchs_gemm_gets_wrong():
+    """K/128 not a multiple of 4 with N over one block: torch refuses the padded scale layout and computes
+    wrong results with the exact one (benchmarks/probe_fp8_scale_layout.py); such layers stay bf16."""
+    from workers.model import fp8_shard_aligned
+
+    assert block_gemm_shape_ok(7168, 2304) and block_gemm_shape_ok(256, 48) and not block_gemm_shape_ok(2304, 7168)
+    with pytest.raises(ValueError, match="FP8Linear of 2304 -> 7168: .* in_features % 512 == 0"):
+        FP8Linear(2304, 7168, device="meta")  # DeepSeek-V3's dense down_proj at TP=8
+    assert not fp8_shard_aligned(torch.nn.Linear(2304, 7168, device="meta"), 1, 8)
+    assert fp8_shard_aligned(torch.nn.Linear(4608, 7168, device="meta"), 1, 4)
+
+
 # ---- on a GPU: the kernel and torch's GEMMs --------------------------------------------------------------
 @gpu
 @pytest.mark.gpu
 @pytest.mark.parametrize(
     "group,silu_mul,weighted,scattered",
-    [(128, False, False, False), (7168, False, False, False), (2048, True, True, False), (7168, False, False, True)],
-)
+    [(128, False, False, False), (128, True, False, False), (7168, False, False, False), (2048, True, True, False),
+     (7168, False, False, True)],
+)  # fmt: skip
 def test_triton_quantization_equals_torch(group, silu_mul, weighted, scattered):
     width = group if group != 128 else 7168
     x = torch.randn(1000, 2 * width if silu_mul else width, device="cuda").to(torch.bfloat16) * 3
@@ -123,7 +144,7 @@ def test_triton_quantization_equals_torch(group, silu_mul, weighted, scattered):
 
 @gpu
 @pytest.mark.gpu
-@pytest.mark.parametrize("shape", [(7168, 1536), (576, 7168), (7168, 16384), (32, 256)])  # N x K; K/128 = 12, 56, 128, 2
+@pytest.mark.parametrize("shape", [(7168, 1536), (2112, 7168), (7168, 16384), (32, 256)])  # N x K; K/128 = 12, 56, 128, 2
 def test_fp8_linear_on_torchs_block_scaled_gemm(shape):
     n, k = shape
     linear = FP8Linear(k, n, device="cuda")
@@ -135,8 +156,7 @@ def test_fp8_linear_on_torchs_block_scaled_gemm(shape):
     reference = x.float() @ linear.dequantized().t()
     assert got.shape == (333, n) and _relative(got, reference) < 0.04
     xq, xs = quantize_activations(x, 128, pad_rows_to=4)
-    k_blocks = linear.weight_scale_inv.shape[1]
-    scale_b = torch.nn.functional.pad(linear.weight_scale_inv, (0, -k_blocks % 4))[:, :k_blocks].t()
+    scale_b = linear.weight_scale_inv.t()
     emulated = fp8_emulation.scaled_mm(xq.cpu(), linear.weight.cpu().t(), xs.t().cpu(), scale_b.cpu(), torch.float32)
     assert _relative(got.cpu(), emulated[:333]) < 1e-2  # the emulation computes what torch does
 

@@ -7,7 +7,7 @@ from hf_models import tiny_deepseek_v3
 from attention.backends.torch_sdpa import TorchSDPAPrefillBackend
 from attention.mla import plan_prefill_batch
 from configs.model import load_model_config, model_config_from_dict
-from workers.model import DeepseekPrefillModel, TPShard
+from workers.model import DeepseekPrefillModel, TPShard, merged_parts
 from workers.weights import load_weights
 
 
@@ -52,13 +52,25 @@ def test_random_init_is_the_same_weights_for_every_tp_degree():
     for rank in range(2):
         shard = DeepseekPrefillModel.create(config, TorchSDPAPrefillBackend, tp=TPShard(rank, 2), dtype=torch.float32)
         load_weights(shard, None, 7)
-        shards.append(dict(shard.named_parameters()))
+        shards.append(shard)
+    stacked = 0
     for name, param in full.named_parameters():
         dim = TPShard(0, 2).split_dim(name)
-        if dim is None:
-            assert torch.equal(shards[0][name], param) and torch.equal(shards[1][name], param), name
-        else:
-            assert torch.equal(torch.cat([s[name] for s in shards], dim=dim), param), name
+        parts = [_checkpoint_tensors(model, name) for model in (full, *shards)]
+        stacked += len(parts[0]) > 1
+        for whole, *pieces in zip(*parts):  # each shard holds its slice of each stacked checkpoint tensor
+            if dim is None:
+                assert all(torch.equal(piece, whole) for piece in pieces), name
+            else:
+                assert torch.equal(torch.cat(pieces, dim=dim), whole), name
+    assert stacked == 1  # the dense MLP's gate_up_proj: gate_proj over up_proj
+
+
+def _checkpoint_tensors(model, name):
+    """A parameter as the checkpoint tensors stacked in it (itself alone if it stacks none)."""
+    parent, _, child = name.rpartition(".")[0].rpartition(".")
+    rows = [n for _, n in merged_parts(model.get_submodule(parent), child)]
+    return model.get_parameter(name).split(rows) if rows else (model.get_parameter(name),)
 
 
 def test_bad_prompts_are_named():

@@ -8,7 +8,7 @@ import fp8_emulation
 import numpy as np
 import pytest
 import torch
-from hf_models import save_fp8, tiny_moe
+from hf_models import save_fp8, tiny_fp8_moe, tiny_moe
 from safetensors.torch import load_file, save_file
 from spmd import build_moe_layer, emulated_fp8, moe_layer_input, moe_layer_ranks, run_workers
 from transformers.models.deepseek_v2.modeling_deepseek_v2 import DeepseekV2TopkRouter
@@ -19,7 +19,7 @@ from attention.mla import plan_prefill_batch
 from configs.model import EP_SCHEDULES, MoEConfig, load_model_config, model_config_from_dict
 from configs.pool import PoolConfig
 from workers.fp8 import FP8Linear, block_dequantize
-from workers.model import DeepseekPrefillModel
+from workers.model import DeepseekPrefillModel, merged_parts
 from workers.expert_parallel import EPGroup, sm_carveout
 from workers.moe import gather_sum, route
 from workers.pcp_layout import interleave_shards
@@ -39,7 +39,7 @@ def checkpoints(tmp_path_factory):
         model.save_pretrained(path)
         out[name] = (path, model)
     path, reference = tmp_path_factory.mktemp("v3-fp8"), tmp_path_factory.mktemp("v3-fp8-dequantized")
-    out["v3-fp8"] = (path, save_fp8(tiny_moe("v3", hidden=256, seed=4), path, reference))
+    out["v3-fp8"] = (path, save_fp8(tiny_fp8_moe(seed=4), path, reference))
     return out
 
 
@@ -188,13 +188,18 @@ def test_fp8_gemm_path_keeps_the_checkpoint_format(checkpoints, prompts, monkeyp
     model = _ours(path, dtype=torch.bfloat16, fp8=True)
     stored = load_file(path / "model.safetensors")
     linears = {name: m for name, m in model.named_modules() if isinstance(m, FP8Linear)}
-    # torch's FP8 GEMM needs N % 16 == 0 (kv_a_proj_with_mqa's 40 rows, q_a_proj's 24 stay bf16 here);
-    # gate_proj's 96 rows are a partial 128-row block
-    assert "model.layers.0.mlp.gate_proj" in linears and "model.layers.1.self_attn.kv_a_proj_with_mqa" not in linears
-    assert len(linears) == 6  # the dense MLP's gate and up, each MoE layer's shared gate and up
+    # the dense MLP's gate_up_proj (gate_proj over up_proj, on a block boundary) and down_proj, and each
+    # layer's q_a_proj (48 rows: one partial 128-row block); torch's FP8 GEMM needs N % 16 == 0, so
+    # kv_a_proj_with_mqa's 40 rows stay bf16, and so does the shared experts' stack of 32 + 32 rows
+    assert sorted(linears) == ["model.layers.0.mlp.down_proj", "model.layers.0.mlp.gate_up_proj"] + [
+        f"model.layers.{i}.self_attn.q_a_proj" for i in range(3)
+    ]
     for name, module in linears.items():
-        assert torch.equal(module.weight.view(torch.uint8), stored[name + ".weight"].view(torch.uint8)), name
-        assert torch.equal(module.weight_scale_inv, stored[name + ".weight_scale_inv"]), name
+        parent, _, child = name.rpartition(".")
+        parts = [f"{parent}.{part}" for part, _ in merged_parts(model.get_submodule(parent), child)] or [name]
+        weight = torch.cat([stored[part + ".weight"].view(torch.uint8) for part in parts])
+        assert torch.equal(module.weight.view(torch.uint8), weight), name
+        assert torch.equal(module.weight_scale_inv, torch.cat([stored[part + ".weight_scale_inv"] for part in parts])), name
     experts = model.model.layers[2].mlp.experts
     for e in range(16):
         prefix = f"model.layers.2.mlp.experts.{e}.down_proj.weight"
@@ -361,7 +366,7 @@ def _edited(checkpoint, tmp_path, edit):
         ("v3-fp8", lambda t: t.pop("model.layers.1.mlp.shared_experts.up_proj.weight_scale_inv"),
          "model.layers.1.mlp.shared_experts.up_proj.weight is FP8 but model.layers.1.mlp.shared_experts.up_proj.weight_scale_inv"),
         ("v3-fp8", lambda t: t.update({"model.layers.0.self_attn.q_a_proj.weight_scale_inv": torch.ones(1, 1)}),
-         "model.layers.0.self_attn.q_a_proj.weight_scale_inv has shape [1, 1], expected [1, 2]"),
+         "model.layers.0.self_attn.q_a_proj.weight_scale_inv has shape [1, 1], expected [1, 4]"),
     ],  # fmt: skip
 )
 def test_bad_checkpoints_name_the_tensor(checkpoints, tmp_path, name, edit, message):
