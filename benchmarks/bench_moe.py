@@ -75,7 +75,7 @@ class Layout(NamedTuple):
     tp: int = 1
     schedule: str = "all-to-all"  # PoolConfig.ep_schedule
     comm_sms: int = 0  # PoolConfig.ep_comm_sms
-    chunk: int = 0  # tokens per chunk, 0: --chunk-tokens
+    chunk: int = 0  # tokens per chunk, 0: --chunk-tokens (chunk_tokens())
 
     @classmethod
     def parse(cls, text: str) -> Layout:
@@ -101,6 +101,9 @@ class Layout(NamedTuple):
                 f"GPUS, SCHEDULE one of {', '.join(EP_SCHEDULES)}, C > 0 tokens)"
             )
         return cls(weights, int(gpus), **fields)
+
+    def chunk_tokens(self, default: int) -> int:
+        return self.chunk or default
 
     @property
     def name(self) -> str:
@@ -217,7 +220,7 @@ def _worker(rank: int, layout: Layout, args, port: int, queue) -> None:
     from configs.pool import PoolConfig
     from workers.worker import PrefillWorker
 
-    weights, gpus, chunk = layout.weights, layout.gpus, layout.chunk or args.chunk_tokens
+    weights, gpus, chunk = layout.weights, layout.gpus, layout.chunk_tokens(args.chunk_tokens)
     cases = {spec: parse_case(spec, gpus) for spec in args.prompts}
     config = PoolConfig(
         model=args.model, num_layers=args.num_layers, tp=layout.tp, pcp=gpus // layout.tp, backend=args.backend,
@@ -313,7 +316,7 @@ def relative_l2(x: torch.Tensor, ref: torch.Tensor) -> float:
 def summarize(args, model_config, layout: Layout, ranks: list[dict]) -> dict:
     from workers.pcp_layout import interleave_shards
 
-    layers, (weights, gpus, tp, schedule, comm_sms, chunk) = model_config.num_hidden_layers, layout
+    layers, (weights, gpus, tp, schedule, comm_sms, _) = model_config.num_hidden_layers, layout
     info = ranks[0]["info"]
     entry = {
         "layout": layout.name, "weights": weights, "gpus": gpus, "tp": tp, "pcp": gpus // tp, "ep": gpus,
@@ -330,7 +333,7 @@ def summarize(args, model_config, layout: Layout, ranks: list[dict]) -> dict:
         seconds = case["seconds"]
         per_gpu = flops / seconds / gpus / 1e12
         entry["cases"].append({
-            "case": case["case"], "prompts": count, "prompt_tokens": length, "tokens": tokens, "chunk_tokens": chunk or args.chunk_tokens,
+            "case": case["case"], "prompts": count, "prompt_tokens": length, "tokens": tokens, "chunk_tokens": layout.chunk_tokens(args.chunk_tokens),
             "seconds": round(seconds, 4), "ttft_s": round(seconds, 4) if count == 1 else None,
             "runs_s": [round(t, 4) for t in case["runs_s"]],
             "tokens_per_s": round(tokens / seconds, 1), "tokens_per_s_per_gpu": round(tokens / seconds / gpus, 1),

@@ -135,7 +135,7 @@ def _stack_checkpoint_rows(module: nn.Module, state: dict, prefix: str, *_) -> N
     """``load_state_dict`` pre-hook: a state dict with the checkpoint's separate tensors (``gate_proj.weight``,
     ``up_proj.weight``, ...) fills the module's stacked ones (:attr:`DenseMLP.merged_rows`)."""
     for merged, parts in module.merged_rows.items():
-        for suffix in ("weight", "bias", "weight_scale_inv"):
+        for suffix in ("weight", "weight_scale_inv"):
             names = [f"{prefix}{part}.{suffix}" for part, _ in parts]
             if all(name in state for name in names):
                 state[f"{prefix}{merged}.{suffix}"] = torch.cat([state.pop(name) for name in names])
@@ -231,11 +231,12 @@ class DeepseekPrefillModel(nn.Module):
         """Swap every quantized linear layer (all but ``lm_head``) whose shard keeps the 128x128 blocks
         whole for an :class:`FP8Linear`; the others stay in bf16 (their FP8 weights are dequantized)."""
         for name, module in list(self.model.named_modules()):
-            parent, _, child = name.rpartition(".")
-            parts = [rows for _, rows in merged_parts(self.model.get_submodule(parent), child)] if parent else []
-            if not isinstance(module, nn.Linear) or not fp8_shard_aligned(module, self.tp.split_dim(name + ".weight"), self.tp.size, tuple(parts)):
+            if not isinstance(module, nn.Linear):
                 continue
-            setattr(self.model.get_submodule(parent), child, FP8Linear(module.in_features, module.out_features, device="meta"))
+            parts = tuple(rows for _, rows in merged_parts(self.model, name))
+            if fp8_shard_aligned(module, self.tp.split_dim(name + ".weight"), self.tp.size, parts):
+                parent, _, child = name.rpartition(".")
+                setattr(self.model.get_submodule(parent), child, FP8Linear(module.in_features, module.out_features, device="meta"))
 
     @property
     def dtype(self) -> torch.dtype:
@@ -322,9 +323,11 @@ class DeepseekPrefillModel(nn.Module):
             )
 
 
-def merged_parts(parent: nn.Module, child: str) -> tuple[tuple[str, int], ...]:
-    """The checkpoint tensors (names beside ``child``, local rows) stacked into ``parent.<child>``, or ()."""
-    return getattr(parent, "merged_rows", {}).get(child, ())
+def merged_parts(root: nn.Module, module_name: str) -> tuple[tuple[str, int], ...]:
+    """The checkpoint tensors stacked into ``root``'s submodule ``module_name`` (their names beside it,
+    this rank's rows of each: its parent's ``merged_rows``), or () for a module that stacks none."""
+    parent, _, child = module_name.rpartition(".")
+    return getattr(root.get_submodule(parent), "merged_rows", {}).get(child, ())
 
 
 def fp8_shard_aligned(linear: nn.Linear, split_dim: int | None, tp_size: int, parts: tuple[int, ...] = ()) -> bool:
@@ -333,8 +336,7 @@ def fp8_shard_aligned(linear: nn.Linear, split_dim: int | None, tp_size: int, pa
     multiple of 128 (so every shard starts on a block boundary). A stack of checkpoint tensors
     (``parts``: the local rows of each) also needs every part but the last to end on a block boundary,
     so that their block scales stack."""
-    if not block_gemm_shape_ok(linear.in_features, linear.out_features):
+    parts = parts or (linear.out_features,)
+    if not block_gemm_shape_ok(linear.in_features, linear.out_features) or any(rows % BLOCK for rows in parts[:-1]):
         return False
-    if any(rows % BLOCK for rows in parts[:-1]):
-        return False
-    return split_dim != 0 or tp_size == 1 or all(rows % BLOCK == 0 for rows in parts or (linear.out_features,))
+    return split_dim != 0 or tp_size == 1 or parts[-1] % BLOCK == 0

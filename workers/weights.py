@@ -210,7 +210,7 @@ def load_plan(model: DeepseekPrefillModel, *, full: bool = False) -> Iterator[Pi
             yield from _expert_pieces(model, name, module, full)
             continue
         parent, _, child = module_name.rpartition(".")
-        parts = merged_parts(model.get_submodule(parent), child) or ((child, param.shape[0]),)
+        parts = merged_parts(model, module_name) or ((child, param.shape[0]),)
         dim, start = tp.split_dim(name), 0
         for part, local_rows in parts:  # one part, the tensor of the parameter's own name, unless merged
             shape = [local_rows, *param.shape[1:]]

@@ -68,8 +68,7 @@ def test_random_init_is_the_same_weights_for_every_tp_degree():
 
 def _checkpoint_tensors(model, name):
     """A parameter as the checkpoint tensors stacked in it (itself alone if it stacks none)."""
-    parent, _, child = name.rpartition(".")[0].rpartition(".")
-    rows = [n for _, n in merged_parts(model.get_submodule(parent), child)]
+    rows = [n for _, n in merged_parts(model, name.rpartition(".")[0])]
     return model.get_parameter(name).split(rows) if rows else (model.get_parameter(name),)
 
 
