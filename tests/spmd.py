@@ -3,6 +3,7 @@ all of them, and collect what each returns: rank 0's logits and batch reports, e
 and MoE load."""
 
 import multiprocessing
+import pickle
 import socket
 from dataclasses import dataclass
 
@@ -52,7 +53,7 @@ def _run_rank(rank, config, port, prompts, chunk, results, prepare):
             logits.update({r.request_id: r.logits.numpy() for r in out.results})
     kv = {f"r{i}": worker.fetch_kv(f"r{i}").tensor().float().numpy() for i in range(len(prompts))}
     schedules = {moe.schedule for _, moe in worker.model.moe_layers()}
-    results.put(RankResult(rank, logits, kv, strategies, worker.moe_load(), info.experts, schedules))
+    _put(results, RankResult(rank, logits, kv, strategies, worker.moe_load(), info.experts, schedules))
     if torch.distributed.is_initialized():
         torch.distributed.barrier()
         torch.distributed.destroy_process_group()
@@ -167,9 +168,16 @@ def _moe_rank(rank, tokens, config, hidden, port, results):
         for schedule in EP_SCHEDULES:
             moe = build_moe_layer(config, hidden, ep, schedule)
             out[schedule] = (moe.routed(x), moe(x), moe.pairs)
-    results.put((rank, out))
+    _put(results, (rank, out))
     dist.barrier()
     dist.destroy_process_group()
+
+
+def _put(results, value) -> None:
+    """Send ``value`` by value. A tensor put on a multiprocessing queue as is travels as a file
+    descriptor that the parent must fetch from this process's resource sharer, and that is gone once
+    this process exits: a rank that finishes first would fail its parent's ``get``."""
+    results.put(pickle.dumps(value))
 
 
 def _results_while_alive(results, procs, timeout: float):
@@ -181,7 +189,7 @@ def _results_while_alive(results, procs, timeout: float):
     for _ in procs:
         while True:
             try:
-                yield results.get(timeout=1)
+                yield pickle.loads(results.get(timeout=1))
                 break
             except queue.Empty:
                 dead = [p.exitcode for p in procs if p.exitcode not in (None, 0)]
