@@ -208,24 +208,13 @@ class DeepseekPrefillModel(nn.Module):
 
     @classmethod
     def create(
-        cls,
-        config: ModelConfig,
-        backend_cls: type[MLAPrefillBackend],
-        *,
-        tp: TPShard = TPShard(),
-        ep: EPGroup = EPGroup(),
-        fp8: bool = False,
-        ep_schedule: str = "all-to-all",
-        ep_comm_sms: int = 0,
-        dtype: torch.dtype | None = None,
-        device: torch.device | str = "cpu",
+        cls, config: ModelConfig, backend_cls: type[MLAPrefillBackend], *, tp: TPShard = TPShard(), device: torch.device | str = "cpu", **kw
     ) -> DeepseekPrefillModel:
-        """A model whose layers share one backend instance for this rank's heads."""
+        """A model whose layers share one backend instance for this rank's heads; ``kw`` are the
+        constructor's other keywords (``ep``, ``fp8``, ``ep_schedule``, ``ep_comm_sms``, ``dtype``)."""
         config.check_tp(tp.size)
         backend = config.attention.create_backend(backend_cls, num_heads=config.num_heads // tp.size, device=device)
-        return cls(
-            config, backend, tp=tp, ep=ep, fp8=fp8, ep_schedule=ep_schedule, ep_comm_sms=ep_comm_sms, dtype=dtype, device=device
-        )
+        return cls(config, backend, tp=tp, device=device, **kw)
 
     def _use_fp8_linears(self) -> None:
         """Swap every quantized linear layer (all but ``lm_head``) whose shard keeps the 128x128 blocks

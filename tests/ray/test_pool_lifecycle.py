@@ -191,6 +191,7 @@ def test_a_cancelled_request_leaves_before_its_next_chunk_and_frees_its_kv(ray_c
         while not progress and time.monotonic() < deadline:
             time.sleep(0.01)
         assert running.cancel() and pool.cancel("queued") and not pool.cancel("queued") and not pool.cancel("nope")
+        assert running.cancelled() and queued.cancelled()
         while pool.stats.cancelled < 2 and time.monotonic() < deadline:
             time.sleep(0.01)
         assert (pool.stats.cancelled, pool.stats.completed, pool.stats.failed) == (2, 0, 0)

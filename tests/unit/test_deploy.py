@@ -10,7 +10,7 @@ import jsonschema
 import pytest
 import yaml
 
-ray = pytest.importorskip("ray", reason="the deploy files are checked against Ray's own schemas")  # a GPU node may lack Ray
+pytest.importorskip("ray", reason="the deploy files are checked against Ray's own schemas")  # a GPU node may lack Ray
 import ray.autoscaler  # noqa: E402
 from ray.serve.schema import ServeDeploySchema  # noqa: E402
 
