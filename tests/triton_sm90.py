@@ -1,5 +1,5 @@
-"""Build the MoE, FP8 and MLA Triton kernels (``workers/moe_triton.py``, ``workers/fp8_triton.py``,
-``attention/mla_triton.py``, ``attention/rms_norm_triton.py``) for SM90 (H100/H200) without a GPU
+"""Build the MoE, FP8, activation and MLA Triton kernels (``workers/moe_triton.py``, ``workers/fp8_triton.py``,
+``workers/activation_triton.py``, ``attention/mla_triton.py``, ``attention/rms_norm_triton.py``) for SM90 (H100/H200) without a GPU
 and print each one's resources as JSON: ``python tests/triton_sm90.py`` (run without
 ``TRITON_INTERPRET``, which would hand Triton's compiler interpreted functions). Used by
 ``tests/unit/test_triton_sm90.py``."""
@@ -16,7 +16,7 @@ from triton.compiler import ASTSource
 
 from configs.model import builtin_models, load_model_config
 from attention import mla_triton, rms_norm_triton
-from workers import fp8_triton, moe_triton
+from workers import activation_triton, fp8_triton, moe_triton
 from workers.fp8 import EPS, FP8_MAX
 
 TOOLS = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
@@ -26,6 +26,7 @@ QUANTIZE = {"x_ptr": "*bf16", "w_ptr": "*fp32", "q_ptr": "*fp8e4nv", "s_ptr": "*
             "M": "i32", "M_PAD": "i32", "K": "i32", "x_stride": "i32", "q_stride": "i32", "s_stride_g": "i32"}  # fmt: skip
 KEYS = {"kv_ptr": "*bf16", "pe_ptr": "*bf16", "k_ptr": "*bf16", "T": "i32", "H": "i32", "kv_stride_t": "i32", "kv_stride_h": "i32", "pe_stride_t": "i32"}
 RMS_NORM = {"x_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": "*bf16", "M": "i32", "D": "i32", "x_stride": "i32", "out_stride": "i32", "eps": "fp32"}
+SILU_MUL = {"x_ptr": "*bf16", "w_ptr": "*fp32", "out_ptr": "*bf16", "M": "i32", "K": "i32", "x_stride": "i32", "out_stride": "i32"}
 ROTATE = {"x_ptr": "*bf16", "cos_ptr": "*fp32", "sin_ptr": "*fp32", "T": "i32", "H": "i32", "stride_t": "i32", "stride_h": "i32"}
 QUANTIZE_CASES = {  # group, silu_mul, row_weight, scatter: as fp8.py and moe.py call it
     "linear-1x128": (128, False, False, 0),
@@ -50,6 +51,8 @@ def cases() -> dict:
         out[f"keys-{nope}+{rope}-{heads}-heads"] = (mla_triton._keys_kernel, KEYS, mla_triton.keys_constants(nope, rope, heads))
     for width in (7168, 5120, 2048, 1536, 512):  # hidden sizes (V3, V2, V2-Lite), q and kv LoRA ranks
         out[f"rms-norm-{width}"] = (rms_norm_triton._rms_norm_kernel, RMS_NORM, rms_norm_triton.rms_norm_constants(width))
+    for weighted in (False, True):  # a dense MLP's activation, the experts' (times each pair's weight)
+        out[f"silu-mul{'-weighted' if weighted else ''}"] = (activation_triton._silu_mul_kernel, SILU_MUL, activation_triton.silu_mul_constants(weighted))
     out["gather-sum"] = (moe_triton._gather_sum_kernel, GATHER_SUM, {"SLOTS": 8, "BLOCK": moe_triton.BLOCK_H})
     for name, (group, silu_mul, row_weight, scatter) in QUANTIZE_CASES.items():
         constants = fp8_triton.quantize_constants(group, FP8_MAX, EPS, silu_mul=silu_mul, row_weight=row_weight, scatter=scatter)

@@ -39,12 +39,12 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from attention.backends.base import MLAPrefillBackend
 from attention.mla import MLAAttention, PrefillBatch, RMSNorm
 from configs.model import ModelConfig
+from workers.activation import silu_mul
 from workers.collectives import GroupRank, all_gather_into, reduce_scatter_into
 from workers.fp8 import BLOCK, FP8Linear, block_gemm_shape_ok
 from workers.expert_parallel import EPGroup
@@ -112,7 +112,8 @@ class DenseMLP(nn.Module):
     """``down_proj(silu(gate_proj(x)) * up_proj(x))`` (this rank's ``intermediate`` units), with
     ``gate_proj`` and ``up_proj`` stacked by rows into one ``gate_up_proj [2I, H]``: one GEMM (and,
     in FP8, one quantization of ``x``) instead of two, and an FP8 ``down_proj`` quantizes
-    ``silu(g) * u`` in the same pass (``FP8Linear(..., silu_mul=True)``), never writing it in bf16.
+    ``silu(g) * u`` in the same pass (``FP8Linear(..., silu_mul=True)``), never writing it in bf16
+    (a bf16 one gets it from ``workers.activation.silu_mul``).
     :attr:`merged_rows` names the checkpoint tensors behind the stack (``workers.weights`` reads them
     into its halves); ``load_state_dict`` takes HF's names too."""
 
@@ -127,8 +128,7 @@ class DenseMLP(nn.Module):
         gate_up = self.gate_up_proj(x)
         if isinstance(self.down_proj, FP8Linear):
             return self.down_proj(gate_up, silu_mul=True)
-        gate, up = gate_up.chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(silu_mul(gate_up))
 
 
 def _stack_checkpoint_rows(module: nn.Module, state: dict, prefix: str, *_) -> None:

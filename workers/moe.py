@@ -52,6 +52,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from configs.model import EP_SCHEDULES, MoEConfig
+from workers.activation import silu_mul
 from workers.expert_parallel import Dispatch, EPGroup, exchange_counts, sm_carveout
 from workers.fp8 import FP8, quantize_activations
 
@@ -180,8 +181,7 @@ class Experts(nn.Module):
         if not self.fp8:
             (x,) = rows
             gate_up = torch._grouped_mm(x, self.gate_up_proj.transpose(-2, -1), offs=offs)
-            h = F.silu(gate_up[:, : self.intermediate]) * gate_up[:, self.intermediate :] * weights[:, None].to(x.dtype)
-            return torch._grouped_mm(h, self.down_proj.transpose(-2, -1), offs=offs)
+            return torch._grouped_mm(silu_mul(gate_up, weights), self.down_proj.transpose(-2, -1), offs=offs)
         q, scale = rows[0].view(FP8), rows[1]
         gate_up = torch._scaled_grouped_mm(
             q, self.gate_up_proj.transpose(-2, -1), scale, self.gate_up_proj_scale, offs=offs, out_dtype=torch.bfloat16

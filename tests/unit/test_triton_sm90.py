@@ -1,9 +1,9 @@
-"""The MoE, FP8 and MLA (RoPE, RMSNorm, key rows) Triton kernels built for an H100/H200 (SM90) on any machine, CI included: Triton
+"""The MoE, FP8, activation and MLA (RoPE, RMSNorm, key rows) Triton kernels built for an H100/H200 (SM90) on any machine, CI included: Triton
 compiles each to a cubin with the ptxas in its own wheel, with the compile-time arguments the launchers choose for
 every built-in model, as the first call on a GPU would (``tests/triton_sm90.py``); its cuobjdump then
 reads the resources. A kernel that does not compile for the GPU, or spills registers to local
 memory, fails here. (What the kernels compute is checked in Triton's interpreter by test_moe.py,
-test_fp8.py and test_mla.py, and on GPUs by their ``gpu`` cases.)"""
+test_fp8.py, test_activation.py and test_mla.py, and on GPUs by their ``gpu`` cases.)"""
 
 import json
 import os
