@@ -23,13 +23,11 @@ under ``TRITON_INTERPRET=1``, which the CPU tests use).
 
 from __future__ import annotations
 
-import os
 from collections.abc import Sequence
 
 import torch
 
-IMPLS = ("auto", "torch", "triton")
-
+from attention.kernel_choice import use_triton
 
 def merge_attn_states(
     output: torch.Tensor,
@@ -51,7 +49,7 @@ def merge_attn_states(
     for name, lse in (("prefix_lse", prefix_lse), ("suffix_lse", suffix_lse), ("output_lse", output_lse)):
         if lse is not None:
             _check_lse(name, lse, output)
-    if _use_triton(impl, output):
+    if use_triton(impl, output):
         from attention.merge_triton import merge_two
 
         merge_two(output, prefix_output, prefix_lse, suffix_output, suffix_lse, output_lse)
@@ -90,7 +88,7 @@ def merge_attn_states_many(
         output_lse = torch.empty((heads, tokens), dtype=torch.float32, device=outputs.device)
     _check_outputs("output", output, [outputs[0]])
     _check_lse("output_lse", output_lse, output)
-    if _use_triton(impl, output):
+    if use_triton(impl, output):
         from attention.merge_triton import merge_many
 
         merge_many(output, output_lse, outputs, lses)
@@ -116,26 +114,6 @@ def _merge_torch(
         w_TH1 = w_HT.t().unsqueeze(-1)
         out += torch.where(w_TH1 > 0, o_THD.float() * w_TH1, 0.0)
     return out, torch.log(total_HT) + m_HT
-
-
-def _use_triton(impl: str, tensor: torch.Tensor) -> bool:
-    if impl not in IMPLS:
-        raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
-    if impl == "torch":
-        return False
-    if impl == "auto":
-        return tensor.is_cuda and _triton_importable()
-    if not (tensor.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"):
-        raise ValueError("impl='triton' needs CUDA tensors (or TRITON_INTERPRET=1 for the interpreter on CPU)")
-    return True
-
-
-def _triton_importable() -> bool:
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return False
-    return True
 
 
 def _check_outputs(name: str, output: torch.Tensor, inputs: Sequence[torch.Tensor]) -> None:

@@ -22,10 +22,11 @@ Angles are computed in float64, so long positions keep their precision.
 from __future__ import annotations
 
 import math
-import os
 from dataclasses import dataclass
 
 import torch
+
+from attention.kernel_choice import use_triton
 
 
 def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
@@ -124,9 +125,7 @@ class RotaryEmbedding:
         computes it. A Triton kernel on CUDA (``attention.mla_triton``; R/2 a power of two), torch ops
         elsewhere; ``impl`` forces one ("triton" on CPU tensors needs ``TRITON_INTERPRET=1``)."""
         half = self.rotary_dim // 2
-        if impl == "triton" or (impl == "auto" and x.is_cuda and not half & (half - 1)):
-            if impl == "triton" and not (x.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"):
-                raise ValueError("impl='triton' needs CUDA tensors (or TRITON_INTERPRET=1 for the interpreter on CPU)")
+        if use_triton(impl, x, supported=not half & (half - 1)):
             from attention.mla_triton import rotate_
 
             return rotate_(x, cos, sin, interleaved=self.interleaved)

@@ -4,10 +4,11 @@ quantizes it in the same pass)."""
 
 from __future__ import annotations
 
-import os
 
 import torch
 import torch.nn.functional as F
+
+from attention.kernel_choice import use_triton
 
 
 def silu_mul(gate_up: torch.Tensor, row_weight: torch.Tensor | None = None, *, impl: str = "auto") -> torch.Tensor:
@@ -20,9 +21,7 @@ def silu_mul(gate_up: torch.Tensor, row_weight: torch.Tensor | None = None, *, i
     if gate_up.shape[-1] % 2 or not weights_ok:
         raise ValueError(f"silu_mul needs [..., 2 * width] (and [rows] weights for [rows, 2 * width]), got shape "
                          f"{tuple(gate_up.shape)}, weights {None if row_weight is None else tuple(row_weight.shape)}")  # fmt: skip
-    if impl == "triton" or (impl == "auto" and gate_up.is_cuda):
-        if impl == "triton" and not (gate_up.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"):
-            raise ValueError("impl='triton' needs CUDA tensors (or TRITON_INTERPRET=1 for the interpreter on CPU)")
+    if use_triton(impl, gate_up):
         from workers.activation_triton import silu_mul as kernel
 
         rows = gate_up.reshape(-1, gate_up.shape[-1])

@@ -18,10 +18,10 @@ compute dtype) FP8 weights are dequantized to the compute dtype at load.
 
 from __future__ import annotations
 
-import os
-
 import torch
 from torch import nn
+
+from attention.kernel_choice import use_triton
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0
@@ -91,10 +91,7 @@ def quantize_activations(
     if scatter_to is not None and (scatter_to.dim() != 2 or scatter_to.shape[0] != x.shape[0] or pad_rows_to != 1):
         raise ValueError(f"scatter_to must be [{x.shape[0]}, slots] and rows not padded, got {tuple(scatter_to.shape)}, pad {pad_rows_to}")
     rows = scatter_rows if scatter_to is not None else -(-x.shape[0] // pad_rows_to) * pad_rows_to
-    use_triton = impl == "triton" or (impl == "auto" and x.is_cuda and group % BLOCK == 0)
-    if impl == "triton" and not (x.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"):
-        raise ValueError("impl='triton' needs CUDA tensors (or TRITON_INTERPRET=1 for the interpreter on CPU)")
-    if use_triton:
+    if use_triton(impl, x, supported=group % BLOCK == 0):
         from workers.fp8_triton import quantize
 
         return quantize(

@@ -43,7 +43,6 @@ all-to-alls.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -51,6 +50,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from attention.kernel_choice import use_triton
 from configs.model import EP_SCHEDULES, MoEConfig
 from workers.activation import silu_mul
 from workers.expert_parallel import Dispatch, EPGroup, exchange_counts, sm_carveout
@@ -62,9 +62,7 @@ def gather_sum(
     """``out [T, H]`` in ``dtype`` with ``out[t] = sum_j src[index[t, j]]`` (float32 accumulation) over the
     slots whose ``index [T, S]`` is not -1 (written into ``out`` when given). A Triton kernel on CUDA (``workers.moe_triton``), torch ops elsewhere; ``impl``
     forces one ("triton" on CPU tensors needs ``TRITON_INTERPRET=1``)."""
-    if impl == "triton" or (impl == "auto" and src.is_cuda):
-        if impl == "triton" and not (src.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"):
-            raise ValueError("impl='triton' needs CUDA tensors (or TRITON_INTERPRET=1 for the interpreter on CPU)")
+    if use_triton(impl, src):
         from workers.moe_triton import gather_sum as kernel
 
         return kernel(src, index.contiguous(), dtype, out)
@@ -83,9 +81,7 @@ def route(
     ``bias`` is ``e_score_correction_bias`` (``noaux_tc``: used to choose experts, not to weigh them).
     A Triton kernel on CUDA (``workers.moe_triton``), torch ops elsewhere; ``impl`` forces one.
     """
-    if impl == "triton" or (impl == "auto" and logits.is_cuda):
-        if impl == "triton" and not (logits.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"):
-            raise ValueError("impl='triton' needs CUDA tensors (or TRITON_INTERPRET=1 for the interpreter on CPU)")
+    if use_triton(impl, logits):
         from workers.moe_triton import route as kernel
 
         return kernel(logits.float().contiguous(), config, bias)
