@@ -38,6 +38,12 @@ around it, its host launch latency included.
     python benchmarks/bench_moe.py --model deepseek-v3 --num-layers 5 --layouts fp8:1 fp8:2 fp8:2:local-first:sms16 \\
         --prompts 16x4096/gpu --out FILE.json
     python benchmarks/bench_moe.py --model deepseek-v2-lite --layouts bf16:1 --prompts 1x4096 1x32768 --out FILE.json
+
+``--share-gpus`` runs a layout's ranks on fewer GPUs (round-robin, gloo process groups), to check a
+multi-GPU layout's outputs where its GPUs are not at hand; its times are not the pool's:
+
+    python benchmarks/bench_moe.py --model deepseek-v3 --num-layers 5 --layouts fp8:1 fp8:1:chunk4096 fp8:4:tp2 \
+        --prompts 1x8192 --repeats 1 --moe-tokens 0 --share-gpus --out FILE.json
 """
 
 from __future__ import annotations
@@ -216,7 +222,10 @@ def _raw_gemms(experts, rows, weights, offs):
 def _worker(rank: int, layout: Layout, args, port: int, queue) -> None:
     os.environ.update(SAFE_NCCL_ENV)
     if args.device == "cuda":
-        torch.cuda.set_device(rank)
+        torch.cuda.set_device(rank % torch.cuda.device_count() if args.share_gpus else rank)
+    if args.share_gpus:  # NCCL refuses two ranks on one GPU; gloo takes CUDA tensors through host memory
+        init_process_group = torch.distributed.init_process_group
+        torch.distributed.init_process_group = lambda backend, **kw: init_process_group("gloo", **kw)
     from configs.pool import PoolConfig
     from workers.worker import PrefillWorker
 
@@ -228,6 +237,8 @@ def _worker(rank: int, layout: Layout, args, port: int, queue) -> None:
         quantization="auto" if weights == "fp8" else "none", device=args.device, chunk_tokens=chunk,
         max_batch_tokens=max(chunk, max(n * min(length, chunk) for n, length in cases.values())),
         gpu_memory_utilization=0.85, ep_schedule=layout.schedule, ep_comm_sms=layout.comm_sms, seed=0,
+        # ranks sharing a GPU would each size their cache by the whole GPU's memory: size it by the prompts
+        kv_cache_tokens=max(n * length for n, length in cases.values()) + chunk if args.share_gpus else None,
     )  # fmt: skip
     try:
         worker = PrefillWorker(config, rank)
@@ -369,6 +380,10 @@ def main() -> None:
     parser.add_argument("--moe-tokens", type=int, default=16384, help="tokens per GPU for the MoE-layer-alone timing (0: skip)")
     parser.add_argument("--backend", default="auto")
     parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"], help="cpu: a smoke test of this script (gloo, float32)")
+    parser.add_argument("--share-gpus", action="store_true",
+                        help="run a layout's ranks on this machine's GPUs round-robin, to check a multi-GPU layout's "
+                             "outputs on fewer GPUs: their process groups are gloo (NCCL refuses two ranks on one GPU), "
+                             "so their times are not the pool's and no scaling is reported")  # fmt: skip
     parser.add_argument("--timeout", type=float, default=540)
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--scratch", default="/tmp/bench_moe", help="where workers leave their outputs for the comparisons")
@@ -384,7 +399,7 @@ def main() -> None:
         "machine": machine(("flash_attn", "flashinfer", "triton")),
         "command": " ".join([Path(sys.executable).name, *sys.argv]),
         "model": args.model, "layers": model_config.num_hidden_layers, "moe_layers": model_config.moe_layers,
-        "runs": [], "agreement": {}, "scaling": {}, "errors": [],
+        "shared_gpus": args.share_gpus, "runs": [], "agreement": {}, "scaling": {}, "errors": [],
     }  # fmt: skip
     try:
         layouts = [Layout.parse(text) for text in args.layouts]
@@ -418,7 +433,7 @@ def main() -> None:
         args.out.write_text(json.dumps(result, indent=1) + "\n")
     for (layout, spec), rate in rates.items():
         one = next((r for (other, case), r in rates.items() if case == spec and other.gpus == 1 and other.weights == layout.weights), None)
-        if layout.gpus > 1 and one:
+        if layout.gpus > 1 and one and not args.share_gpus:
             result["scaling"][f"{layout.name} {spec}"] = {
                 "tokens_per_s": rate, "one_gpu_tokens_per_s": one, "fraction_of_linear": round(rate / (layout.gpus * one), 3)
             }

@@ -4,7 +4,9 @@
 # Steps: tests (FP8 and MoE kernels, torch's FP8 GEMMs), quantize (the FP8 quantization kernel's tiles), accuracy (tiny MoE models vs the CPU reference),
 # profile, profile-ep (one MoE layer on 1 GPU; on $EP_GPUS (default 2), every ep_schedule without and with an SM carveout of
 # $COMM_SMS (default 16), the all-to-all's CTAs capped to it), v2lite (the whole DeepSeek-V2-Lite), v3 (a DeepSeek-V3 slice on $LAYOUTS, by
-# default FP8 on 1, 2 and 4 GPUs and bf16 on 1; a layout may name its EP schedule and carveout, bench_moe.py --help). Assumes flash-attn 4 on PYTHONPATH (deploy/offline_bundle.py).
+# default FP8 on 1, 2 and 4 GPUs and bf16 on 1; a layout may name its EP schedule and carveout, bench_moe.py --help),
+# layouts (the V3 slice's TP x PCP 2x2 and 1x4 outputs against 1x1, in bf16 and FP8, with each format's chunking noise floor,
+# on the GPUs at hand: ranks share them, bench_moe.py --share-gpus). Assumes flash-attn 4 on PYTHONPATH (deploy/offline_bundle.py).
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}  # the repository root: benchmarks import the project
@@ -26,6 +28,11 @@ for step in "$@"; do
               --prompts 1x4096 1x32768 --repeats 3 --out "$out/v2-lite.json" ;;
     v3) python3 benchmarks/bench_moe.py "${slice[@]}" --layouts ${LAYOUTS:-fp8:1 fp8:2 fp8:4 bf16:1} \
           --prompts 1x8192 1x32768 1x131072 16x4096/gpu --repeats 2 --out "$out/v3-slice.json" ;;
+    layouts) for format in bf16 fp8; do
+               python3 benchmarks/bench_moe.py "${slice[@]}" --share-gpus --prompts 1x8192 --repeats 1 --moe-tokens 0 \
+                 --layouts $format:1 $format:1:chunk4096 $format:4:tp2 $format:4:tp2:chunk4096 $format:4 \
+                 --out "$out/v3-layouts-on-one-gpu-$format.json" 2>&1 | grep -v UserWarning | tail -40
+             done ;;
     *) echo "unknown step $step"; exit 2 ;;
   esac
 done
