@@ -18,6 +18,7 @@ padding is sliced off before returning. All return LSE as natural-log
 from __future__ import annotations
 
 import importlib
+import warnings
 
 import torch.nn.functional as F
 
@@ -79,6 +80,10 @@ class FlashAttnPrefillBackend(MLAPrefillBackend):
             raise ValueError(f"flash-attention {candidates} cannot be imported on this node (modules {MODULES})")
         self.version = found[0]
         self._varlen = importlib.import_module(MODULES[self.version]).flash_attn_varlen_func
+        if self.version == 4:
+            # FA4 hands the CuTe DSL an argument (AuxData) it cannot convert and does not use here: a
+            # screenful of UserWarning per compiled kernel, nothing wrong with the kernel
+            warnings.filterwarnings("ignore", message=r"Argument aux_data .* cannot be converted", category=UserWarning)
 
     def _forward(self, q, k, v, plan, return_lse):
         v_dim = self.dims.v_head_dim
