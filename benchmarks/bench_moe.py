@@ -39,6 +39,11 @@ around it, its host launch latency included.
         --prompts 16x4096/gpu --out FILE.json
     python benchmarks/bench_moe.py --model deepseek-v2-lite --layouts bf16:1 --prompts 1x4096 1x32768 --out FILE.json
 
+A ``ckpt`` layout loads ``--checkpoint`` (its files evicted from the page cache first) instead of
+drawing the weights; each rank's load seconds, bytes read and peak host memory before and after
+loading are in its run. On a checkpoint of the seeded weights (``benchmarks/write_checkpoint.py``)
+its outputs equal those of the layout drawing them.
+
 ``--share-gpus`` runs a layout's ranks on fewer GPUs (round-robin, gloo process groups), to check a
 multi-GPU layout's outputs where its GPUs are not at hand; its times are not the pool's:
 
@@ -82,10 +87,11 @@ class Layout(NamedTuple):
     schedule: str = "all-to-all"  # PoolConfig.ep_schedule
     comm_sms: int = 0  # PoolConfig.ep_comm_sms
     chunk: int = 0  # tokens per chunk, 0: --chunk-tokens (chunk_tokens())
+    checkpoint: bool = False  # load --checkpoint instead of drawing the seeded weights
 
     @classmethod
     def parse(cls, text: str) -> Layout:
-        """``FORMAT:GPUS`` followed by any of ``:tpT``, ``:SCHEDULE`` (an EP schedule), ``:smsN`` and ``:chunkC``."""
+        """``FORMAT:GPUS`` followed by any of ``:tpT``, ``:SCHEDULE`` (an EP schedule), ``:smsN``, ``:chunkC`` and ``:ckpt``."""
         weights, _, rest = text.partition(":")
         gpus, *options = rest.split(":")
         fields = {}
@@ -98,12 +104,14 @@ class Layout(NamedTuple):
                 fields["chunk"] = int(option[5:])
             elif option in EP_SCHEDULES:
                 fields["schedule"] = option
+            elif option == "ckpt":
+                fields["checkpoint"] = True
             else:
                 fields = None
                 break
         if weights not in ("fp8", "bf16") or not gpus.isdigit() or fields is None or int(gpus) % fields.get("tp", 1):
             raise ValueError(
-                f"layout {text!r} is not FORMAT:GPUS[:tpT][:SCHEDULE][:smsN][:chunkC] (FORMAT fp8 or bf16, T dividing "
+                f"layout {text!r} is not FORMAT:GPUS[:tpT][:SCHEDULE][:smsN][:chunkC][:ckpt] (FORMAT fp8 or bf16, T dividing "
                 f"GPUS, SCHEDULE one of {', '.join(EP_SCHEDULES)}, C > 0 tokens)"
             )
         return cls(weights, int(gpus), **fields)
@@ -118,6 +126,7 @@ class Layout(NamedTuple):
             options += [self.schedule] if self.schedule != "all-to-all" else []
             options += [f"sms{self.comm_sms}"] if self.comm_sms else []
         options += [f"chunk{self.chunk}"] if self.chunk else []
+        options += ["ckpt"] if self.checkpoint else []
         return "-".join([self.weights, f"{self.gpus}gpu", *options])
 
 
@@ -233,6 +242,7 @@ def _worker(rank: int, layout: Layout, args, port: int, queue) -> None:
     cases = {spec: parse_case(spec, gpus) for spec in args.prompts}
     config = PoolConfig(
         model=args.model, num_layers=args.num_layers, tp=layout.tp, pcp=gpus // layout.tp, backend=args.backend,
+        checkpoint=str(args.checkpoint) if layout.checkpoint else None,
         dtype="bfloat16" if args.device == "cuda" else "float32",
         quantization="auto" if weights == "fp8" else "none", device=args.device, chunk_tokens=chunk,
         max_batch_tokens=max(chunk, max(n * min(length, chunk) for n, length in cases.values())),
@@ -315,6 +325,17 @@ def run(args, layout: Layout) -> list[dict]:
     return [out for _, out in got]
 
 
+def evict_page_cache(checkpoint: Path) -> None:
+    """Drop the checkpoint's files from the page cache (clean pages: no privileges needed), so a load
+    reads them from the disk as on a node that never read them."""
+    for file in checkpoint.glob("*.safetensors"):
+        fd = os.open(file, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
 def relative_error(x: torch.Tensor, ref: torch.Tensor) -> float:
     """Largest error over the largest magnitude."""
     return ((x.float() - ref.float()).abs().max() / ref.float().abs().max()).item()
@@ -327,12 +348,15 @@ def relative_l2(x: torch.Tensor, ref: torch.Tensor) -> float:
 def summarize(args, model_config, layout: Layout, ranks: list[dict]) -> dict:
     from workers.pcp_layout import interleave_shards
 
-    layers, (weights, gpus, tp, schedule, comm_sms, _) = model_config.num_hidden_layers, layout
+    layers, (weights, gpus, tp, schedule, comm_sms, *_) = model_config.num_hidden_layers, layout
     info = ranks[0]["info"]
     entry = {
         "layout": layout.name, "weights": weights, "gpus": gpus, "tp": tp, "pcp": gpus // tp, "ep": gpus,
         "ep_schedule": schedule, "ep_comm_sms": comm_sms, "backend": info["backend"],
-        "load_s": [r["info"]["load_s"] for r in ranks], "peak_host_mib": [r["info"]["peak_host_mib"] for r in ranks],
+        "checkpoint": str(args.checkpoint) if layout.checkpoint else None,
+        "load_s": [r["info"]["load_s"] for r in ranks], "read_gib": [r["info"]["read_bytes"] / 2**30 for r in ranks],
+        "peak_host_mib_before_load": [r["info"]["peak_host_mib_before_load"] for r in ranks],
+        "peak_host_mib": [r["info"]["peak_host_mib"] for r in ranks],
         "weight_gib_per_gpu": [r["info"]["weight_bytes"] / 2**30 for r in ranks],
         "peak_gpu_gib": [r["peak_gpu_gib"] for r in ranks], "warmup_s": info["warmup_s"], "cases": [],
     }  # fmt: skip
@@ -371,15 +395,19 @@ def main() -> None:
     parser.add_argument("--model", default="deepseek-v3")
     parser.add_argument("--num-layers", type=int, default=None, help="the first N layers (DeepSeek-V3: 3 dense, then MoE)")
     parser.add_argument("--layouts", nargs="+", default=["fp8:1"],
-                        help="FORMAT:GPUS[:tpT][:SCHEDULE][:smsN][:chunkC]: fp8 or bf16, TP=T (default 1, the rest PCP), the EP "
-                             "schedule (default all-to-all), SM carveout (default 0) and chunk size (default "
-                             "--chunk-tokens); each layout's outputs are compared with the first of its format")  # fmt: skip
+                        help="FORMAT:GPUS[:tpT][:SCHEDULE][:smsN][:chunkC][:ckpt]: fp8 or bf16, TP=T (default 1, the rest PCP), "
+                             "the EP schedule (default all-to-all), SM carveout (default 0), chunk size (default "
+                             "--chunk-tokens), weights loaded from --checkpoint (ckpt) instead of drawn; each layout's "
+                             "outputs are compared with the first of its format")  # fmt: skip
     parser.add_argument("--prompts", nargs="+", default=["1x8192"], help="cases NxL: N prompts of L tokens in flight")
     parser.add_argument("--chunk-tokens", type=int, default=32768)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--moe-tokens", type=int, default=16384, help="tokens per GPU for the MoE-layer-alone timing (0: skip)")
     parser.add_argument("--backend", default="auto")
     parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"], help="cpu: a smoke test of this script (gloo, float32)")
+    parser.add_argument("--checkpoint", type=Path, default=None,
+                        help="the checkpoint ckpt layouts load, its files evicted from the page cache before each "
+                             "(benchmarks/write_checkpoint.py writes the seeded weights the other layouts draw)")  # fmt: skip
     parser.add_argument("--share-gpus", action="store_true",
                         help="run a layout's ranks on this machine's GPUs round-robin, to check a multi-GPU layout's "
                              "outputs on fewer GPUs: their process groups are gloo (NCCL refuses two ranks on one GPU), "
@@ -405,9 +433,13 @@ def main() -> None:
         layouts = [Layout.parse(text) for text in args.layouts]
     except ValueError as exc:
         parser.error(str(exc))
+    if any(layout.checkpoint for layout in layouts) and (args.checkpoint is None or not args.checkpoint.is_dir()):
+        parser.error(f"ckpt layouts load --checkpoint, a checkpoint directory; got {args.checkpoint}")
     baselines, rates = {}, {}  # the first run's outputs of each weight format
     for layout in layouts:
         try:
+            if layout.checkpoint:
+                evict_page_cache(args.checkpoint)
             entry, outputs = summarize(args, model_config, layout, run(args, layout))
         except Exception as exc:  # noqa: BLE001 -- one layout failing keeps the others' results
             print(f"{layout.name} failed: {exc}", flush=True)

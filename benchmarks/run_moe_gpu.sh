@@ -6,7 +6,9 @@
 # $COMM_SMS (default 16), the all-to-all's CTAs capped to it), v2lite (the whole DeepSeek-V2-Lite), v3 (a DeepSeek-V3 slice on $LAYOUTS, by
 # default FP8 on 1, 2 and 4 GPUs and bf16 on 1; a layout may name its EP schedule and carveout, bench_moe.py --help),
 # layouts (the V3 slice's TP x PCP 2x2 and 1x4 outputs against 1x1, in bf16 and FP8, with each format's chunking noise floor,
-# on the GPUs at hand: ranks share them, bench_moe.py --share-gpus). Assumes flash-attn 4 on PYTHONPATH (deploy/offline_bundle.py).
+# on the GPUs at hand: ranks share them, bench_moe.py --share-gpus), load (the V3 slice written as an FP8 checkpoint in $CKPT
+# (default /tmp/v3-5layers; 27 GiB), loaded by 1 and by 4 ranks: load time, bytes read, peak host memory, outputs against the
+# drawn weights). Assumes flash-attn 4 on PYTHONPATH (deploy/offline_bundle.py).
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}  # the repository root: benchmarks import the project
@@ -33,6 +35,10 @@ for step in "$@"; do
                  --layouts $format:1 $format:1:chunk4096 $format:4:tp2 $format:4:tp2:chunk4096 $format:4 \
                  --out "$out/v3-layouts-on-one-gpu-$format.json" 2>&1 | grep -v UserWarning | tail -40
              done ;;
+    load) ckpt=${CKPT:-/tmp/v3-5layers}
+          [ -f "$ckpt/model.safetensors.index.json" ] || python3 benchmarks/write_checkpoint.py "${slice[@]}" --out "$ckpt"
+          python3 benchmarks/bench_moe.py "${slice[@]}" --checkpoint "$ckpt" --share-gpus --prompts 1x8192 --repeats 1 \
+            --moe-tokens 0 --layouts fp8:1 fp8:1:ckpt fp8:4:tp2:ckpt bf16:1 bf16:1:ckpt --out "$out/v3-checkpoint-load.json" ;;
     *) echo "unknown step $step"; exit 2 ;;
   esac
 done

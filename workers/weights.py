@@ -17,8 +17,9 @@ of a rank's model is filled from the tensors it needs (:func:`load_plan`):
 - ``lm_head.weight`` from the embedding when the config ties them and the
   checkpoint has no ``lm_head``.
 
-Tensors are read through ``safe_open(...).get_slice``: a rank opens only the
-files holding its tensors and reads only its slices, in pieces of at most
+Tensors are read with plain reads (``workers.checkpoint_files``; not a memory
+map, whose touched pages would stay resident): a rank opens only the files
+holding its tensors and reads only its slices, in pieces of at most
 ``READ_BYTES``, so host memory never holds the model. Tensors the model does not
 use (other ranks' experts, the MTP layers after the last decoder layer, layers
 past ``num_layers``) are never read.
@@ -47,11 +48,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 from torch import nn
 
 from attention.backends.torch_sdpa import TorchSDPAPrefillBackend
 from configs.model import ModelConfig
+from workers.checkpoint_files import SafetensorsFile
 from workers.fp8 import BLOCK, FP8Linear, block_dequantize, block_quantize, requantize_rows
 from workers.model import DeepseekPrefillModel, merged_parts
 from workers.moe import Experts
@@ -99,8 +100,9 @@ def checkpoint_index(path: Path) -> dict[str, Path]:
         raise ValueError(f"checkpoint {path} has no *.safetensors files")
     names = {}
     for file in files:
-        with safe_open(file, framework="pt") as handle:
-            names.update(dict.fromkeys(handle.keys(), file))
+        handle = SafetensorsFile(file)
+        names.update(dict.fromkeys(handle.keys(), file))
+        handle.close()
     return names
 
 
@@ -112,34 +114,37 @@ class CheckpointReader:
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
         self.index = checkpoint_index(self.path)
-        self._handles: dict[Path, object] = {}
+        self._handles: dict[Path, SafetensorsFile] = {}
         self.bytes_read = 0
 
     def __contains__(self, name: str) -> bool:
         return name in self.index
 
-    def _slice(self, name: str):
+    def _file(self, name: str) -> SafetensorsFile:
         if name not in self.index:
             raise ValueError(f"checkpoint {self.path} has no tensor {name}")
         file = self.index[name]
         if file not in self._handles:
-            self._handles[file] = safe_open(file, framework="pt")
+            self._handles[file] = SafetensorsFile(file)
         handle = self._handles[file]
-        if name not in handle.keys():
+        if name not in handle.tensors:
             raise ValueError(f"checkpoint {self.path}: {file.name} does not contain {name}, which its index maps there")
-        return handle.get_slice(name)
+        return handle
 
     def shape(self, name: str) -> tuple[int, ...]:
-        return tuple(self._slice(name).get_shape())
+        return self._file(name).shape(name)
 
     def is_fp8(self, name: str) -> bool:
-        return self._slice(name).get_dtype() in ("F8_E4M3", "F8_E5M2")
+        return self._file(name).dtype(name) in ("F8_E4M3", "F8_E5M2")
 
     def read(self, name: str, rows: slice, cols: slice | None) -> torch.Tensor:
-        part = self._slice(name)
-        tensor = part[rows] if cols is None else part[rows, cols]
+        tensor = self._file(name).read(name, rows, cols)
         self.bytes_read += tensor.numel() * tensor.element_size()
         return tensor
+
+    def close(self) -> None:
+        for handle in self._handles.values():
+            handle.close()
 
     @property
     def files_opened(self) -> int:
@@ -244,13 +249,16 @@ def check_checkpoint(model: DeepseekPrefillModel, path: str | Path) -> None:
     model reads with the right shape, and a scale tensor of the right shape beside each FP8 one.
     Raises ``ValueError`` naming the first tensors that are missing or mis-shaped."""
     reader = CheckpointReader(path)
-    pieces = [_tied(piece, model, reader) for piece in load_plan(model, full=True)]
-    missing = sorted({p.tensor for p in pieces if p.tensor not in reader})
-    if missing:
-        shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
-        raise ValueError(f"checkpoint {path} is missing {len(missing)} tensor(s) the model needs: {shown}")
-    for piece in pieces:
-        _check_tensor(reader, piece.tensor, piece.full_shape, path)
+    try:
+        pieces = [_tied(piece, model, reader) for piece in load_plan(model, full=True)]
+        missing = sorted({p.tensor for p in pieces if p.tensor not in reader})
+        if missing:
+            shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
+            raise ValueError(f"checkpoint {path} is missing {len(missing)} tensor(s) the model needs: {shown}")
+        for piece in pieces:
+            _check_tensor(reader, piece.tensor, piece.full_shape, path)
+    finally:
+        reader.close()
 
 
 def check_checkpoint_of(config: ModelConfig, path: str | Path) -> None:
@@ -286,11 +294,13 @@ def load_weights(
     """Fill this rank's parameters from ``checkpoint``, or without one with the seeded random weights
     (drawn on ``draw_device``, default: where the parameters live)."""
     device = model.lm_head.weight.device
-    if checkpoint:
-        source = CheckpointReader(checkpoint)
-    else:
-        source = RandomWeights(model, seed, torch.device(draw_device) if draw_device else device)
-    return load_from(model, source)
+    if not checkpoint:
+        return load_from(model, RandomWeights(model, seed, torch.device(draw_device) if draw_device else device))
+    source = CheckpointReader(checkpoint)
+    try:
+        return load_from(model, source)
+    finally:
+        source.close()
 
 
 @torch.no_grad()

@@ -125,6 +125,8 @@ class WorkerInfo:
     experts: tuple[int, int] | None  # the routed experts [first, last] this rank holds (None: no MoE layers)
     load_s: float  # reading (or drawing) this rank's weights
     peak_host_mib: float  # the worker process's peak resident host memory after loading (ru_maxrss)
+    peak_host_mib_before_load: float  # the same before loading: what loading added is the difference
+    read_bytes: int  # read from the checkpoint (0 when the weights are drawn)
     device_uuid: str | None = None  # the GPU's UUID (None on the CPU): who else uses this GPU
     kv_transports: tuple[str, ...] = ()  # how it serves its KV shards to decode servers (workers.kv_export)
     start_phases_s: dict | None = None  # seconds of each step of setup(), in order
@@ -258,6 +260,8 @@ class PrefillWorker(KVHolder):
             experts=self._experts(),
             load_s=report.seconds,
             peak_host_mib=report.peak_host_mib,
+            peak_host_mib_before_load=report.peak_host_mib_before,
+            read_bytes=report.bytes_read,
             device_uuid=str(torch.cuda.get_device_properties(device).uuid) if device.type == "cuda" else None,
             kv_transports=self.export.transports if self.export is not None else (),
             start_phases_s=laps.phases,

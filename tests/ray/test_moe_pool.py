@@ -79,6 +79,11 @@ def test_grid_prefill_and_handoff_decode_like_transformers(ray_cluster, models, 
             assert len(pairs) == tp * pcp and sum(pairs) == len(PROMPT) * k
         weights = pool.weights_report()
         assert weights["format"] == "float32" and len(weights["load_s"][0]) == tp * pcp
+        read, held = weights["read_bytes_per_rank"][0], weights["bytes_per_rank"][0]
+        if name != "v3-fp8":  # float32 as stored: each rank read exactly its slices (heads, experts), no more
+            assert read == held and (max(read) < sum(read) or tp * pcp == 1)
+        else:  # FP8 weights and their scales, dequantized at load: fewer bytes read than held
+            assert all(0 < r < h for r, h in zip(read, held))
 
 
 @pytest.mark.parametrize("grid,schedule", CUDA_CASES)

@@ -1,0 +1,98 @@
+"""Write a model's seeded random weights as a checkpoint in its release's own format, at real size.
+
+The tensors are the ones a worker draws itself when it has no checkpoint (``workers.weights.
+RandomWeights``, same seed, so a worker loading this directory holds exactly the weights of one
+drawing them): FP8 ``float8_e4m3fn`` weights with float32 ``weight_scale_inv`` per 128x128 block
+where the config has a ``quantization_config``, the other tensors in the dtype a model of ``--dtype``
+holds them in (bf16 as in DeepSeek's releases; the routers' ``e_score_correction_bias`` float32). Files of at most ``--file-gib`` with
+``model.safetensors.index.json``, and the built-in ``config.json`` with ``num_hidden_layers`` set to
+the layers written. Drawn on ``--device`` one tensor at a time (the values equal those workers draw on
+the same kind of device: CPU and CUDA generators differ); host memory holds one file's worth.
+
+    python benchmarks/write_checkpoint.py --model deepseek-v3 --num-layers 5 --out /tmp/v3-5layers
+    python benchmarks/bench_moe.py --model deepseek-v3 --num-layers 5 --checkpoint /tmp/v3-5layers \\
+        --layouts fp8:1 fp8:1:ckpt fp8:4:tp2:ckpt --share-gpus --prompts 1x8192 --repeats 1 --out FILE.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from attention.backends.torch_sdpa import TorchSDPAPrefillBackend
+from configs.model import MODELS_DIR, load_model_config
+from workers.model import DeepseekPrefillModel
+from workers.weights import SCALE, RandomWeights, load_plan
+
+
+def write_checkpoint(
+    model: str, num_layers: int | None, out: Path, *, seed: int, device: str, dtype: torch.dtype, file_bytes: int
+) -> dict:
+    """Write the checkpoint; returns what was written (files, tensors, bytes, seconds)."""
+    started = time.perf_counter()
+    overrides = {"num_hidden_layers": num_layers} if num_layers else {}
+    config = load_model_config(model, **overrides)
+    meta = DeepseekPrefillModel.create(config, TorchSDPAPrefillBackend, device="meta", dtype=dtype)
+    params = dict(meta.named_parameters())
+    dtypes = {piece.tensor: params[piece.param].dtype for piece in load_plan(meta, full=True)}
+    source = RandomWeights(meta, seed, torch.device(device))
+    out.mkdir(parents=True, exist_ok=True)
+    weight_map, part, part_bytes, files, total = {}, {}, 0, [], 0
+
+    def flush() -> None:
+        nonlocal part, part_bytes
+        name = f"model-{len(files) + 1:05d}.safetensors"
+        save_file(part, out / name, metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(part, name))
+        files.append(name)
+        part, part_bytes = {}, 0
+
+    for name in source.shapes:
+        whole = (slice(None), slice(None)) if len(source.shapes[name]) == 2 else (slice(None), None)
+        tensors = {name: source.read(name, *whole)}
+        if source.is_fp8(name):
+            tensors[name + SCALE] = source.read(name + SCALE, slice(None), slice(None))
+        else:
+            tensors[name] = tensors[name].to(dtypes[name])
+        for key, tensor in tensors.items():
+            part[key] = tensor.contiguous().cpu()
+            part_bytes += tensor.numel() * tensor.element_size()
+            total += tensor.numel() * tensor.element_size()
+        if part_bytes >= file_bytes:
+            flush()
+    if part:
+        flush()
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=1) + "\n")
+    builtin, given = MODELS_DIR / f"{model}.json", Path(model)
+    config_file = builtin if builtin.is_file() else given / "config.json" if given.is_dir() else given
+    (out / "config.json").write_text(json.dumps({**json.loads(config_file.read_text()), **overrides}, indent=1) + "\n")
+    return {"files": len(files), "tensors": len(weight_map), "bytes": total, "seconds": round(time.perf_counter() - started, 1)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default="deepseek-v3", help="a built-in model name, a config.json or a checkpoint directory")
+    parser.add_argument("--num-layers", type=int, default=None, help="write the first N layers only")
+    parser.add_argument("--out", type=Path, required=True, help="the checkpoint directory to write")
+    parser.add_argument("--seed", type=int, default=0, help="the workers' seed (PoolConfig.seed) these weights equal")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="where tensors are drawn: the kind of device the workers run on")
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"],
+                        help="of the unquantized tensors: that of the workers that draw the same weights")
+    parser.add_argument("--file-gib", type=float, default=4.0, help="the largest file, GiB")
+    args = parser.parse_args()
+    if args.file_gib <= 0:
+        parser.error(f"--file-gib must be > 0, got {args.file_gib}")
+    written = write_checkpoint(
+        args.model, args.num_layers, args.out, seed=args.seed, device=args.device, dtype=getattr(torch, args.dtype), file_bytes=int(args.file_gib * 2**30)
+    )
+    print(json.dumps({"checkpoint": str(args.out), **written}))
+
+
+if __name__ == "__main__":
+    main()
