@@ -29,6 +29,7 @@ import torch
 
 from attention.kernel_choice import use_triton
 
+
 def merge_attn_states(
     output: torch.Tensor,
     prefix_output: torch.Tensor,

@@ -47,7 +47,7 @@ its outputs equal those of the layout drawing them.
 ``--share-gpus`` runs a layout's ranks on fewer GPUs (round-robin, gloo process groups), to check a
 multi-GPU layout's outputs where its GPUs are not at hand; its times are not the pool's:
 
-    python benchmarks/bench_moe.py --model deepseek-v3 --num-layers 5 --layouts fp8:1 fp8:1:chunk4096 fp8:4:tp2 \
+    python benchmarks/bench_moe.py --model deepseek-v3 --num-layers 5 --layouts fp8:1 fp8:1:chunk4096 fp8:4:tp2 \\
         --prompts 1x8192 --repeats 1 --moe-tokens 0 --share-gpus --out FILE.json
 """
 

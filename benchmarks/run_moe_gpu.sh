@@ -33,7 +33,7 @@ for step in "$@"; do
     layouts) for format in bf16 fp8; do
                python3 benchmarks/bench_moe.py "${slice[@]}" --share-gpus --prompts 1x8192 --repeats 1 --moe-tokens 0 \
                  --layouts $format:1 $format:1:chunk4096 $format:4:tp2 $format:4:tp2:chunk4096 $format:4 \
-                 --out "$out/v3-layouts-on-one-gpu-$format.json" 2>&1 | grep -v UserWarning | tail -40
+                 --out "$out/v3-layouts-on-one-gpu-$format.json"
              done ;;
     load) ckpt=${CKPT:-/tmp/v3-5layers}
           [ -f "$ckpt/model.safetensors.index.json" ] || python3 benchmarks/write_checkpoint.py "${slice[@]}" --out "$ckpt"

@@ -4,7 +4,6 @@ quantizes it in the same pass)."""
 
 from __future__ import annotations
 
-
 import torch
 import torch.nn.functional as F
 

@@ -73,7 +73,7 @@ class SafetensorsFile:
         info = self.tensors[name]
         dtype, shape = DTYPES[info["dtype"]], info["shape"]
         first, stop = _range(rows, shape[0], name)
-        itemsize = torch.empty((), dtype=dtype).element_size()
+        itemsize = dtype.itemsize
         row_bytes = math.prod(shape[1:]) * itemsize
         start = self.data_start + info["data_offsets"][0] + first * row_bytes
         if cols is not None and len(shape) != 2:
@@ -90,6 +90,12 @@ class SafetensorsFile:
 
     def close(self) -> None:
         self._file.close()
+
+    def __enter__(self) -> SafetensorsFile:
+        return self
+
+    def __exit__(self, *_) -> None:
+        self.close()
 
     def _read_into(self, tensor: torch.Tensor, offset: int) -> None:
         view = memoryview(tensor.view(torch.uint8).reshape(-1).numpy())  # the tensor's own bytes

@@ -100,9 +100,8 @@ def checkpoint_index(path: Path) -> dict[str, Path]:
         raise ValueError(f"checkpoint {path} has no *.safetensors files")
     names = {}
     for file in files:
-        handle = SafetensorsFile(file)
-        names.update(dict.fromkeys(handle.keys(), file))
-        handle.close()
+        with SafetensorsFile(file) as handle:
+            names.update(dict.fromkeys(handle.keys(), file))
     return names
 
 
