@@ -57,8 +57,8 @@ from cluster.kv_server import KVServer
 from cluster.pool import PrefillPool
 from configs.model import load_model_config
 from configs.pool import PoolConfig
-from workers.kv_nixl import nixl_unavailable
-from workers.kv_receiver import KVReceiver
+from kv.nixl import nixl_unavailable
+from kv.receiver import KVReceiver
 from workers.worker import SAFE_NCCL_ENV
 
 from machine import machine  # benchmarks/machine.py

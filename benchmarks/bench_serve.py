@@ -70,7 +70,7 @@ from ray import serve
 
 from cluster.pool import PrefillPool
 from configs.serve import ServeConfig
-from workers.kv_receiver import KVReceiver
+from kv.receiver import KVReceiver
 
 from machine import machine  # benchmarks/machine.py
 

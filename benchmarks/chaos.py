@@ -48,9 +48,9 @@ from cluster.handoff import DecodeActor
 from cluster.kv_server import KVServer
 from cluster.pool import PrefillPool
 from configs.pool import PoolConfig
-from workers.kv_nixl import nixl_unavailable
-from workers.kv_receiver import KVReceiver
-from workers.kv_transfer import expect, read_frame, send_frame
+from kv.nixl import nixl_unavailable
+from kv.receiver import KVReceiver
+from kv.frames import expect, read_frame, send_frame
 from workers.worker import SAFE_NCCL_ENV
 
 from machine import machine  # benchmarks/machine.py

@@ -4,7 +4,7 @@
         result = pool.prefill(tokens, keep_kv=True)
         # a decode server: KVReceiver(host, server.port, token="s3cret").fetch(result.request_id)
 
-The server carries no KV: it admits a receiver (``workers.kv_receiver`` has the protocol), asks the
+The server carries no KV: it admits a receiver (``kv.receiver`` has the protocol), asks the
 workers holding the request's shards where its blocks are (a call in their ``kv`` concurrency group,
 answered beside a running prefill batch), and tells the receiver, who takes the blocks from the
 holders themselves: by NIXL READs, or TCP pulls from each holder (``workers.kv_export``).
@@ -14,9 +14,10 @@ Binds to 127.0.0.1 unless ``host`` says otherwise; with ``token`` set, a receive
 the receiver acknowledges it, and also when a started transfer fails (an error from the receiver,
 a holder that died, a lost connection, no acknowledgement within ``ack_timeout_s``), so a failed
 receiver never pins GPU memory; the request then has to be prefilled again. A receiver that is
-refused frees nothing: a bad token, an unknown request, a model fingerprint, KV dtype, block size
-or cache shape other than this pool's, fewer free blocks than the request needs, or no transport
-in common (all checked on its hello, before anything is committed). With ``unclaimed_ttl_s`` set,
+refused frees nothing: a bad token, an unknown request, a model fingerprint, KV dtype or cache
+shape (layers, width) other than this pool's, room for fewer rows than the request has, a prompt
+other than the prefilled one (its digest), or no transport in common (all checked on its hello,
+before anything is committed). The receiver's block size is its own: it places the rows. With ``unclaimed_ttl_s`` set,
 KV that no receiver has claimed that long after its prefill finished is freed too.
 """
 
@@ -35,7 +36,7 @@ from cluster.pool import PrefillPool
 from cluster.replica import KV_GROUP, cause
 from configs.model import DTYPES
 from workers.kv_cache import blocks_for
-from workers.kv_transfer import KVTransferError, expect, read_frame, send_frame, try_send
+from kv.frames import KVTransferError, expect, read_frame, send_frame, try_send
 
 logger = logging.getLogger(__name__)
 
@@ -66,6 +67,38 @@ class KVServer:
         self._stop = threading.Event()
         if unclaimed_ttl_s is not None:
             threading.Thread(target=self._expire, name="mlapool-kv-expiry", daemon=True).start()
+
+    def ticket(self, result, *, host: str | None = None) -> dict:
+        """What a decode server needs to take ``result``'s KV (``kv.vllm_connector.Ticket``, as vLLM's
+        ``kv_transfer_params["mlapool"]``): this server's address (``host``: the one to advertise,
+        when it listens on all interfaces), the request, its prompt's length and digest, the model's
+        fingerprint, and until when it is kept unclaimed (Unix time; None: until claimed)."""
+        remaining = None
+        if self.unclaimed_ttl_s is not None:
+            remaining = self.unclaimed_ttl_s - (time.monotonic() - result.finished)
+        return {
+            "host": host or self.host,
+            "port": self.port,
+            "request_id": result.request_id,
+            "tokens": result.num_tokens,
+            "prompt_digest": result.prompt_digest,
+            "model_fingerprint": self.pool.model_config.fingerprint(),
+            "expires_at": None if remaining is None else time.time() + remaining,
+            "token_required": self.token is not None,
+        }
+
+    def discard(self, result) -> None:
+        """Free ``result``'s kept KV now unless a receiver is taking it (then it is freed when that
+        transfer ends); either way no receiver gets it after this."""
+        with self._lock:
+            if result.request_id in self._busy:
+                return
+            self._busy.add(result.request_id)
+        try:
+            self.pool.release(result)
+        finally:
+            with self._lock:
+                self._busy.discard(result.request_id)
 
     def close(self) -> None:
         self._closed = True
@@ -149,11 +182,17 @@ class KVServer:
             self.pool.release(result)
             raise KVTransferError(str(exc)) from None
         transport = self._transport(hello, source)
-        needed, offered = blocks_for(result.num_tokens, self.pool.config.block_size), hello.get("max_blocks")
-        if offered is not None and (type(offered) is not int or offered < needed):
+        offered = hello.get("max_tokens")
+        if offered is not None and (type(offered) is not int or offered < result.num_tokens):
             raise KVTransferError(
-                f"request {request_id!r} needs {needed} KV blocks; the receiver offered {offered!r} "
+                f"request {request_id!r} has {result.num_tokens} tokens; the receiver's blocks hold {offered!r} "
                 "(the KV is kept for a receiver with room)"
+            )
+        digest = hello.get("prompt_digest")
+        if digest is not None and digest != result.prompt_digest:
+            raise KVTransferError(
+                f"request {request_id!r} was prefilled for another prompt than the receiver's "
+                f"({result.num_tokens} tokens, digest {result.prompt_digest[:12]}...; the receiver's {str(digest)[:12]}...)"
             )
         with self._lock:
             if request_id in self._busy:
@@ -162,13 +201,12 @@ class KVServer:
         return result, source, transport
 
     def _check_receiver(self, hello: dict) -> None:
-        """Refuse a receiver that says it runs another model, KV dtype, block size or cache shape."""
+        """Refuse a receiver that says it runs another model, KV dtype or cache shape."""
         pool = self.pool
         model = pool.model_config
         ours = {
             "model_fingerprint": model.fingerprint(),
             "dtype": pool.worker_infos[0][0].dtype,
-            "block_size": pool.config.block_size,
             "layers": model.num_hidden_layers,
             "width": model.attention.latent_dim,
         }

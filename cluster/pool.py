@@ -44,6 +44,7 @@ from cluster.replica import Replica, cause, connect_ray, start_replica, stop_rep
 from cluster.results import DuplicateRequest, PoolStats, PrefillResult, PromptTooLong
 from cluster.scheduler import Recovery, ReplicaScheduler
 from configs.pool import PoolConfig
+from kv.frames import prompt_digest
 from workers.kv_cache import blocks_for
 from workers.pcp_layout import shard_rows
 from workers.weights import check_checkpoint_of
@@ -450,6 +451,7 @@ class PrefillPool:
             replica=replica.index,
             ttft_s=time.perf_counter() - request.submitted,
             kv_kept=request.keep_kv and not cancelled,
+            prompt_digest=prompt_digest(request.tokens),
             generation=replica.generation,
         )
         with self.lock:

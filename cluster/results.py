@@ -30,6 +30,7 @@ class PrefillResult:
     replica: int
     ttft_s: float
     kv_kept: bool
+    prompt_digest: str = ""  # kv.frames.prompt_digest of its token ids: a decode server's check of its prompt
     generation: int = 0  # the replica's incarnation that holds the KV (it changes when a worker dies)
     finished: float = field(default_factory=time.monotonic)  # when the prefill finished (time.monotonic)
 

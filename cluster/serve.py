@@ -17,7 +17,7 @@ HTTP API (JSON, or msgpack with ``content-type: application/msgpack``; the answe
     ``logits``
     are the last token's float32 logits (a list in JSON, little-endian bytes in msgpack), unless
     ``return_logits`` is false. With ``handoff`` the KV stays on the replica and ``ticket`` says
-    where a decode server fetches it (``workers.kv_receiver.KVReceiver(host, port, token,
+    where a decode server fetches it (``kv.receiver.KVReceiver(host, port, token,
     model_fingerprint).fetch(request_id)``) within ``expires_in_s``; without it the KV is freed.
     A client that disconnects cancels its request: it leaves the pool before its next chunk and
     its KV is freed.
@@ -45,10 +45,11 @@ import ray
 from ray import serve
 from ray.util import get_current_placement_group
 from starlette.requests import Request
-from starlette.responses import Response
+from starlette.responses import Response, StreamingResponse
 
 from cluster.kv_server import KVServer
 from cluster.metrics import PoolMetrics
+from cluster.openai_api import CHAT, COMPLETIONS, DecodeServers, OpenAIError, Tokenizer, chat_answer, open_upstream, parse_request, relay_stream
 from cluster.pool import PrefillPool
 from cluster.results import PromptTooLong
 from configs.serve import ServeConfig
@@ -110,22 +111,33 @@ class PrefillServer:
         self.kv = KVServer(self.pool, host=config.kv_host, port=config.kv_port, token=config.kv_token, unclaimed_ttl_s=config.kv_ttl_s)
         self.ticket_host = ray.util.get_node_ip_address() if config.kv_host in ("0.0.0.0", "::") else self.kv.host
         self.fingerprint = self.pool.model_config.fingerprint()
+        self.decoders = DecodeServers.of(list(config.decode_servers))
+        self.tokenizer = Tokenizer(config.tokenizer or config.pool.checkpoint) if config.decode_servers else None
 
     async def __call__(self, request: Request) -> Response:
+        path = request.url.path
+        prefix = request.scope.get("root_path", "")  # the application's route prefix, when Serve says it
+        path = "/" + (path[len(prefix) :] if prefix and path.startswith(prefix) else path).strip("/")
+        if path in (COMPLETIONS, CHAT):
+            try:
+                if request.method != "POST":
+                    raise OpenAIError(405, f"{request.method} {path}: use POST")
+                return await self._openai(request, chat=path == CHAT)
+            except OpenAIError as exc:
+                return Response(json.dumps(exc.body()), status_code=exc.status, media_type="application/json")
         content_type = request.headers.get("content-type", "").split(";")[0].strip().lower()
         reply = "msgpack" if content_type in MSGPACK else "json"
         try:
-            path = request.url.path.rstrip("/").rsplit("/", 1)[-1]
-            if path == "prefill":
+            if path == "/prefill":
                 if request.method != "POST":
                     raise HTTPError(405, f"{request.method} /prefill: use POST")
                 answer = await self._prefill(parse_prefill(await self._body(request), content_type))
-            elif path == "":
+            elif path == "/":
                 if request.method != "GET":
                     raise HTTPError(405, f"{request.method} /: use GET")
                 answer = self.info()
             else:
-                raise HTTPError(404, f"no endpoint {request.url.path!r}; valid: POST /prefill, GET /")
+                raise HTTPError(404, f"no endpoint {request.url.path!r}; valid: POST /prefill, POST {COMPLETIONS}, POST {CHAT}, GET /")
             return _response(200, answer, reply)
         except HTTPError as exc:
             return _response(exc.status, {"error": str(exc)}, reply)
@@ -146,6 +158,9 @@ class PrefillServer:
             "vocab_size": self.pool.model_config.vocab_size,
             "in_flight": self.pool.in_flight,
             "requests": self.pool.counts(),
+            "kv_kept_requests": len(self.pool.kept_results()),
+            "kv_transfers": dict(self.kv.transfers),
+            "decode_servers": self.decoders.report(),
         }
 
     def check_health(self) -> None:
@@ -171,25 +186,8 @@ class PrefillServer:
         return bytes(body)
 
     async def _prefill(self, req: dict[str, Any]) -> dict[str, Any]:
-        if not self.pool.alive:
-            raise HTTPError(503, "the prefill pool of this replica is down")
         client_id = req["request_id"]
-        request_id = f"{client_id}-{uuid.uuid4().hex[:16]}" if client_id else uuid.uuid4().hex  # unique across the tier
-        try:
-            future = self.pool.submit(req["tokens"], request_id=request_id, keep_kv=req["handoff"])
-        except PromptTooLong as exc:
-            raise HTTPError(413, str(exc)) from None
-        except (TypeError, ValueError) as exc:
-            raise HTTPError(422, str(exc)) from None
-        try:
-            result = await asyncio.wrap_future(future)
-        except asyncio.CancelledError:  # Serve cancels the call when the HTTP client disconnects
-            future.cancel()  # out of the pool before its next chunk, its KV freed
-            logger.info("cancelled: the client disconnected", extra={"mlapool_request_id": request_id})
-            raise
-        except Exception as exc:  # noqa: BLE001 -- a failed prefill fails this request alone
-            logger.warning("prefill failed", extra={"mlapool_request_id": request_id, "error": str(exc)})
-            raise HTTPError(500, f"prefill failed: {exc}") from None
+        result = await self._run(req["tokens"], client_id, req["handoff"])
         logger.info("prefilled", extra={"mlapool_request_id": result.request_id, "tokens": result.num_tokens, "ttft_s": round(result.ttft_s, 4)})
         answer: dict[str, Any] = {
             "request_id": result.request_id,
@@ -201,15 +199,80 @@ class PrefillServer:
         if req["return_logits"]:
             answer["logits"] = result.logits.float().numpy()
         if req["handoff"]:
-            answer["ticket"] = {
-                "request_id": result.request_id,
-                "host": self.ticket_host,
-                "port": self.kv.port,
-                "token_required": self.config.kv_token is not None,
-                "model_fingerprint": self.fingerprint,
-                "expires_in_s": self.config.kv_ttl_s,
-            }
+            answer["ticket"] = self.kv.ticket(result, host=self.ticket_host)
         return answer
+
+    async def _run(self, tokens: list[int], client_id: str | None, keep_kv: bool):
+        """Prefill ``tokens`` under a tier-unique request id; ``HTTPError`` says why not."""
+        if not self.pool.alive:
+            raise HTTPError(503, "the prefill pool of this replica is down")
+        request_id = f"{client_id}-{uuid.uuid4().hex[:16]}" if client_id else uuid.uuid4().hex  # unique across the tier
+        try:
+            future = self.pool.submit(tokens, request_id=request_id, keep_kv=keep_kv)
+        except PromptTooLong as exc:
+            raise HTTPError(413, str(exc)) from None
+        except (TypeError, ValueError) as exc:
+            raise HTTPError(422, str(exc)) from None
+        try:
+            return await asyncio.wrap_future(future)
+        except asyncio.CancelledError:  # Serve cancels the call when the HTTP client disconnects
+            future.cancel()  # out of the pool before its next chunk, its KV freed
+            logger.info("cancelled: the client disconnected", extra={"mlapool_request_id": request_id})
+            raise
+        except Exception as exc:  # noqa: BLE001 -- a failed prefill fails this request alone
+            logger.warning("prefill failed", extra={"mlapool_request_id": request_id, "error": str(exc)})
+            raise HTTPError(500, f"prefill failed: {exc}") from None
+
+    async def _openai(self, request: Request, chat: bool) -> Response:
+        """An OpenAI completion or chat completion: prefill here with the KV kept, decode on a vLLM
+        decode server that loads it (``cluster.openai_api``)."""
+        if not self.decoders.servers:
+            raise OpenAIError(503, "this tier has no decode servers (ServeConfig.decode_servers)")
+        try:
+            body = json.loads(await self._body(request))
+        except HTTPError as exc:
+            raise OpenAIError(exc.status, str(exc)) from None
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise OpenAIError(400, f"body is not valid JSON ({exc})") from None
+        model = self.config.model_name
+        parsed = parse_request(body, chat, model)
+        token_ids = self.tokenizer.encode(parsed)
+        try:
+            result = await self._run(token_ids, None, keep_kv=True)
+        except HTTPError as exc:
+            raise OpenAIError(exc.status, str(exc)) from None
+        forward = {
+            **parsed.passthrough, "model": self.config.decode_model_name or model, "prompt": token_ids, "stream": parsed.stream,
+            "kv_transfer_params": {"mlapool": self.kv.ticket(result, host=self.ticket_host)},
+        }  # fmt: skip
+        if parsed.stream:
+            forward["stream_options"] = {"include_usage": parsed.include_usage}
+        try:
+            upstream = await open_upstream(self.decoders, forward, self.config.decode_timeout_s)
+        except (OpenAIError, asyncio.CancelledError):  # no decode server took it, or the client left
+            await asyncio.to_thread(self.kv.discard, result)
+            raise
+        logger.info("decoding", extra={"mlapool_request_id": result.request_id, "decode_server": upstream.server.url, "tokens": result.num_tokens})
+        if upstream.response.status != 200 or not parsed.stream:
+            try:
+                status, answer = upstream.response.status, await upstream.response.read()
+            finally:
+                await upstream.close()
+                await asyncio.to_thread(self.kv.discard, result)
+            if status == 200:
+                completion = json.loads(answer)
+                answer = json.dumps(chat_answer(completion, model) if chat else {**completion, "model": model}).encode()
+            return Response(answer, status_code=status, media_type="application/json")
+
+        async def events():
+            try:
+                async for event in relay_stream(upstream, chat, model):
+                    yield event
+            finally:
+                await upstream.close()
+                await asyncio.to_thread(self.kv.discard, result)
+
+        return StreamingResponse(events(), media_type="text/event-stream")
 
 
 def _response(status: int, answer: dict[str, Any], form: str) -> Response:

@@ -19,7 +19,6 @@ transformers-written config leaves out take the defaults of its
 
 from __future__ import annotations
 
-import hashlib
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -29,6 +28,7 @@ import torch
 
 from attention.mla import MLAConfig
 from attention.rope import YarnScaling
+from kv.frames import config_fingerprint
 
 MODELS_DIR = Path(__file__).with_name("models")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -214,9 +214,8 @@ class ModelConfig:
                 raise ValueError(f"TP={tp_size} does not divide {self.name}'s {n} {what}; valid TP degrees: {valid}")
 
     def fingerprint(self) -> str:
-        """Stable hash of the shape-defining fields (for KV handoff compatibility checks)."""
-        payload = json.dumps({k: v for k, v in self.source.items() if not k.startswith("_")}, sort_keys=True)
-        return hashlib.sha256(payload.encode()).hexdigest()[:16]
+        """Stable hash of the checkpoint's config (for KV handoff compatibility checks)."""
+        return config_fingerprint(self.source)
 
 
 def load_model_config(name_or_path: str | Path, **overrides: Any) -> ModelConfig:

@@ -43,6 +43,14 @@ class ServeConfig:
                              0.0.0.0: tickets then name the node's address); port 0 = any free one
     kv_token                 shared secret a decode server must present (None: none)
     kv_ttl_s                 KV that no decode server claims within this long is freed
+    decode_servers           base URLs of the vLLM decode servers behind ``/v1/completions`` and
+                             ``/v1/chat/completions`` (none: those endpoints answer 503)
+    served_model_name        the ``model`` clients name (default: the pool's checkpoint path, or its
+                             model name), as vLLM's ``--served-model-name``
+    decode_model_name        the model the decode servers serve (default: ``served_model_name``)
+    tokenizer                where the OpenAI endpoints' tokenizer and chat template are (default:
+                             the pool's checkpoint)
+    decode_timeout_s         longest wait for the next bytes of a decode server's answer
     """
 
     pool: PoolConfig = field(default_factory=PoolConfig)
@@ -60,6 +68,11 @@ class ServeConfig:
     kv_port: int = 0
     kv_token: str | None = None
     kv_ttl_s: float = 300.0
+    decode_servers: tuple[str, ...] = ()
+    served_model_name: str | None = None
+    decode_model_name: str | None = None
+    tokenizer: str | None = None
+    decode_timeout_s: float = 600.0
 
     def __post_init__(self) -> None:
         if not isinstance(self.pool, PoolConfig):
@@ -68,7 +81,7 @@ class ServeConfig:
             raise ValueError(f"serve config: pool.replicas must be 1 (Serve scales replicas), got {self.pool.replicas}")
         if not 0 <= self.min_replicas <= self.max_replicas or self.max_replicas < 1:
             raise ValueError(f"serve config: need 0 <= min_replicas <= max_replicas >= 1, got {self.min_replicas}, {self.max_replicas}")
-        positive = ("target_ongoing_requests", "look_back_period_s", "max_ongoing_requests", "max_body_bytes", "replica_cpus", "kv_ttl_s")
+        positive = ("target_ongoing_requests", "look_back_period_s", "max_ongoing_requests", "max_body_bytes", "replica_cpus", "kv_ttl_s", "decode_timeout_s")
         for name in positive:
             if not getattr(self, name) > 0:
                 raise ValueError(f"serve config: {name} must be positive, got {getattr(self, name)!r}")
@@ -82,6 +95,16 @@ class ServeConfig:
             )
         if not 0 <= self.kv_port <= 65535:
             raise ValueError(f"serve config: kv_port must be in [0, 65535], got {self.kv_port}")
+        if isinstance(self.decode_servers, str) or not all(isinstance(u, str) and u.startswith(("http://", "https://")) for u in self.decode_servers):
+            raise ValueError(f"serve config: decode_servers must be a list of http(s):// base URLs, got {self.decode_servers!r}")
+        object.__setattr__(self, "decode_servers", tuple(self.decode_servers))
+        if self.decode_servers and self.tokenizer is None and self.pool.checkpoint is None:
+            raise ValueError("serve config: decode_servers need a tokenizer: give tokenizer, or a pool checkpoint that has one")
+
+    @property
+    def model_name(self) -> str:
+        """The ``model`` clients of the OpenAI endpoints name."""
+        return self.served_model_name or self.pool.checkpoint or self.pool.model
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> ServeConfig:

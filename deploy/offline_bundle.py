@@ -57,7 +57,7 @@ SETS: dict[str, dict] = {
         # its JIT needs data/include, data/cutlass, data/cccl, data/spdlog and the top-level data/csrc files
         "prune": ["flashinfer/data/csrc/*/"],
     },
-    "nixl": {  # KV handoff to decode servers (workers.kv_nixl); needs torch and numpy, which the node has
+    "nixl": {  # KV handoff to decode servers (kv.nixl); needs torch and numpy, which the node has
         "packages": ["nixl-cu13==1.5.1"],
         "prune": [],
     },

@@ -7,7 +7,7 @@ Each worker that holds shards (TP rank 0 of every PCP rank) keeps a :class:`KVEx
   start. A receiver told where a request's blocks are READs them itself; this process does nothing.
 - **TCP**: a listener on a free port. A receiver connects, presents the one-time ticket the KV server
   got for it (:meth:`KVExporter.offer`), and gets the request's blocks of every layer as ``blocks``
-  frames (``workers.kv_transfer``) of at most ``PIECE_BYTES``: straight from the cache's memory on
+  frames (``kv.frames``) of at most ``PIECE_BYTES``: straight from the cache's memory on
   the CPU, through two pinned host buffers on a GPU (the copy of the next piece overlaps the send
   of this one), on a CUDA stream of the sending thread's own, so prefill batches go on meanwhile.
 
@@ -33,8 +33,8 @@ from typing import ContextManager
 import torch
 
 from workers.kv_cache import PagedKVCache
-from workers.kv_nixl import NixlEndpoint, Region
-from workers.kv_transfer import KVTransferError, expect, read_frame, send_frame, tensor_buffer, try_send
+from kv.nixl import NixlEndpoint, Region
+from kv.frames import KVTransferError, expect, read_frame, send_frame, tensor_buffer, try_send
 
 logger = logging.getLogger(__name__)
 

@@ -32,8 +32,8 @@ from configs.pool import PoolConfig
 from workers.kv_cache import PagedKVCache
 from workers.kv_export import KVExporter
 from workers.kv_link import KVLink
-from workers.kv_nixl import NixlEndpoint, nixl_unavailable
-from workers.kv_transfer import HostKV
+from kv.nixl import NixlEndpoint, nixl_unavailable
+from kv.frames import HostKV
 
 logger = logging.getLogger(__name__)
 

@@ -10,7 +10,7 @@ GPUs share a node), gloo on CPU:
     receiver:  shards, timings = link.pull(request_id, rows, layers, dtype, block_size, width)
 
 Every holder also keeps a control connection to the receiver (TCP, no Nagle delay, frames of
-``workers.kv_transfer``). A pull is one small frame on each: the request and the shard sizes the
+``kv.frames``). A pull is one small frame on each: the request and the shard sizes the
 receiver expects. The holder's serving thread, blocked reading its connection, wakes up at once
 (tens of microseconds, where a Ray call costs milliseconds and a store key half of one) and sends
 from a CUDA stream of its own, so a pull does not queue behind the holder's prefill batches; it
@@ -42,7 +42,7 @@ import torch.distributed as dist
 
 from configs.model import DTYPES
 from workers.kv_cache import blocks_for
-from workers.kv_transfer import expect, read_frame, send_frame
+from kv.frames import expect, read_frame, send_frame
 
 logger = logging.getLogger(__name__)
 

@@ -16,7 +16,7 @@ from cluster.kv_server import KVServer
 from cluster.pool import PrefillPool
 from configs.pool import PoolConfig
 from workers.decode import ReferenceDecoder
-from workers.kv_receiver import KVReceiver
+from kv.receiver import KVReceiver
 from workers.model import DeepseekPrefillModel
 from workers.weights import load_weights
 

@@ -20,8 +20,8 @@ from cluster.handoff import DecodeActor
 from cluster.kv_server import KVServer
 from cluster.pool import PrefillPool
 from configs.pool import PoolConfig
-from workers.kv_receiver import KVReceiver
-from workers.kv_transfer import KVTransferError, encode_frame, expect, read_frame, send_frame
+from kv.receiver import KVReceiver
+from kv.frames import KVTransferError, encode_frame, expect, prompt_digest, read_frame, send_frame
 
 CONFIG = PoolConfig(model="tiny", num_layers=2, tp=2, pcp=2, chunk_tokens=48, block_size=16, worker_cpus=0.25, seed=5, device="cpu")
 TOKEN = "s3cret"
@@ -94,13 +94,35 @@ def test_a_receiver_takes_the_kv_into_its_cache_at_the_blocks_it_chose_bit_for_b
 
 
 @pytest.mark.parametrize("transport", TRANSPORTS)
+@pytest.mark.parametrize("block_size, start", [(5, 0), (16, 0), (64, 0), (5, 37), (64, 64)])
+def test_per_layer_caches_of_any_block_size_get_every_row_where_their_table_says(pool, server, transport, block_size, start):
+    """vLLM's layout: one [num_blocks, block_size, width] tensor per layer, its own block size (the pool's
+    is 16); rows before ``start`` (the decode side's own prefix) are left alone."""
+    result = _kept(pool)
+    expected = pool.fetch_kv(result)
+    needed = -(-130 // block_size)
+    layers = [torch.full((needed + 7, block_size, 80), float("nan")) for _ in range(2)]
+    ids = [int(i) for i in np.random.default_rng(block_size).permutation(needed + 7)[:needed]]
+    kv = _receiver(server, pool, transport).fetch(
+        result.request_id, into=layers, block_ids=ids, start=start, prompt_digest=result.prompt_digest
+    )
+    assert kv.cache is layers and kv.block_size == block_size and kv.bytes == (130 - start) * 80 * 4 * 2
+    for layer, want in zip(layers, expected):
+        rows = layer[ids].reshape(-1, 80)
+        assert torch.equal(rows[start:130], want[start:]) and rows[:start].isnan().all() and rows[130:].isnan().all()
+        others = [b for b in range(needed + 7) if b not in ids]
+        assert layer[others].isnan().all()
+    assert _no_block_leaked(pool)
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
 def test_a_receiver_without_a_cache_gets_a_new_one_of_the_requests_size(pool, server, transport):
     result = _kept(pool, 75)
     expected = pool.fetch_kv(result)
     kv = _receiver(server, pool, transport).fetch(result.request_id)
     assert tuple(kv.cache.shape) == (2, 5, 16, 80) and torch.equal(kv.rows(), expected)
     assert [tuple(layer.shape) for layer in kv.layers] == [(5, 16, 80)] * 2
-    assert kv.bytes == 2 * 5 * 16 * 80 * 4 and kv.transfer_s > 0
+    assert kv.bytes == 2 * 75 * 80 * 4 and kv.transfer_s > 0  # the rows of its tokens, not the last block's padding
     assert _no_block_leaked(pool)
 
 
@@ -116,9 +138,8 @@ def _refused(server, request_id, **receiver):
     ({"token": "guess"}, "token does not match"),
     ({"token": TOKEN, "model_fingerprint": "other"}, "the receiver expects model_fingerprint 'other'; this prefill pool's KV has '[0-9a-f]+'"),
     ({"token": TOKEN, "dtype": "bfloat16"}, "the receiver expects dtype 'bfloat16'; this prefill pool's KV has 'float32'"),
-    ({"token": TOKEN, "block_size": 64}, "the receiver expects block_size 64; this prefill pool's KV has 16"),
-], ids=["token", "model", "dtype", "block-size"])  # fmt: skip
-def test_a_receiver_for_another_model_dtype_or_block_size_is_refused_before_anything_is_sent_and_frees_nothing(
+], ids=["token", "model", "dtype"])  # fmt: skip
+def test_a_receiver_for_another_model_or_dtype_is_refused_before_anything_is_sent_and_frees_nothing(
     pool, server, presented, message
 ):
     result = _kept(pool)
@@ -135,8 +156,10 @@ def test_a_cache_of_another_shape_or_with_too_few_blocks_is_refused_and_frees_no
         receiver.fetch(result.request_id, into=torch.zeros(2, 20, 16, 64), block_ids=list(range(9)))
     with pytest.raises(KVTransferError, match="the receiver expects layers 3; this prefill pool's KV has 2"):
         receiver.fetch(result.request_id, into=torch.zeros(3, 20, 16, 80), block_ids=list(range(9)))
-    with pytest.raises(KVTransferError, match="request 'req-\\d+' needs 9 KV blocks; the receiver offered 4"):
+    with pytest.raises(KVTransferError, match="request 'req-\\d+' has 130 tokens; the receiver's blocks hold 64"):
         receiver.fetch(result.request_id, into=torch.zeros(2, 20, 16, 80), block_ids=[0, 1, 2, 3])
+    with pytest.raises(KVTransferError, match="request 'req-\\d+' was prefilled for another prompt than the receiver's"):
+        receiver.fetch(result.request_id, prompt_digest=prompt_digest([1, 2, 3]))
     with socket.create_connection((server.host, server.port), timeout=5) as sock:  # a transport nobody serves
         send_frame(sock, "hello", {"request_id": result.request_id, "token": TOKEN, "transports": ["carrier-pigeon"]})
         with pytest.raises(KVTransferError, match="the receiver takes KV over \\['carrier-pigeon'\\]; this pool's workers serve it over \\['nixl', 'tcp'\\]"):

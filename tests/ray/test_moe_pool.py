@@ -22,7 +22,7 @@ from cluster.pool import PrefillPool
 from configs.model import EP_SCHEDULES, load_model_config
 from configs.pool import PoolConfig
 from workers.decode import ReferenceDecoder
-from workers.kv_receiver import KVReceiver
+from kv.receiver import KVReceiver
 from workers.model import DeepseekPrefillModel
 from workers.weights import load_weights
 

@@ -24,7 +24,7 @@ from attention.mla import plan_prefill_batch
 from cluster.serve import build_app
 from configs.pool import PoolConfig
 from configs.serve import ServeConfig
-from workers.kv_receiver import KVReceiver
+from kv.receiver import KVReceiver
 from workers.model import DeepseekPrefillModel
 from workers.weights import load_weights
 from workers.worker import rendezvous_address

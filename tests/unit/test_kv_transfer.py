@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 import torch
 
-from workers.kv_receiver import KVReceiver, _shard_major
-from workers.kv_transfer import (
+from kv.receiver import KVReceiver, _shard_major
+from kv.frames import (
     VERSION,
     KVTransferError,
     encode_frame,
@@ -217,7 +217,7 @@ def test_a_receiver_takes_a_holders_blocks_straight_into_its_cache_at_the_ids_it
     assert (cache[0, [0, 2, 3, 4, 7]] == -1).all()  # no other block touched
     last = outcome.last
     hello = outcome[0]
-    assert hello["max_blocks"] == 3 and hello["layers"] == 1 and hello["width"] == 2 and hello["dtype"] == "float32"
+    assert hello["max_tokens"] == 48 and hello["layers"] == 1 and hello["width"] == 2 and hello["dtype"] == "float32"
     assert last["kind"] == "ack"
 
 
@@ -283,6 +283,10 @@ def test_bad_destinations_and_options_are_refused_before_connecting():
         ({"into": cache}, "into needs block_ids"),
         ({"into": cache[:, :, :, :2], "block_ids": [0]}, "contiguous"),
         ({"into": torch.zeros(8, 16), "block_ids": [0]}, "contiguous \\[layers, num_blocks, block_size, width\\]"),
+        ({"into": [cache[0], cache[1, :4]], "block_ids": [0]}, "layer 1 of into is \\(4, 16, 4\\)"),
+        ({"into": [cache[0, :, :, :2]], "block_ids": [0]}, "layer 0 of into .* contiguous"),
+        ({"into": "cache", "block_ids": [0]}, "or a list of per-layer tensors, got str"),
+        ({"into": cache, "block_ids": [0], "start": -1}, "start must be a non-negative integer"),
         ({"into": cache, "block_ids": [0, 8]}, r"integers in \[0, 8\), got \[0, 8\]"),
         ({"into": cache, "block_ids": [1, 1]}, "must not repeat"),
     ]:

@@ -1,6 +1,6 @@
 """The KV handoff's wire format: frames, shared by the KV server (``cluster.kv_server``), the
 holders' exports (``workers.kv_export``), the receiver a decode server embeds
-(``workers.kv_receiver``) and the in-cluster link's control connections (``workers.kv_link``).
+(``kv.receiver``) and the in-cluster link's control connections (``workers.kv_link``).
 
 Nothing here imports Ray.
 
@@ -19,6 +19,8 @@ by what the reader chose to accept before anything is allocated.
 
 from __future__ import annotations
 
+import hashlib
+import json
 import socket
 import struct
 import zlib
@@ -30,7 +32,6 @@ import msgpack
 import numpy as np
 import torch
 
-from configs.model import DTYPES
 
 MAGIC = b"MLKV"
 VERSION = 2
@@ -39,6 +40,9 @@ CRC = struct.Struct("!I")
 CRC_PAYLOAD = 1  # flag: the trailing CRC covers the payload as well as the header
 MAX_HEADER_BYTES = 1 << 20
 RECV_PIECE = 1 << 24  # largest single recv_into
+
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}  # KV dtypes by wire name
 
 
 class KVTransferError(RuntimeError):
@@ -179,6 +183,19 @@ def try_send(sock: socket.socket, kind: str, header: dict[str, Any]) -> None:
         send_frame(sock, kind, header)
     except OSError:
         pass  # the other side is already gone
+
+
+def prompt_digest(token_ids: Sequence[int] | np.ndarray) -> str:
+    """What a prefill pool and a decode server compare to know they hold the same prompt: SHA-256
+    of the token ids as little-endian int64."""
+    return hashlib.sha256(np.asarray(token_ids, dtype="<i8").tobytes()).hexdigest()
+
+
+def config_fingerprint(config: dict[str, Any]) -> str:
+    """A model's identity for KV compatibility: a hash of its ``config.json`` (keys starting with
+    ``_`` left out). The prefill pool and a decode server compute it from the same checkpoint."""
+    payload = json.dumps({k: v for k, v in config.items() if not k.startswith("_")}, sort_keys=True)
+    return hashlib.sha256(payload.encode()).hexdigest()[:16]
 
 
 # ---- tensors on the wire and in Ray's object store ----------------------------------------------

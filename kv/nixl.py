@@ -5,15 +5,18 @@ NIXL (what vLLM's NixlConnector and SGLang's disaggregation use) moves registere
 NVLink / CUDA IPC between GPUs of a node, RDMA between nodes, shared memory or TCP between host
 buffers. A holder registers its whole cache once (``[layers, num_blocks, block_size, width]``,
 VRAM on a GPU, DRAM on the CPU) and publishes a :class:`Region`: its agent's metadata (a few
-hundred bytes), the cache's address, device and strides. A receiver adds the holder's agent and
-READs the blocks it was told about straight into its own registered cache, at block ids it
-chooses; the holder's CPU takes no part in it.
+hundred bytes), the cache's address, device and strides. A receiver adds the holder's agent,
+registers its own cache tensors (one per layer, as vLLM allocates them, or one for all) and READs
+the rows it was told about straight into them, wherever it wants them; the holder's CPU takes no
+part in it.
 
     holder:    endpoint = NixlEndpoint("prefill-3", serves=True); region = endpoint.register(cache.blocks)
-    receiver:  endpoint = NixlEndpoint("decode-0", serves=False); mine = endpoint.register(dest)
-               endpoint.read([(region, holder_blocks, mine, dest_blocks)], timeout_s=60)
+    receiver:  endpoint = NixlEndpoint("decode-0", serves=False); endpoint.register_tensor(dest)
+               src, dst, n = runs(holder_rows, dest_rows)
+               endpoint.read([(region, descriptors(region.layer_bases(), row_bytes, src, n, region.device),
+                               "VRAM", descriptors(dest_layer_bases, row_bytes, dst, n, 0))], timeout_s=60)
 
-Descriptors are built per run of blocks consecutive on both sides (one per layer and run), so a
+Descriptors are built per run of rows consecutive on both sides (one per layer and run), so a
 request whose blocks are runs on both ends moves as a handful of large descriptors, not one per
 block (per-block descriptors are what makes MLA transfers slow over CUDA IPC: vllm #55434).
 
@@ -91,6 +94,10 @@ class Region:
             num_blocks=num_blocks, layer_stride=num_blocks * block_bytes, block_bytes=block_bytes,
         )  # fmt: skip
 
+    def layer_bases(self) -> np.ndarray:
+        """The address of block 0 of every layer."""
+        return self.base + np.arange(self.layers, dtype=np.uint64) * np.uint64(self.layer_stride)
+
     def as_dict(self) -> dict:
         return {key: getattr(self, key) for key in self.__dataclass_fields__}
 
@@ -103,7 +110,8 @@ class Region:
 
 
 def runs(src: np.ndarray, dst: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Split paired block ids into runs consecutive on both sides: ``(src_start, dst_start, length)``."""
+    """Split paired indices (rows or blocks) into runs consecutive on both sides:
+    ``(src_start, dst_start, length)``."""
     if len(src) == 0:
         return src, dst, src
     breaks = np.flatnonzero((np.diff(src) != 1) | (np.diff(dst) != 1)) + 1
@@ -112,12 +120,13 @@ def runs(src: np.ndarray, dst: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.n
     return src[starts], dst[starts], lengths
 
 
-def descriptors(region: Region, layers: int, starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
-    """``[layers x runs, 3]`` (address, bytes, device) of the runs ``starts``/``lengths`` in every layer."""
-    layer_base = region.base + np.arange(layers, dtype=np.uint64)[:, None] * np.uint64(region.layer_stride)
-    addresses = layer_base + starts.astype(np.uint64)[None, :] * np.uint64(region.block_bytes)
-    sizes = np.broadcast_to(lengths.astype(np.uint64)[None, :] * np.uint64(region.block_bytes), addresses.shape)
-    devices = np.full(addresses.shape, region.device, dtype=np.uint64)
+def descriptors(layer_bases: np.ndarray, unit_bytes: int, starts: np.ndarray, lengths: np.ndarray, device: int) -> np.ndarray:
+    """``[layers x runs, 3]`` (address, bytes, device) of the runs ``starts``/``lengths`` (in units of
+    ``unit_bytes``: a row or a block) in every layer whose first unit is at ``layer_bases``."""
+    bases = np.asarray(layer_bases, dtype=np.uint64)[:, None]
+    addresses = bases + starts.astype(np.uint64)[None, :] * np.uint64(unit_bytes)
+    sizes = np.broadcast_to(lengths.astype(np.uint64)[None, :] * np.uint64(unit_bytes), addresses.shape)
+    devices = np.full(addresses.shape, device, dtype=np.uint64)
     return np.stack([addresses, sizes, devices], axis=-1).reshape(-1, 3)
 
 
@@ -181,21 +190,32 @@ class NixlEndpoint:
             raise NixlError(f"NIXL's {BACKEND} backend could not be created in agent {name!r} (plugins: {self.agent.get_plugin_list()})")
         self._registered: dict[tuple[int, int], tuple[torch.Tensor, object]] = {}  # (address, bytes) -> (tensor, registration)
         self._peers: dict[str, bytes] = {}  # agent name -> the metadata it was added with
+        # one call into the agent at a time: UCX's worker is not thread-safe, and a decode server's
+        # loads run on several threads (concurrent READs on one agent crashed vLLM's worker in UCX)
+        self._lock = threading.RLock()
 
     def metadata(self) -> bytes:
         return self.agent.get_agent_metadata()
 
     def register(self, cache: torch.Tensor) -> Region:
-        """Register ``cache`` (once per tensor; the endpoint keeps it alive) and describe it."""
-        key = (cache.data_ptr(), cache.numel() * cache.element_size())
-        if key not in self._registered:
-            self._registered[key] = (cache, self.agent.register_memory(cache))
+        """Register a paged cache ``[layers, num_blocks, block_size, width]`` and describe it."""
+        self.register_tensor(cache)
         return Region.of(self.name, self.metadata(), cache)
 
+    def register_tensor(self, tensor: torch.Tensor) -> None:
+        """Register a contiguous tensor's memory (once per tensor; the endpoint keeps it alive)."""
+        if not tensor.is_contiguous():
+            raise ValueError(f"NIXL registers contiguous memory; got a tensor of shape {tuple(tensor.shape)} and strides {tensor.stride()}")
+        key = (tensor.data_ptr(), tensor.numel() * tensor.element_size())
+        if key not in self._registered:
+            with self._lock:
+                self._registered[key] = (tensor, self.agent.register_memory(tensor))
+
     def deregister(self, cache: torch.Tensor) -> None:
-        entry = self._registered.pop((cache.data_ptr(), cache.numel() * cache.element_size()), None)
-        if entry is not None:
-            self.agent.deregister_memory(entry[1])
+        with self._lock:
+            entry = self._registered.pop((cache.data_ptr(), cache.numel() * cache.element_size()), None)
+            if entry is not None:
+                self.agent.deregister_memory(entry[1])
 
     def _peer(self, region: Region) -> str:
         """Add the region's agent (again, if it came back with new metadata: a restarted holder)."""
@@ -209,28 +229,31 @@ class NixlEndpoint:
 
     def forget(self, agent: str) -> None:
         """Drop a peer (after a failed READ: it may have restarted with the same name)."""
-        if self._peers.pop(agent, None) is not None:
+        with self._lock:
+            known = self._peers.pop(agent, None) is not None
+        if known:
             try:
-                self.agent.remove_remote_agent(agent)
+                with self._lock:
+                    self.agent.remove_remote_agent(agent)
             except Exception:  # noqa: BLE001 -- forgetting a peer that is already gone cannot fail the caller
                 pass
 
-    def read(self, pieces: list[tuple[Region, np.ndarray, Region, np.ndarray]], layers: int, timeout_s: float) -> float:
-        """READ, for each ``(remote, remote_blocks, local, local_blocks)``, those blocks of every layer
-        into the local ones, all pieces in flight at once; returns the seconds from posting the first
-        READ to the last one done. Raises :class:`NixlError` naming the piece (holder) that failed;
-        the other READs are released."""
+    def read(self, pieces: list[tuple[Region, np.ndarray, str, np.ndarray]], timeout_s: float) -> float:
+        """READ, for each ``(remote, remote_descs, local_memory, local_descs)`` (:func:`descriptors`
+        of the same sizes on both sides; the local ones inside registered tensors), the remote
+        memory into the local one, all pieces in flight at once; returns the seconds from posting
+        the first READ to the last one done. Raises :class:`NixlError` naming the piece (holder)
+        that failed; the other READs are released."""
         posted: list[Read] = []
         try:
-            for holder, (remote, remote_blocks, local, local_blocks) in enumerate(pieces):
-                src, dst, lengths = runs(np.asarray(remote_blocks, dtype=np.int64), np.asarray(local_blocks, dtype=np.int64))
-                if not len(src):
+            for holder, (remote, remote_array, local_memory, local_array) in enumerate(pieces):
+                if not len(remote_array):
                     continue
                 agent = self._peer_or_fail(holder, remote)
-                remote_descs = self.agent.get_xfer_descs(descriptors(remote, layers, src, lengths), remote.memory)
-                local_descs = self.agent.get_xfer_descs(descriptors(local, layers, dst, lengths), local.memory)
+                remote_descs = self._call(holder, agent, self.agent.get_xfer_descs, remote_array, remote.memory)
+                local_descs = self._call(holder, agent, self.agent.get_xfer_descs, local_array, local_memory)
                 handle = self._call(holder, agent, self.agent.initialize_xfer, "READ", local_descs, remote_descs, agent)
-                posted.append(Read(holder, agent, handle, int(lengths.sum()) * remote.block_bytes * layers))
+                posted.append(Read(holder, agent, handle, int(remote_array[:, 1].sum())))
             started = time.perf_counter()
             for read in posted:
                 if self._call(read.holder, read.agent, self.agent.transfer, read.handle) == "ERR":
@@ -250,20 +273,23 @@ class NixlEndpoint:
         finally:
             for read in posted:
                 try:
-                    self.agent.release_xfer_handle(read.handle)
+                    with self._lock:
+                        self.agent.release_xfer_handle(read.handle)
                 except Exception:  # noqa: BLE001 -- a handle of a dead peer: nothing left to release
                     pass
 
     def _peer_or_fail(self, holder: int, region: Region) -> str:
         try:
-            return self._peer(region)
+            with self._lock:
+                return self._peer(region)
         except Exception as exc:  # noqa: BLE001 -- NIXL raises its own exception types
             self._peers.pop(region.agent, None)
             raise NixlError(f"holder {holder}: cannot connect to its NIXL agent {region.agent!r} ({type(exc).__name__}: {exc})") from None
 
     def _call(self, holder: int, agent: str, fn, *args):
         try:
-            return fn(*args)
+            with self._lock:
+                return fn(*args)
         except Exception as exc:  # noqa: BLE001 -- e.g. nixlRemoteDisconnectError when the holder died
             raise self._failed(holder, agent, f"{type(exc).__name__}: {exc}") from None
 

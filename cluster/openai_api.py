@@ -1,0 +1,226 @@
+"""The OpenAI-compatible front of the Serve tier: ``/v1/completions`` and ``/v1/chat/completions``
+(streaming and not), prefilled here, decoded by stock vLLM servers.
+
+    POST /v1/chat/completions {"model": "...", "messages": [...], "max_tokens": 64, "stream": true}
+
+A request is tokenized with the checkpoint's tokenizer (a chat with its chat template, rendered and
+then tokenized as vLLM does), prefilled by this replica's pool with its KV kept, and forwarded as a
+completion of those token ids to a vLLM decode server (``ServeConfig.decode_servers``) with the
+ticket in ``kv_transfer_params["mlapool"]``; vLLM's connector (``kv.vllm_connector``) takes the KV
+from the prefill workers, vLLM decodes, and its answer streams back, as a chat completion for a chat.
+The first token is vLLM's: it computes the last prompt token itself over our KV (see the connector).
+
+The decode server with the fewest requests in flight from this replica is tried first; one that
+cannot be reached, or answers 5xx or 429, is skipped for the next; when none is left the client gets
+503 with each server's reason. Other 4xx answers are vLLM judging the request: passed through. The
+KV is released when the answer ends however it ends (vLLM acknowledges it once loaded; a ticket
+vLLM refused or never used would otherwise wait for ``kv_ttl_s``).
+
+Usage is vLLM's (``prompt_tokens`` the prompt's length, ``completion_tokens`` what it generated), as
+is every sampling parameter, which is passed through; ``n`` other than 1 is refused (one prompt's KV
+is loaded once), as are several prompts in one request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import aiohttp
+
+COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"
+RETRY_STATUSES = {429, 500, 502, 503, 504}
+OWN_KEYS = {"model", "prompt", "messages", "stream", "stream_options", "n", "kv_transfer_params", "echo"}
+
+
+class OpenAIError(Exception):
+    """An error answered in OpenAI's form: ``{"error": {"message", "type", "code"}}``."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+
+    def body(self) -> dict[str, Any]:
+        kind = "invalid_request_error" if self.status < 500 else "server_error"
+        return {"error": {"message": str(self), "type": kind, "code": self.status}}
+
+
+@dataclass
+class Parsed:
+    """A checked request: the prompt as text or token ids (a completion) or messages (a chat), whether
+    to stream, and the parameters passed to vLLM as they came."""
+
+    chat: bool
+    prompt: str | list[int] | None
+    messages: list[dict] | None
+    stream: bool
+    include_usage: bool
+    passthrough: dict[str, Any]
+
+
+def parse_request(body: dict[str, Any], chat: bool, model: str) -> Parsed:
+    """Check an OpenAI request; ``OpenAIError`` (400, 404) names what is wrong."""
+    if not isinstance(body, dict):
+        raise OpenAIError(400, f"the body must be a JSON object, got {type(body).__name__}")
+    if body.get("model") != model:
+        raise OpenAIError(404, f"model {body.get('model')!r} is not served here; this endpoint serves {model!r}")
+    if body.get("n", 1) != 1:
+        raise OpenAIError(400, f"n must be 1 (one prompt's prefilled KV is loaded once), got {body.get('n')!r}")
+    if body.get("echo"):
+        raise OpenAIError(400, "echo is not supported: the prompt is prefilled here, not by the decode server")
+    if "kv_transfer_params" in body:
+        raise OpenAIError(400, "kv_transfer_params is set by this endpoint, not by clients")
+    stream = body.get("stream", False)
+    if not isinstance(stream, bool):
+        raise OpenAIError(400, f"stream must be true or false, got {stream!r}")
+    options = body.get("stream_options") or {}
+    if not isinstance(options, dict):
+        raise OpenAIError(400, f"stream_options must be an object, got {options!r}")
+    prompt = messages = None
+    if chat:
+        messages = body.get("messages")
+        if not isinstance(messages, list) or not messages or not all(isinstance(m, dict) and isinstance(m.get("role"), str) for m in messages):
+            raise OpenAIError(400, "messages must be a non-empty list of objects with a role and content")
+    else:
+        prompt = body.get("prompt")
+        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+            prompt = prompt[0]  # a batch of one
+        if isinstance(prompt, list) and not (prompt and all(type(t) is int for t in prompt)):
+            raise OpenAIError(400, "prompt must be a string or a non-empty list of token ids (one prompt per request)")
+        if not isinstance(prompt, (str, list)) or (isinstance(prompt, str) and not prompt):
+            raise OpenAIError(400, f"prompt must be a non-empty string or a list of token ids, got {type(prompt).__name__}")
+    passthrough = {k: v for k, v in body.items() if k not in OWN_KEYS}
+    return Parsed(chat, prompt, messages, stream, bool(options.get("include_usage")), passthrough)
+
+
+class Tokenizer:
+    """The checkpoint's tokenizer (transformers' ``AutoTokenizer``) used as vLLM's OpenAI server uses
+    it: a completion's text with the tokenizer's special tokens, a chat rendered by its template
+    (with the generation prompt) and then tokenized without them."""
+
+    def __init__(self, path: str) -> None:
+        from transformers import AutoTokenizer
+
+        self.tokenizer = AutoTokenizer.from_pretrained(path)
+
+    def encode(self, parsed: Parsed) -> list[int]:
+        if parsed.chat:
+            try:
+                text = self.tokenizer.apply_chat_template(parsed.messages, add_generation_prompt=True, tokenize=False)
+            except Exception as exc:  # noqa: BLE001 -- jinja and the template raise what they raise
+                raise OpenAIError(400, f"the messages do not fit the model's chat template: {exc}") from None
+            return list(self.tokenizer.encode(text, add_special_tokens=False))
+        if isinstance(parsed.prompt, list):
+            return list(parsed.prompt)
+        return list(self.tokenizer.encode(parsed.prompt))
+
+
+@dataclass
+class DecodeServer:
+    url: str
+    outstanding: int = 0
+    requests: int = 0
+    failures: int = 0
+
+
+@dataclass
+class DecodeServers:
+    """The vLLM decode servers and what this replica has in flight on each."""
+
+    servers: list[DecodeServer] = field(default_factory=list)
+
+    @classmethod
+    def of(cls, urls: list[str]) -> DecodeServers:
+        return cls([DecodeServer(url.rstrip("/")) for url in urls])
+
+    def by_load(self) -> list[DecodeServer]:
+        """Least outstanding requests first (ties: the order configured)."""
+        return sorted(self.servers, key=lambda s: s.outstanding)
+
+    def report(self) -> list[dict[str, Any]]:
+        return [{"url": s.url, "outstanding": s.outstanding, "requests": s.requests, "failures": s.failures} for s in self.servers]
+
+
+class Upstream:
+    """An answer of a decode server being read; ``close`` gives the server back."""
+
+    def __init__(self, server: DecodeServer, session: aiohttp.ClientSession, response: aiohttp.ClientResponse) -> None:
+        self.server, self.session, self.response = server, session, response
+
+    async def close(self) -> None:
+        self.response.release()
+        await self.session.close()
+        self.server.outstanding -= 1
+
+
+async def open_upstream(servers: DecodeServers, body: dict[str, Any], timeout_s: float) -> Upstream:
+    """POST ``body`` to ``/v1/completions`` of the least loaded decode server that takes it."""
+    reasons = []
+    for server in servers.by_load():
+        server.outstanding += 1
+        server.requests += 1
+        session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None, sock_connect=10, sock_read=timeout_s))
+        try:
+            response = await session.post(server.url + COMPLETIONS, json=body)
+        except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
+            reasons.append(f"{server.url}: {type(exc).__name__}: {exc}")
+        else:
+            if response.status not in RETRY_STATUSES:
+                return Upstream(server, session, response)
+            reasons.append(f"{server.url}: HTTP {response.status} {(await response.text())[:200]}")
+            response.release()
+        server.failures += 1
+        server.outstanding -= 1
+        await session.close()
+    raise OpenAIError(503, "no decode server took the request: " + ("; ".join(reasons) or "none configured"))
+
+
+def chat_answer(completion: dict[str, Any], model: str) -> dict[str, Any]:
+    """A vLLM completion as a chat completion."""
+    choices = [
+        {"index": c.get("index", 0), "message": {"role": "assistant", "content": c.get("text", "")},
+         "logprobs": c.get("logprobs"), "finish_reason": c.get("finish_reason")}
+        for c in completion.get("choices", [])
+    ]  # fmt: skip
+    return {"id": "chatcmpl-" + completion.get("id", uuid.uuid4().hex).removeprefix("cmpl-"), "object": "chat.completion",
+            "created": completion.get("created", int(time.time())), "model": model, "choices": choices, "usage": completion.get("usage")}  # fmt: skip
+
+
+def chat_chunk(chunk: dict[str, Any], model: str, first: bool) -> dict[str, Any]:
+    """A vLLM completion chunk as a chat completion chunk (the first one also says the role)."""
+    choices = []
+    for c in chunk.get("choices", []):
+        delta = {"content": c.get("text", "")}
+        if first:
+            delta = {"role": "assistant", **delta}
+        choices.append({"index": c.get("index", 0), "delta": delta, "logprobs": c.get("logprobs"), "finish_reason": c.get("finish_reason")})
+    answer = {"id": "chatcmpl-" + chunk.get("id", "").removeprefix("cmpl-"), "object": "chat.completion.chunk",
+              "created": chunk.get("created", int(time.time())), "model": model, "choices": choices}  # fmt: skip
+    if chunk.get("usage") is not None:
+        answer["usage"] = chunk["usage"]
+    return answer
+
+
+async def relay_stream(upstream: Upstream, chat: bool, model: str) -> AsyncIterator[bytes]:
+    """vLLM's server-sent events, each rewritten for the client (its model name; chat chunks for a chat)."""
+    first = True
+    async for raw in upstream.response.content:
+        line = raw.decode().strip()
+        if not line.startswith("data:"):
+            continue
+        data = line[len("data:") :].strip()
+        if data == "[DONE]":
+            yield b"data: [DONE]\n\n"
+            continue
+        chunk = json.loads(data)
+        if "error" in chunk:
+            yield f"data: {json.dumps(chunk)}\n\n".encode()
+            continue
+        chunk = chat_chunk(chunk, model, first) if chat else {**chunk, "model": model}
+        first = first and not chunk.get("choices")
+        yield f"data: {json.dumps(chunk)}\n\n".encode()

