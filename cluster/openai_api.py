@@ -99,14 +99,24 @@ def parse_request(body: dict[str, Any], chat: bool, model: str) -> Parsed:
 
 
 class Tokenizer:
-    """The checkpoint's tokenizer (transformers' ``AutoTokenizer``) used as vLLM's OpenAI server uses
-    it: a completion's text with the tokenizer's special tokens, a chat rendered by its template
-    (with the generation prompt) and then tokenized without them."""
+    """The checkpoint's tokenizer (transformers' ``AutoTokenizer``, loaded on the first text to encode)
+    used as vLLM's OpenAI server uses it: a completion's text with the tokenizer's special tokens, a
+    chat rendered by its template (with the generation prompt) and then tokenized without them.
+    Token ids need no tokenizer."""
 
-    def __init__(self, path: str) -> None:
-        from transformers import AutoTokenizer
+    def __init__(self, path: str | None) -> None:
+        self.path, self._tokenizer = path, None
 
-        self.tokenizer = AutoTokenizer.from_pretrained(path)
+    @property
+    def tokenizer(self):
+        if self._tokenizer is None:
+            try:
+                from transformers import AutoTokenizer
+
+                self._tokenizer = AutoTokenizer.from_pretrained(self.path)
+            except Exception as exc:  # noqa: BLE001 -- no transformers, no tokenizer files, a broken one
+                raise OpenAIError(400, f"this endpoint has no tokenizer ({self.path}: {type(exc).__name__}: {exc}); send token ids as the prompt") from None
+        return self._tokenizer
 
     def encode(self, parsed: Parsed) -> list[int]:
         if parsed.chat:

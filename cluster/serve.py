@@ -112,7 +112,7 @@ class PrefillServer:
         self.ticket_host = ray.util.get_node_ip_address() if config.kv_host in ("0.0.0.0", "::") else self.kv.host
         self.fingerprint = self.pool.model_config.fingerprint()
         self.decoders = DecodeServers.of(list(config.decode_servers))
-        self.tokenizer = Tokenizer(config.tokenizer or config.pool.checkpoint) if config.decode_servers else None
+        self.tokenizer = Tokenizer(config.tokenizer or config.pool.checkpoint)
 
     async def __call__(self, request: Request) -> Response:
         path = request.url.path

@@ -49,7 +49,7 @@ class ServeConfig:
                              model name), as vLLM's ``--served-model-name``
     decode_model_name        the model the decode servers serve (default: ``served_model_name``)
     tokenizer                where the OpenAI endpoints' tokenizer and chat template are (default:
-                             the pool's checkpoint)
+                             the pool's checkpoint; without one, prompts must be token ids)
     decode_timeout_s         longest wait for the next bytes of a decode server's answer
     """
 
@@ -98,8 +98,6 @@ class ServeConfig:
         if isinstance(self.decode_servers, str) or not all(isinstance(u, str) and u.startswith(("http://", "https://")) for u in self.decode_servers):
             raise ValueError(f"serve config: decode_servers must be a list of http(s):// base URLs, got {self.decode_servers!r}")
         object.__setattr__(self, "decode_servers", tuple(self.decode_servers))
-        if self.decode_servers and self.tokenizer is None and self.pool.checkpoint is None:
-            raise ValueError("serve config: decode_servers need a tokenizer: give tokenizer, or a pool checkpoint that has one")
 
     @property
     def model_name(self) -> str:

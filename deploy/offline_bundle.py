@@ -21,8 +21,15 @@ workers inherit ``PYTHONPATH`` from the driver that starts a local cluster.
 The sets hold what the project's GPU image lacks (it has torch, triton, numpy,
 msgpack, safetensors, aiohttp, grpcio, protobuf, pyyaml, prometheus-client, ...):
 ``ray`` for the pool and the batch job, ``serve`` on top of it for the Serve tier
-and Ray's Prometheus export, ``flashinfer``, ``flash-attn-4`` and ``nixl``.
-Only the standard library is used.
+and Ray's Prometheus export, ``flashinfer``, ``flash-attn-4`` and ``nixl``; and
+``vllm``, a vLLM 0.26.0 decode server for the KV connector (``kv.vllm_connector``),
+which is bundled alone, as wheels that ``install`` hands to pip (``--no-index
+--no-deps --target``), for a site of its own:
+
+    python deploy/offline_bundle.py build --sets vllm --max-part-mb 55 --out .bundle/vllm
+    python deploy/offline_bundle.py install --bundle .bundle/vllm --target /tmp/vllm-site
+
+Only the standard library is used (and pip, for a wheels bundle's install).
 """
 
 from __future__ import annotations
@@ -89,6 +96,117 @@ SETS: dict[str, dict] = {
         ],
         "prune": [],
     },
+    "vllm": {  # a vLLM 0.26.0 decode server (the last release on torch 2.11) with mlapool's connector:
+        # vLLM and what it needs that the GPU image lacks, resolved by `uv pip compile` for Python 3.12 on
+        # x86_64 manylinux_2_28 (2026-11-24) less the image's packages (CUDA 13: no cu12 libraries; its
+        # cuda-bindings, cuda-core and toolkit stand for cuda-python and nvidia-nvvm), less five large ones
+        # a DeepSeek-architecture model never imports (tokenspeed-triton, tilelang, pynvvideocodec,
+        # z3-solver, torchcodec); plus NIXL for the connector. Kept as wheels (already compressed) and
+        # installed by pip into a site of its own: its cutlass-dsl 4.6.0 is not FA4's 4.8.1.
+        "wheels": True,
+        "packages": [
+            "agent-detector==2.0.0",
+            "annotated-types==0.8.0",
+            "anthropic==2.13.0",
+            "apache-tvm-ffi==0.1.10",
+            "astor==0.8.1",
+            "blake3==1.0.11",
+            "cachetools==8.0.2",
+            "cbor2==6.3.0",
+            "cffi==2.1.1",
+            "compressed-tensors==0.17.0",
+            "cryptography==50.0.2",
+            "cuda-tile==1.7.0",
+            "depyf==0.20.0",
+            "detect-installer==0.2.1",
+            "dill==0.4.1",
+            "dnspython==2.9.2",
+            "docstring-parser==0.18.0",
+            "email-validator==2.4.0",
+            "fastapi==0.136.3",
+            "fastapi-cli==0.0.34",
+            "fastapi-cloud-cli==0.28.0",
+            "fastar==0.12.0",
+            "fastsafetensors==0.5.0",
+            "flashinfer-python==0.6.14",
+            "googleapis-common-protos==1.76.0",
+            "httpcore2==2.16.2",
+            "httptools==0.9.0",
+            "httpx2==2.16.2",
+            "humming-kernels==0.1.10",
+            "ijson==3.6.0",
+            "interegular==0.3.3",
+            "jiter==0.19.0",
+            "jmespath==1.1.0",
+            "jsonschema==4.26.0",
+            "jsonschema-specifications==2025.9.1",
+            "lark==1.2.2",
+            "llguidance==1.7.6",
+            "lm-format-enforcer==0.11.3",
+            "loguru==0.7.3",
+            "mcp==2.3.0",
+            "mcp-types==2.3.0",
+            "mistral-common==1.13.1",
+            "model-hosting-container-standards==0.1.16",
+            "msgspec==0.22.0",
+            "nvidia-cudnn-frontend==1.28.0",
+            "nvidia-cutlass-dsl==4.6.0",
+            "nvidia-cutlass-dsl-libs-base==4.6.0",
+            "nvidia-cutlass-dsl-libs-core==4.6.0",
+            "nvidia-cutlass-dsl-libs-cu13==4.6.0",
+            "nvtx==0.2.15",
+            "openai==3.57.0",
+            "openai-harmony==0.0.8",
+            "opentelemetry-api==1.45.2",
+            "opentelemetry-exporter-http-transport==0.66b2",
+            "opentelemetry-exporter-otlp==1.45.2",
+            "opentelemetry-exporter-otlp-common==0.66b2",
+            "opentelemetry-exporter-otlp-proto-common==1.45.2",
+            "opentelemetry-exporter-otlp-proto-grpc==1.45.2",
+            "opentelemetry-exporter-otlp-proto-http==1.45.2",
+            "opentelemetry-proto==1.45.2",
+            "opentelemetry-sdk==1.45.2",
+            "opentelemetry-semantic-conventions==0.66b2",
+            "opentelemetry-semantic-conventions-ai==0.5.1",
+            "outlines-core==0.2.14",
+            "partial-json-parser==0.2.1.1.post7",
+            "prometheus-fastapi-instrumentator==8.1.0",
+            "pybase64==1.5.1",
+            "pycountry==26.2.16",
+            "pycparser==3.12",
+            "pydantic==2.14.4",
+            "pydantic-core==2.50.5",
+            "pydantic-extra-types==2.11.1",
+            "pydantic-settings==2.16.3",
+            "pyelftools==0.33",
+            "pyjwt==2.15.1",
+            "python-dotenv==1.2.4",
+            "python-json-logger==4.2.0",
+            "python-multipart==0.0.34",
+            "pyzmq==27.3.0",
+            "quack-kernels==0.6.3",
+            "referencing==0.37.0",
+            "rich-toolkit==0.20.6",
+            "rignore==0.8.1",
+            "rpds-py==2026.9.1",
+            "sentry-sdk==2.75.0",
+            "setproctitle==1.3.8",
+            "sniffio==1.3.1",
+            "sse-starlette==3.7.0",
+            "starlette==1.10.0",
+            "supervisor==4.3.0",
+            "tokenspeed-mla==0.1.8",
+            "torch-c-dlpack-ext==0.1.5",
+            "truststore==0.10.5",
+            "uvicorn==0.54.0",
+            "vllm==0.26.0",
+            "watchfiles==1.3.0",
+            "websockets==17.4",
+            "xgrammar==0.2.7",
+            "nixl-cu13==1.5.1",
+        ],
+        "prune": [],
+    },
     "flash-attn-4": {
         "packages": [
             "flash-attn-4==4.0.0b36",
@@ -115,19 +233,27 @@ def build(sets: list[str], out: Path, python: str, platforms: list[str], max_par
     unknown = [s for s in sets if s not in SETS]
     if unknown:
         raise SystemExit(f"unknown package set(s) {unknown}; valid: {', '.join(SETS)}")
+    as_wheels = {s for s in sets if SETS[s].get("wheels")}
+    if as_wheels and len(sets) > 1:
+        raise SystemExit(f"set(s) {sorted(as_wheels)} are bundled as wheels, installed into a site of their own: build them alone")
     packages = sorted({p for s in sets for p in SETS[s]["packages"]})
     prune = [rule for s in sets for rule in SETS[s]["prune"]]
     out.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory() as tmp:
         wheels, tree = Path(tmp, "wheels"), Path(tmp, "site")
         _download(packages, wheels, python, platforms)
-        for wheel in sorted(wheels.glob("*.whl")):
-            _unpack_wheel(wheel, tree)
-        removed = _prune(tree, prune)
+        if as_wheels:
+            tree = wheels  # a tar of the wheels as they are: zips, nothing left to compress
+            removed = []
+        else:
+            for wheel in sorted(wheels.glob("*.whl")):
+                _unpack_wheel(wheel, tree)
+            removed = _prune(tree, prune)
         name = f"mlapool-bundle-{'-'.join(sets)}-cp{python.replace('.', '')}"
-        parts = _pack(tree, out, name, int(max_part_mb * 2**20))
+        parts = _pack(tree, out, name, int(max_part_mb * 2**20), compress=not as_wheels)
     manifest = {
         "name": name,
+        "wheels": bool(as_wheels),
         "python": python,
         "platforms": platforms,
         "packages": packages,
@@ -152,8 +278,14 @@ def install(bundle: Path, target: Path) -> None:
         data.write(path.read_bytes())
     data.seek(0)
     target.mkdir(parents=True, exist_ok=True)
-    with tarfile.open(fileobj=data, mode="r:xz") as archive:
-        archive.extractall(target, filter="data")
+    if manifest.get("wheels"):
+        with tempfile.TemporaryDirectory() as tmp, tarfile.open(fileobj=data, mode="r:") as archive:
+            archive.extractall(tmp, filter="data")
+            cmd = [sys.executable, "-m", "pip", "install", "--quiet", "--no-index", "--no-deps", "--no-compile", "--target", str(target)]
+            subprocess.run(cmd + sorted(str(w) for w in Path(tmp).glob("*.whl")), check=True)
+    else:
+        with tarfile.open(fileobj=data, mode="r:xz") as archive:
+            archive.extractall(target, filter="data")
     (target / "sitecustomize.py").write_text(SITECUSTOMIZE)
     print(f"installed {len(manifest['packages'])} packages into {target}: export PYTHONPATH={target}${{PYTHONPATH:+:$PYTHONPATH}}")
 
@@ -192,18 +324,18 @@ def _prune(tree: Path, rules: list[str]) -> list[str]:
     return removed
 
 
-def _pack(tree: Path, out: Path, name: str, max_part_bytes: int) -> list[Path]:
-    archive = out / f"{name}.tar.xz"
-    with tarfile.open(archive, "w:xz", preset=9) as tar:
+def _pack(tree: Path, out: Path, name: str, max_part_bytes: int, compress: bool) -> list[Path]:
+    archive = out / (f"{name}.tar.xz" if compress else f"{name}.tar")
+    with tarfile.open(archive, "w:xz", preset=9) if compress else tarfile.open(archive, "w") as tar:
         for entry in sorted(tree.iterdir()):
             tar.add(entry, arcname=entry.name)
-    for old in out.glob(f"{name}.tar.xz.part*"):
+    for old in out.glob(f"{name}.tar*.part*"):
         old.unlink()
     blob = archive.read_bytes()
     archive.unlink()
     parts = []
     for index, start in enumerate(range(0, len(blob), max_part_bytes)):
-        part = out / f"{name}.tar.xz.part{index:02d}"
+        part = out / f"{archive.name}.part{index:02d}"
         part.write_bytes(blob[start : start + max_part_bytes])
         parts.append(part)
     return parts
@@ -221,14 +353,14 @@ def main(argv: list[str] | None = None) -> None:
     b.add_argument("--out", type=Path, required=True, help="folder for the parts and manifest.json")
     b.add_argument("--python", default="3.12", help="the node's Python version (default: 3.12)")
     b.add_argument("--platform", action="append", dest="platforms",
-                   help="pip platform tag, repeatable (default: manylinux_2_28/2_17/2014 x86_64 and any)")  # fmt: skip
+                   help="pip platform tag, repeatable (default: x86_64 manylinux_2_17 to 2_35, for the GPU image's glibc 2.39, and any)")  # fmt: skip
     b.add_argument("--max-part-mb", type=float, default=60.0, help="largest part in MiB (default: 60)")
     i = sub.add_parser("install", help="check, join and unpack a bundle (stdlib only, no network)")
     i.add_argument("--bundle", type=Path, required=True, help="folder with manifest.json and the parts")
     i.add_argument("--target", type=Path, required=True, help="folder to unpack into; put it on PYTHONPATH")
     args = parser.parse_args(argv)
     if args.command == "build":
-        platforms = args.platforms or ["manylinux_2_28_x86_64", "manylinux_2_17_x86_64", "manylinux2014_x86_64", "any"]
+        platforms = args.platforms or [f"manylinux_2_{minor}_x86_64" for minor in (35, 34, 31, 28, 27, 24, 17)] + ["manylinux2014_x86_64", "any"]
         build([s.strip() for s in args.sets.split(",") if s.strip()], args.out, args.python, platforms, args.max_part_mb)
     else:
         install(args.bundle, args.target)

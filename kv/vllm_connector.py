@@ -41,7 +41,6 @@ instances). Nothing here imports Ray or the prefill model.
 from __future__ import annotations
 
 import json
-import logging
 import re
 import threading
 import time
@@ -53,12 +52,13 @@ from typing import Any
 import torch
 import vllm
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, KVConnectorMetadata, KVConnectorRole
+from vllm.logger import init_logger
 
 from kv.frames import KVTransferError, config_fingerprint, prompt_digest
 from kv.nixl import NixlEndpoint
 from kv.receiver import KVReceiver, resolve_transports
 
-logger = logging.getLogger(__name__)
+logger = init_logger(f"vllm.{__name__}")  # under vLLM's logger: its format and level, in its log
 
 TICKET_KEY = "mlapool"
 SUPPORTED = ((0, 26), (0, 32))  # the vLLM minor versions this connector is tested on, first and last

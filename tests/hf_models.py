@@ -123,26 +123,27 @@ CHAT_TEMPLATE = (  # roles as words of the vocabulary: w500 system, w501 user, w
 )
 
 
-def write_vllm_checkpoint(path, *, seed=0, fp8_path=None):
+def write_vllm_checkpoint(path, *, seed=0, dtype=torch.float32, fp8=False, max_positions=4096):
     """A DeepSeek-V3-architecture MoE checkpoint that vLLM runs: DeepSeek's MLA widths (kv_lora_rank 512,
-    rope 64, qk_nope 128, v 128; vLLM's MLA refuses others), everything else tiny (hidden 256, 4 heads,
-    3 layers: 1 dense + 2 MoE of 16 routed experts, top-4 in 2 of 4 groups, a non-zero
-    ``e_score_correction_bias``), float32, with a word-level tokenizer of the 512 ids ("w0" ... "w507"
-    and 4 special tokens) and a chat template. ``config.json`` carries ``topk_method`` and
-    ``scoring_func``, which transformers does not write and vLLM needs for the bias. With ``fp8_path``
-    the same weights go there too in DeepSeek's FP8 format."""
+    rope 64, qk_nope 128, v 128; vLLM's MLA refuses others), everything else tiny and a multiple of 128
+    (hidden 256, 4 heads, q LoRA 128, 3 layers: 1 dense + 2 MoE of 16 routed experts of 128, top-4 in 2
+    of 4 groups, a non-zero ``e_score_correction_bias``), in ``dtype``, with a word-level tokenizer of
+    the 512 ids ("w0" ... "w507" and 4 special tokens) and a chat template. ``config.json`` carries
+    ``topk_method`` and ``scoring_func``, which transformers does not write and vLLM needs for the
+    bias. YaRN stretches ``max_positions // 4`` to ``max_positions``. ``fp8``: the linear layers in DeepSeek's FP8 format (:func:`save_fp8`; the dequantized
+    weights beside it, in ``<path>-dequantized``)."""
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
     config = DeepseekV3Config(
-        vocab_size=512, hidden_size=256, intermediate_size=384, moe_intermediate_size=64, num_hidden_layers=3,
-        num_attention_heads=4, num_key_value_heads=4, q_lora_rank=96, kv_lora_rank=512, qk_nope_head_dim=128,
+        vocab_size=512, hidden_size=256, intermediate_size=384, moe_intermediate_size=128, num_hidden_layers=3,
+        num_attention_heads=4, num_key_value_heads=4, q_lora_rank=128, kv_lora_rank=512, qk_nope_head_dim=128,
         qk_rope_head_dim=64, v_head_dim=128, n_routed_experts=16, num_experts_per_tok=4, n_group=4, topk_group=2,
-        first_k_dense_replace=1, n_shared_experts=1, routed_scaling_factor=2.5, max_position_embeddings=4096,
+        first_k_dense_replace=1, n_shared_experts=1, routed_scaling_factor=2.5, max_position_embeddings=max_positions,
         bos_token_id=508, eos_token_id=509, pad_token_id=510,
-        rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 1024,
+        rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": max_positions // 4,
                          "mscale": 1.0, "mscale_all_dim": 1.0},
-        tie_word_embeddings=False, torch_dtype="float32",
+        tie_word_embeddings=False, torch_dtype=str(dtype).removeprefix("torch."),
     )  # fmt: skip
     torch.manual_seed(seed)
     model = DeepseekV3ForCausalLM(config).eval()
@@ -152,7 +153,10 @@ def write_vllm_checkpoint(path, *, seed=0, fp8_path=None):
         for name, buffer in model.named_buffers():
             if name.endswith("e_score_correction_bias"):
                 buffer.normal_(0, 0.5)
-    model.save_pretrained(path)
+    if fp8:
+        model = save_fp8(model, path, Path(str(path) + "-dequantized"))
+    else:
+        model.to(dtype).save_pretrained(path)
     raw = json.loads((Path(path) / "config.json").read_text())
     raw.update(topk_method="noaux_tc", scoring_func="sigmoid")
     (Path(path) / "config.json").write_text(json.dumps(raw, indent=1))
@@ -162,9 +166,4 @@ def write_vllm_checkpoint(path, *, seed=0, fp8_path=None):
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, bos_token="<s>", eos_token="</s>", pad_token="<pad>", unk_token="<unk>")
     tokenizer.chat_template = CHAT_TEMPLATE
     tokenizer.save_pretrained(path)
-    if fp8_path is not None:
-        save_fp8(model, fp8_path, Path(fp8_path).with_name(Path(fp8_path).name + "-dequantized"))
-        raw_fp8 = json.loads((Path(fp8_path) / "config.json").read_text())
-        (Path(fp8_path) / "config.json").write_text(json.dumps({**raw_fp8, "topk_method": "noaux_tc", "scoring_func": "sigmoid"}, indent=1))
-        tokenizer.save_pretrained(fp8_path)
     return model

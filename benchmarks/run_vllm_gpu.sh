@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# The GPU runs behind benchmarks/results/*-vllm-decode-*.json, step by step (each fits one 10-minute call):
+#   bash benchmarks/run_vllm_gpu.sh OUT_DIR STEP...
+# Steps: install (the two offline bundles staged in /tmp/stage/{gpu,vllm}-NN: deploy/offline_bundle.py build
+# --sets ray,serve,flash-attn-4 and --sets vllm, into /tmp/gpu-site and /tmp/vllm-site, NIXL shared by both),
+# parity-bf16, parity-fp8 (32 prompts of 1-8K tokens through the tier's OpenAI endpoint against vLLM alone,
+# DeepSeek-width tiny MoE checkpoints), speed (the DeepSeek-V3 5-layer FP8 slice in $CKPT, default
+# /tmp/v3-5layers, written first when missing: 16 prompts of 32K and 64 of 4K, TTFT both ways).
+set -uo pipefail
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
+export PYTHONPATH=/tmp/gpu-site:$PWD VLLM_PYTHONPATH=/tmp/vllm-site
+out=$1; shift
+mkdir -p "$out"
+for step in "$@"; do
+  case $step in
+    install) for set in gpu vllm; do
+               mkdir -p /tmp/bundle-$set && cp /tmp/stage/$set-*/* /tmp/bundle-$set/
+               python3 deploy/offline_bundle.py install --bundle /tmp/bundle-$set --target /tmp/$set-site | tail -1
+             done
+             ln -sf /tmp/vllm-site/nixl* /tmp/gpu-site/  # the pool's holders serve NIXL with the same wheel
+             python3 -c "import ray, flash_attn.cute, nixl_cu13; print('gpu site ok', ray.__version__)"
+             PYTHONPATH=/tmp/vllm-site:$PWD python3 -c "import vllm, kv.vllm_connector; print('vllm site ok', vllm.__version__)" ;;
+    parity-bf16|parity-fp8) python3 benchmarks/bench_vllm_decode.py parity --weights ${step#parity-} --out "$out/vllm-decode-parity-${step#parity-}.json" ;;
+    speed) ckpt=${CKPT:-/tmp/v3-5layers}
+           [ -f "$ckpt/model.safetensors.index.json" ] || python3 benchmarks/write_checkpoint.py --model deepseek-v3 --num-layers 5 --out "$ckpt" | tail -1
+           python3 benchmarks/bench_vllm_decode.py speed --checkpoint "$ckpt" --lengths ${LENGTHS:-32768x16 4096x64} --out "$out/vllm-decode-speed.json" ;;
+    *) echo "unknown step $step"; exit 2 ;;
+  esac
+done

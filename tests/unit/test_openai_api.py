@@ -1,0 +1,76 @@
+"""The OpenAI front's pure parts: request checks, the chat form of vLLM's completions, the choice of
+decode server, and the ServeConfig fields behind them (the whole path runs in
+tests/ray/test_openai_endpoint.py)."""
+
+import asyncio
+import socket
+
+import pytest
+
+from cluster.openai_api import DecodeServers, OpenAIError, chat_answer, chat_chunk, open_upstream, parse_request
+from configs.pool import PoolConfig
+from configs.serve import ServeConfig
+
+
+def test_a_request_is_split_into_what_the_tier_does_and_what_vllm_gets():
+    parsed = parse_request({"model": "m", "prompt": ["w1 w2"], "max_tokens": 5, "temperature": 0.3, "stream": True,
+                            "stream_options": {"include_usage": True}}, chat=False, model="m")  # fmt: skip
+    assert parsed.prompt == "w1 w2" and parsed.stream and parsed.include_usage
+    assert parsed.passthrough == {"max_tokens": 5, "temperature": 0.3}
+    chat = parse_request({"model": "m", "messages": [{"role": "user", "content": "hi"}]}, chat=True, model="m")
+    assert chat.messages == [{"role": "user", "content": "hi"}] and not chat.stream and chat.passthrough == {}
+    assert parse_request({"model": "m", "prompt": [[1, 2]]}, chat=False, model="m").prompt == [1, 2]
+
+
+@pytest.mark.parametrize("body, status, match", [
+    ([1], 400, "must be a JSON object"),
+    ({"model": "x", "prompt": "a"}, 404, "model 'x' is not served here; this endpoint serves 'm'"),
+    ({"model": "m", "prompt": "a", "n": 3}, 400, "n must be 1"),
+    ({"model": "m", "prompt": "a", "echo": True}, 400, "echo is not supported"),
+    ({"model": "m", "prompt": ""}, 400, "non-empty string"),
+    ({"model": "m", "prompt": [1, "a"]}, 400, "one prompt per request"),
+    ({"model": "m", "prompt": 7}, 400, "got int"),
+    ({"model": "m", "prompt": "a", "stream_options": 1}, 400, "stream_options must be an object"),
+], ids=["not-object", "model", "n", "echo", "empty", "mixed", "int", "stream-options"])  # fmt: skip
+def test_bad_requests_are_named(body, status, match):
+    with pytest.raises(OpenAIError, match=match) as error:
+        parse_request(body, chat=False, model="m")
+    assert error.value.status == status and error.value.body()["error"]["code"] == status
+
+
+def test_vllms_completions_read_as_chat_completions():
+    completion = {"id": "cmpl-7", "created": 5, "choices": [{"index": 0, "text": "w3 w4", "finish_reason": "length"}], "usage": {"prompt_tokens": 3}}
+    answer = chat_answer(completion, "m")
+    assert answer["id"] == "chatcmpl-7" and answer["object"] == "chat.completion" and answer["usage"] == {"prompt_tokens": 3}
+    assert answer["choices"] == [{"index": 0, "message": {"role": "assistant", "content": "w3 w4"}, "logprobs": None, "finish_reason": "length"}]
+    first = chat_chunk({"id": "cmpl-7", "choices": [{"index": 0, "text": "w3"}]}, "m", first=True)
+    assert first["choices"][0]["delta"] == {"role": "assistant", "content": "w3"} and first["object"] == "chat.completion.chunk"
+    assert chat_chunk({"id": "cmpl-7", "choices": [{"index": 0, "text": " w4"}]}, "m", first=False)["choices"][0]["delta"] == {"content": " w4"}
+    assert chat_chunk({"id": "cmpl-7", "choices": [], "usage": {"completion_tokens": 2}}, "m", first=False)["usage"] == {"completion_tokens": 2}
+
+
+def test_the_least_loaded_server_goes_first_and_unreachable_ones_give_503_with_each_reason():
+    servers = DecodeServers.of(["http://a:1/", "http://b:2"])
+    servers.servers[0].outstanding = 2
+    assert [s.url for s in servers.by_load()] == ["http://b:2", "http://a:1"]
+    ports = []
+    for _ in range(2):
+        with socket.create_server(("127.0.0.1", 0)) as sock:
+            ports.append(sock.getsockname()[1])
+    dead = DecodeServers.of([f"http://127.0.0.1:{p}" for p in ports])
+    with pytest.raises(OpenAIError, match="no decode server took the request: http://127.0.0.1:\\d+: ClientConnectorError.*; http") as error:
+        asyncio.run(open_upstream(dead, {"prompt": [1]}, 5.0))
+    assert error.value.status == 503
+    assert [(s.requests, s.failures, s.outstanding) for s in dead.servers] == [(1, 1, 0), (1, 1, 0)]
+
+
+def test_serve_config_checks_its_decode_servers():
+    assert ServeConfig(decode_servers=["http://h:8000"]).decode_servers == ("http://h:8000",)
+    with pytest.raises(ValueError, match="decode_servers must be a list of http"):
+        ServeConfig(decode_servers="http://h:8000")
+    with pytest.raises(ValueError, match="decode_servers must be a list of http"):
+        ServeConfig(decode_servers=["h:8000"])
+    with pytest.raises(ValueError, match="decode_timeout_s must be positive"):
+        ServeConfig(decode_timeout_s=0)
+    assert ServeConfig(pool=PoolConfig(checkpoint="/ckpt/v3")).model_name == "/ckpt/v3"
+    assert ServeConfig(served_model_name="deepseek").model_name == "deepseek"
