@@ -147,7 +147,7 @@ def margin(top: dict) -> float:
     return best[0] - best[1]
 
 
-def run_parity(args, checkpoint: Path, alone: str, tier: str) -> dict:
+def run_parity(args, checkpoint: Path, alone: str, tier: str, save) -> dict:
     rng = np.random.default_rng(args.seed)
     lengths = np.exp(rng.uniform(0, np.log(args.max_prompt), size=args.prompts)).astype(int).clip(1, args.max_prompt)
     body = {"model": MODEL, "max_tokens": args.max_tokens, "temperature": 0.0, "ignore_eos": True, "return_token_ids": True,
@@ -164,6 +164,11 @@ def run_parity(args, checkpoint: Path, alone: str, tier: str) -> dict:
                        ttft_s={"alone": own["ttft_s"], "endpoint": ours["ttft_s"]})  # fmt: skip
         rows.append(row)
         print(f"prompt {i}: {n} tokens, {row}", flush=True)
+        save(_parity_summary(rows))
+    return _parity_summary(rows)
+
+
+def _parity_summary(rows: list[dict]) -> dict:
     ok = [r for r in rows if r["error"] is None]
     divergent = [r for r in ok if not r["all_equal"]]
     return {
@@ -176,7 +181,7 @@ def run_parity(args, checkpoint: Path, alone: str, tier: str) -> dict:
     }  # fmt: skip
 
 
-def run_speed(args, checkpoint: Path, alone: str, tier: str, vllm_log: Path) -> dict:
+def run_speed(args, checkpoint: Path, alone: str, tier: str, vllm_log: Path, save) -> dict:
     rng = np.random.default_rng(args.seed)
     config = json.loads((checkpoint / "config.json").read_text())
     layers, width = config["num_hidden_layers"], config["kv_lora_rank"] + config["qk_rope_head_dim"]
@@ -204,6 +209,7 @@ def run_speed(args, checkpoint: Path, alone: str, tier: str, vllm_log: Path) -> 
             "kv_load_gib_per_s": _percentiles(rates), "kv_load_transports": sorted({t for _, t, _ in loads}),
             "per_prompt_s": times,
         }  # fmt: skip
+        save(out)
     return out
 
 
@@ -258,21 +264,28 @@ def main() -> None:
             parser.error("speed needs --checkpoint (benchmarks/write_checkpoint.py writes one)")
         checkpoint = args.checkpoint
         max_len = max(int(s.split("x")[0]) for s in args.lengths) + args.max_tokens + 16
-    vllm_log = work / "vllm.log"
-    server, alone = start_vllm(args, checkpoint, dtype, max_len, vllm_log)
-    try:
-        tier = start_tier(args, checkpoint, alone, dtype)
-        results = run_parity(args, checkpoint, alone, tier) if args.mode == "parity" else run_speed(args, checkpoint, alone, tier, vllm_log)
-    finally:
-        server.terminate()
     report = {
         "what": f"bench_vllm_decode {args.mode}: the tier's /v1/completions (pool prefill, KV loaded by vLLM) vs vLLM alone",
         "date": datetime.date.today().isoformat(), "machine": _machine(args.device),
         "command": " ".join(sys.argv), "checkpoint": str(checkpoint), "weights": args.weights if args.mode == "parity" else None,
-        "vllm_version": _vllm_version(args), "max_tokens": args.max_tokens, "results": results,
+        "vllm_version": _vllm_version(args), "max_tokens": args.max_tokens, "complete": False, "results": {},
     }  # fmt: skip
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=1) + "\n")
+
+    def save(results: dict, complete: bool = False) -> None:  # after every prompt (parity) or length (speed)
+        args.out.write_text(json.dumps({**report, "complete": complete, "results": results}, indent=1) + "\n")
+
+    vllm_log = work / "vllm.log"
+    server, alone = start_vllm(args, checkpoint, dtype, max_len, vllm_log)
+    try:
+        tier = start_tier(args, checkpoint, alone, dtype)
+        if args.mode == "parity":
+            results = run_parity(args, checkpoint, alone, tier, save)
+        else:
+            results = run_speed(args, checkpoint, alone, tier, vllm_log, save)
+        save(results, complete=True)
+    finally:
+        server.terminate()
     print(json.dumps({k: v for k, v in report.items() if k != "results"} | {"summary": {k: v for k, v in results.items() if k != "per_prompt"}}, indent=1))
 
 

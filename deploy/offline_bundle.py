@@ -198,6 +198,7 @@ SETS: dict[str, dict] = {
             "tokenspeed-mla==0.1.8",
             "torch-c-dlpack-ext==0.1.5",
             "truststore==0.10.5",
+            "typing-inspection==0.4.5",  # pydantic 2.14 needs it newer than the image's
             "uvicorn==0.54.0",
             "vllm==0.26.0",
             "watchfiles==1.3.0",

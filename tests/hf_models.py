@@ -150,6 +150,7 @@ def write_vllm_checkpoint(path, *, seed=0, dtype=torch.float32, fp8=False, max_p
     with torch.no_grad():
         for param in model.parameters():
             param.normal_(0, 0.05)
+        model.lm_head.weight.normal_(0, 0.3)  # logits spread as a trained model's: greedy choices are rarely near-ties
         for name, buffer in model.named_buffers():
             if name.endswith("e_score_correction_bias"):
                 buffer.normal_(0, 0.5)
