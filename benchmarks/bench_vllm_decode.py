@@ -235,7 +235,7 @@ def main() -> None:
     parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
     parser.add_argument("--vllm-pythonpath", default=os.environ.get("VLLM_PYTHONPATH"), help="vLLM's site, put first on the vLLM server's path")
     parser.add_argument("--vllm-memory", type=float, default=0.4, help="vLLM's --gpu-memory-utilization (default 0.4)")
-    parser.add_argument("--pool-memory", type=float, default=0.45, help="the pool's gpu_memory_utilization (default 0.45)")
+    parser.add_argument("--pool-memory", type=float, default=0.9, help="the pool's gpu_memory_utilization: the share of the GPU in use once it is up, vLLM's included (default 0.9)")
     parser.add_argument("--kv-cache-tokens", type=int, default=1 << 18, help="the pool's KV cache per worker (default 262144)")
     parser.add_argument("--start-timeout", type=float, default=480.0, help="seconds the vLLM server may take to start")
     parser.add_argument("--max-tokens", type=int, default=16, help="tokens generated per request (default 16)")
