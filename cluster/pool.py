@@ -451,7 +451,7 @@ class PrefillPool:
             replica=replica.index,
             ttft_s=time.perf_counter() - request.submitted,
             kv_kept=request.keep_kv and not cancelled,
-            prompt_digest=prompt_digest(request.tokens),
+            prompt_digest=prompt_digest(request.tokens) if request.keep_kv else "",  # what a decode server checks
             generation=replica.generation,
         )
         with self.lock:

@@ -167,13 +167,6 @@ class KVReceiver:
         self.checksum, self.timeout_s, self.max_bytes = checksum, timeout_s, max_bytes
         self._nixl = nixl
 
-    def register(self, cache: torch.Tensor | Sequence[torch.Tensor]) -> None:
-        """Register a cache that later fetches write into with the transports that need it (NIXL),
-        now rather than at the first fetch: a decode server does it once at start."""
-        if "nixl" in self.transports:
-            for tensor in _registrable(cache):
-                self._endpoint().register_tensor(tensor)
-
     def fetch(
         self,
         request_id: str,
@@ -427,11 +420,6 @@ def _shard_major(num_blocks: int, pcp: int) -> list[int]:
     counts = [len(range(rank, num_blocks, pcp)) for rank in range(pcp)]
     offsets = np.concatenate([[0], np.cumsum(counts)[:-1]])
     return [int(offsets[j % pcp] + j // pcp) for j in range(num_blocks)]
-
-
-def _registrable(cache: torch.Tensor | Sequence[torch.Tensor]) -> list[torch.Tensor]:
-    """The tensors of a cache to register: a 4-D cache whole, per-layer caches each."""
-    return [cache] if isinstance(cache, torch.Tensor) else list(cache)
 
 
 def _check_destination(into, block_ids, start: int) -> list[torch.Tensor] | None:

@@ -152,6 +152,7 @@ class MlapoolConnector(KVConnectorBase_V1):
             self.fingerprint = extra.get("model_fingerprint") or _served_fingerprint(vllm_config.model_config.model)
             self._pending: dict[str, Load] = {}
             self._consumed: set[str] = set()  # vLLM requests whose ticket was used (or refused): never again
+            self._checked: dict[str, Ticket] = {}  # tickets that passed their checks, until used
             if getattr(transfer, "kv_load_failure_policy", "fail") != "recompute":
                 logger.warning("MlapoolConnector: a failed KV load fails its request; set kv_load_failure_policy 'recompute' to have vLLM prefill it instead")
         else:
@@ -172,6 +173,7 @@ class MlapoolConnector(KVConnectorBase_V1):
         block_ids = list(blocks.get_block_ids()[0])
         self._pending[request.request_id] = Load(request.request_id, ticket, block_ids, ticket.tokens - num_external_tokens)
         self._consumed.add(request.request_id)
+        self._checked.pop(request.request_id, None)
 
     def build_connector_meta(self, scheduler_output) -> MlapoolConnectorMetadata:
         meta = MlapoolConnectorMetadata(list(self._pending.values()))
@@ -180,14 +182,18 @@ class MlapoolConnector(KVConnectorBase_V1):
 
     def request_finished(self, request, block_ids) -> tuple[bool, dict[str, Any] | None]:
         self._consumed.discard(request.request_id)
+        self._checked.pop(request.request_id, None)
         self._pending.pop(request.request_id, None)
         return False, None
 
     def _ticket(self, request) -> Ticket | None:
-        """The request's usable ticket, or None (none, already used, or refused: said once in the log)."""
+        """The request's usable ticket, or None (none, already used, or refused: said once in the log).
+        Checked once per request (its prompt hashed once), though vLLM asks again at allocation."""
         params = request.kv_transfer_params or {}
         if TICKET_KEY not in params or request.request_id in self._consumed:
             return None
+        if request.request_id in self._checked:
+            return self._checked[request.request_id]
         try:
             ticket = Ticket.parse(params[TICKET_KEY])
             why = ticket.refusal(list(request.prompt_token_ids or []), self.fingerprint, time.time())
@@ -197,6 +203,7 @@ class MlapoolConnector(KVConnectorBase_V1):
             logger.warning("request %s: its mlapool ticket is refused, vLLM prefills the prompt itself: %s", request.request_id, why)
             self._consumed.add(request.request_id)
             return None
+        self._checked[request.request_id] = ticket
         return ticket
 
     # ---- worker side -----------------------------------------------------------------------------------
