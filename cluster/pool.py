@@ -339,6 +339,13 @@ class PrefillPool:
         with self.lock:
             return self._kept.get(request_id)
 
+    def prefilling(self, request_id: str) -> Future | None:
+        """The future of a request still in flight (queued or prefilling), None otherwise (unknown,
+        finished, failed or cancelled): a KV server waits on it for a ticket issued ahead."""
+        with self.lock:
+            request = self._live.get(request_id)
+        return None if request is None else request.future
+
     def health(self) -> list[list[dict]]:
         """Per replica, per worker: readiness and KV held. A replica being replaced after a fault
         (its old workers gone) reports its workers not ready, with the reason."""

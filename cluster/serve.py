@@ -33,6 +33,7 @@ when a worker failed).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import uuid
@@ -204,15 +205,21 @@ class PrefillServer:
 
     async def _run(self, tokens: list[int], client_id: str | None, keep_kv: bool):
         """Prefill ``tokens`` under a tier-unique request id; ``HTTPError`` says why not."""
+        request_id, future = self._submit(tokens, client_id, keep_kv)
+        return await self._wait(request_id, future)
+
+    def _submit(self, tokens: list[int], client_id: str | None, keep_kv: bool):
         if not self.pool.alive:
             raise HTTPError(503, "the prefill pool of this replica is down")
         request_id = f"{client_id}-{uuid.uuid4().hex[:16]}" if client_id else uuid.uuid4().hex  # unique across the tier
         try:
-            future = self.pool.submit(tokens, request_id=request_id, keep_kv=keep_kv)
+            return request_id, self.pool.submit(tokens, request_id=request_id, keep_kv=keep_kv)
         except PromptTooLong as exc:
             raise HTTPError(413, str(exc)) from None
         except (TypeError, ValueError) as exc:
             raise HTTPError(422, str(exc)) from None
+
+    async def _wait(self, request_id: str, future):
         try:
             return await asyncio.wrap_future(future)
         except asyncio.CancelledError:  # Serve cancels the call when the HTTP client disconnects
@@ -225,7 +232,9 @@ class PrefillServer:
 
     async def _openai(self, request: Request, chat: bool) -> Response:
         """An OpenAI completion or chat completion: prefill here with the KV kept, decode on a vLLM
-        decode server that loads it (``cluster.openai_api``)."""
+        decode server that loads it (``cluster.openai_api``). The request goes to the decode server
+        with a ticket issued ahead (``KVServer.ticket_ahead``) as soon as the prefill is submitted:
+        vLLM takes it in, allocates its blocks and asks for the KV while the pool prefills."""
         if not self.decoders.servers:
             raise OpenAIError(503, "this tier has no decode servers (ServeConfig.decode_servers)")
         try:
@@ -238,21 +247,17 @@ class PrefillServer:
         parsed = parse_request(body, chat, model)
         token_ids = self.tokenizer.encode(parsed)
         try:
-            result = await self._run(token_ids, None, keep_kv=True)
+            request_id, future = self._submit(token_ids, None, keep_kv=True)
         except HTTPError as exc:
             raise OpenAIError(exc.status, str(exc)) from None
         forward = {
             **parsed.passthrough, "model": self.config.decode_model_name or model, "prompt": token_ids, "stream": parsed.stream,
-            "kv_transfer_params": {"mlapool": self.kv.ticket(result, host=self.ticket_host)},
+            "kv_transfer_params": {"mlapool": self.kv.ticket_ahead(request_id, token_ids, host=self.ticket_host)},
         }  # fmt: skip
         if parsed.stream:
             forward["stream_options"] = {"include_usage": parsed.include_usage}
-        try:
-            upstream = await open_upstream(self.decoders, forward, self.config.decode_timeout_s)
-        except (OpenAIError, asyncio.CancelledError):  # no decode server took it, or the client left
-            await asyncio.to_thread(self.kv.discard, result)
-            raise
-        logger.info("decoding", extra={"mlapool_request_id": result.request_id, "decode_server": upstream.server.url, "tokens": result.num_tokens})
+        result, upstream = await self._prefill_and_forward(request_id, future, forward)
+        logger.info("decoding", extra={"mlapool_request_id": request_id, "decode_server": upstream.server.url, "tokens": result.num_tokens})
         if upstream.response.status != 200 or not parsed.stream:
             try:
                 status, answer = upstream.response.status, await upstream.response.read()
@@ -273,6 +278,36 @@ class PrefillServer:
                 await asyncio.to_thread(self.kv.discard, result)
 
         return StreamingResponse(events(), media_type="text/event-stream")
+
+    async def _prefill_and_forward(self, request_id: str, future, forward: dict[str, Any]):
+        """The prefill and the decode server's answer (its headers), run at once. The prefill failing
+        (or the client leaving) abandons the decode request; no decode server taking it cancels the
+        prefill; either way nothing is left held."""
+        prefill = asyncio.ensure_future(self._wait(request_id, future))
+        decode = asyncio.ensure_future(open_upstream(self.decoders, forward, self.config.decode_timeout_s))
+        try:
+            await asyncio.wait({prefill, decode}, return_when=asyncio.FIRST_COMPLETED)
+            if decode.done() and decode.exception() is not None:
+                raise decode.exception()
+            result = await prefill
+        except BaseException as exc:
+            for task in (prefill, decode):
+                task.cancel()
+            if decode.done() and not decode.cancelled() and decode.exception() is None:
+                await decode.result().close()  # the decode server aborts the request: its load is refused
+            with contextlib.suppress(BaseException):
+                await prefill  # a cancelled prefill leaves the pool before its next chunk, its KV freed
+            kept = self.pool.kept_result(request_id)
+            if kept is not None:  # prefilled just before the decode request failed
+                await asyncio.to_thread(self.kv.discard, kept)
+            if isinstance(exc, HTTPError):
+                raise OpenAIError(exc.status, str(exc)) from None
+            raise
+        try:
+            return result, await decode
+        except BaseException:  # no decode server took it, or the client left
+            await asyncio.to_thread(self.kv.discard, result)
+            raise
 
 
 def _response(status: int, answer: dict[str, Any], form: str) -> Response:

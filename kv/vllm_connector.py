@@ -28,8 +28,9 @@ unreachable; a holder lost mid-transfer; no answer within ``timeout_s``) reports
 own: a vLLM step never waits for one.
 
 ``kv_connector_extra_config``: ``token`` (the tier's KV server secret), ``transport`` (``auto``,
-``nixl``, ``tcp``), ``timeout_s`` (each network wait of a load, default 60), ``load_threads``
-(loads in flight at once, default 4), ``model_fingerprint`` (the tier's, as its tickets and
+``nixl``, ``tcp``), ``timeout_s`` (each network wait of a load, default 60; the tier's tickets are
+issued when its prefill starts, so this includes waiting for the prefill to finish), ``load_threads``
+(loads in flight at once, default 16: a load waits for its prefill on its thread), ``model_fingerprint`` (the tier's, as its tickets and
 ``GET /`` say; by default the one of the ``config.json`` vLLM serves, which is what the tier
 computes from the same checkpoint).
 
@@ -242,7 +243,7 @@ class _LoadWorker:
         self.token = extra.get("token")
         self.transport = extra.get("transport", "auto")
         self.timeout_s = float(extra.get("timeout_s", 60.0))
-        threads = extra.get("load_threads", 4)
+        threads = extra.get("load_threads", 16)
         if type(threads) is not int or threads < 1:
             raise ValueError(f"MlapoolConnector: load_threads must be a positive integer, got {threads!r}")
         self.transports = resolve_transports(self.transport)  # a bad name, or NIXL asked for and missing: refused now
@@ -277,8 +278,11 @@ class _LoadWorker:
         ticket = load.ticket
         try:
             receiver = self._receiver(ticket.host, ticket.port)
-            kv = receiver.fetch(ticket.request_id, into=self.layers, block_ids=load.block_ids, start=load.start, prompt_digest=ticket.prompt_digest)
-            logger.info("request %s: %d tokens loaded over %s in %.3f s", load.request_id, kv.tokens - load.start, kv.transport, kv.transfer_s)
+            began: list[float] = []  # when the KV server said go: the prefill is done (a ticket issued ahead waits for it)
+            kv = receiver.fetch(ticket.request_id, into=self.layers, block_ids=load.block_ids, start=load.start,
+                                prompt_digest=ticket.prompt_digest, on_begin=lambda _: began.append(time.perf_counter()))  # fmt: skip
+            logger.info("request %s: %d tokens loaded over %s in %.3f s (%.3f s from the KV server's go-ahead to the ack)",
+                        load.request_id, kv.tokens - load.start, kv.transport, kv.transfer_s, time.perf_counter() - began[0])  # fmt: skip
             failed: set[int] = set()
         except Exception as exc:  # noqa: BLE001 -- any failure becomes vLLM's load error: it recomputes
             logger.warning("request %s: KV load of mlapool request %r failed, vLLM recomputes it: %s", load.request_id, ticket.request_id, exc)

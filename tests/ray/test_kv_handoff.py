@@ -126,6 +126,33 @@ def test_a_receiver_without_a_cache_gets_a_new_one_of_the_requests_size(pool, se
     assert _no_block_leaked(pool)
 
 
+def test_a_ticket_issued_ahead_holds_the_receiver_until_the_prefill_is_done(pool, server):
+    """The OpenAI endpoint's order: the decode server asks for the KV while the pool still prefills
+    (here 700 tokens in chunks of 48: 15 batches); it gets the finished rows, then nothing is held."""
+    prompt = np.arange(700) * 7 % 512
+    future = pool.submit(prompt, keep_kv=True, request_id="ahead-1")
+    ticket = server.ticket_ahead("ahead-1", prompt.tolist())
+    assert ticket["tokens"] == 700 and ticket["prompt_digest"] == prompt_digest(prompt) and ticket["request_id"] == "ahead-1"
+    layers = [torch.full((50, 16, 80), float("nan")) for _ in range(2)]
+    kv = _receiver(server, pool).fetch("ahead-1", into=layers, block_ids=list(range(44)), prompt_digest=ticket["prompt_digest"])
+    assert future.done() and kv.tokens == 700
+    cold = pool.fetch_kv(pool.prefill(prompt, keep_kv=True))
+    for layer, want in zip(layers, cold):
+        assert torch.equal(layer[:44].reshape(-1, 80)[:700], want)
+    pool.release(pool.kept_results()[0])
+    assert _no_block_leaked(pool)
+
+
+def test_a_ticket_issued_ahead_whose_prefill_is_cancelled_is_refused_with_the_reason(pool, server):
+    prompt = np.arange(900) % 512
+    future = pool.submit(prompt, keep_kv=True, request_id="ahead-2")
+    ticket = server.ticket_ahead("ahead-2", prompt.tolist())
+    future.cancel()
+    with pytest.raises(KVTransferError, match="'ahead-2' was cancelled before its prefill finished|no kept KV for request 'ahead-2'"):
+        _receiver(server, pool).fetch("ahead-2", prompt_digest=ticket["prompt_digest"])
+    assert _no_block_leaked(pool)
+
+
 def _refused(server, request_id, **receiver):
     refused = server.transfers["refused"]
     with pytest.raises(KVTransferError) as info:
