@@ -101,6 +101,8 @@ def add_pool_arguments(parser: argparse.ArgumentParser) -> None:
     pool.add_argument("--workspace-tokens", type=int, default=DEFAULT_WORKSPACE_TOKENS,
                       help=f"bound on cached-context rows up-projected at once (default: {DEFAULT_WORKSPACE_TOKENS})")  # fmt: skip
     pool.add_argument("--replicas", type=int, default=DEFAULTS.replicas, help="independent TP x PCP groups serving in parallel (default: 1)")
+    pool.add_argument("--no-prefix-caching", dest="prefix_caching", action="store_false",
+                      help="prefill every prompt from its first token (default: prompts reuse the KV of full blocks cached from earlier ones)")  # fmt: skip
 
 
 def pool_config(args: argparse.Namespace) -> PoolConfig:
@@ -123,6 +125,7 @@ def pool_config(args: argparse.Namespace) -> PoolConfig:
         chunk_tokens=args.chunk_tokens,
         max_batch_tokens=max(args.chunk_tokens, DEFAULTS.max_batch_tokens),
         workspace_tokens=args.workspace_tokens,
+        prefix_caching=args.prefix_caching,
         seed=args.seed,
     )
 
@@ -238,6 +241,7 @@ def _prefill(args: argparse.Namespace) -> int:
         "model_fingerprint": model_config.fingerprint(),
         "layers": model_config.num_hidden_layers,
         "tokens": result.num_tokens,
+        "cached_tokens": result.cached_tokens,
         "tp": config.tp,
         "pcp": config.pcp,
         "backend": info.backend,

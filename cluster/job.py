@@ -155,7 +155,7 @@ def run(args: argparse.Namespace) -> int:
     skipped = len(prompts) - len(todo)
     started_at, started = datetime.now(timezone.utc), time.perf_counter()
     emit("start", prompts=len(prompts), already_done=skipped, to_run=len(todo), tp=config.tp, pcp=config.pcp, replicas=config.replicas)
-    done, failed, tokens, ttfts, info, ready, reports = 0, {}, 0, [], None, started, {}
+    done, failed, tokens, cached, ttfts, info, ready, reports = 0, {}, 0, 0, [], None, started, {}
     limit, runnable = prompt_limit(config, model_config), []
     for prompt in todo:  # before Ray starts
         try:
@@ -198,6 +198,7 @@ def run(args: argparse.Namespace) -> int:
                     record = {
                         "id": prompt.id,
                         "tokens": result.num_tokens,
+                        "cached_tokens": result.cached_tokens,
                         "tokens_sha256": prompt.digest,
                         "first_token": result.first_token,
                         "ttft_s": round(result.ttft_s, 4),
@@ -208,7 +209,7 @@ def run(args: argparse.Namespace) -> int:
                     partial = folder / f"{prompt.id}.json.partial"
                     partial.write_text(json.dumps(record, indent=2) + "\n")
                     partial.replace(folder / f"{prompt.id}.json")
-                    done, tokens = done + 1, tokens + result.num_tokens
+                    done, tokens, cached = done + 1, tokens + result.num_tokens, cached + result.cached_tokens
                     ttfts.append(result.ttft_s)
                     emit("prompt_done", request_id=prompt.id, tokens=result.num_tokens, ttft_s=round(result.ttft_s, 4),
                          progress=f"{skipped + done}/{len(prompts)}", failed=len(failed),
@@ -217,7 +218,7 @@ def run(args: argparse.Namespace) -> int:
                 cancelled = [prompt.id for future, prompt in pending.items() if future.cancel()]
                 not_started = sum(1 for _ in queue)
                 emit("stopped", signal=stop.signal, cancelled=len(cancelled), not_started=not_started, prefilled=done)
-            reports = {"weights": pool.weights_report(), "expert_load": pool.expert_load()}
+            reports = {"weights": pool.weights_report(), "expert_load": pool.expert_load(), "prefix_cache": pool.prefix_report()}
             stop.restore()
     stopped_by = stop.signal if stop else None
     elapsed = time.perf_counter() - started
@@ -235,6 +236,7 @@ def run(args: argparse.Namespace) -> int:
         "cancelled": len(cancelled),
         **({"stopped_by": stopped_by, "not_started": not_started} if stopped_by else {}),
         "tokens_prefilled": tokens,
+        "cached_tokens": cached,  # of them, taken from the prefix cache (not computed)
         "tokens_per_s": round(tokens / (time.perf_counter() - ready), 1) if tokens else 0.0,  # since the pool was ready
         "ttft_s": {"p50": round(ttfts[len(ttfts) // 2], 4), "max": round(ttfts[-1], 4)} if ttfts else None,
         "model_fingerprint": fingerprint,

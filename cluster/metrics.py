@@ -9,6 +9,10 @@ the Prometheus and Grafana set-up of a Ray cluster picks them up as they are:
     ray_mlapool_requests_total          counter    requests by ``status`` (ok, failed, rejected)
     ray_mlapool_queue_depth             gauge      requests submitted and not finished
     ray_mlapool_kv_bytes_shipped_total  counter    KV bytes handed off (``transport``: tcp, file)
+    ray_mlapool_prefix_cache_query_tokens_total  counter  prompt tokens of finished requests
+    ray_mlapool_prefix_cache_hit_tokens_total    counter  of them, taken from the prefix cache
+                                                         (hit rate = rate(hit) / rate(query))
+    ray_mlapool_prefix_cache_evictions_total     counter  cached blocks evicted for room
     ray_mlapool_backend_info            gauge      1, tagged with the backend, device and dtype in use
 
 Every series carries the ``pool`` tag (the pool's name: a Serve deployment, a job, ...).
@@ -36,6 +40,9 @@ class PoolMetrics:
         self.requests = metrics.Counter("mlapool_requests", "Prefill requests by outcome", (*keys, "status"))
         self.queue_depth = metrics.Gauge("mlapool_queue_depth", "Prefill requests submitted and not finished", keys)
         self.kv_bytes = metrics.Counter("mlapool_kv_bytes_shipped", "Latent KV bytes handed off", (*keys, "transport"))
+        self.prefix_queries = metrics.Counter("mlapool_prefix_cache_query_tokens", "Prompt tokens of finished requests", keys)
+        self.prefix_hits = metrics.Counter("mlapool_prefix_cache_hit_tokens", "Prompt tokens taken from the prefix cache", keys)
+        self.evictions = metrics.Counter("mlapool_prefix_cache_evictions", "Cached KV blocks evicted for room", keys)
         self.backend = metrics.Gauge("mlapool_backend_info", "The MLA prefill backend in use (value 1)", (*keys, "backend", "device", "dtype"))
         self.window_s = window_s
         self._recent: deque[tuple[float, int]] = deque()
@@ -84,6 +91,14 @@ class PoolMetrics:
 
     def failed(self, status: str = "failed") -> None:
         self.requests.inc(1, tags={**self.tags, "status": status})
+
+    def prefix_cache(self, prompt_tokens: int, cached_tokens: int) -> None:
+        self.prefix_queries.inc(prompt_tokens, tags=self.tags)
+        if cached_tokens:
+            self.prefix_hits.inc(cached_tokens, tags=self.tags)
+
+    def evicted(self, blocks: int) -> None:
+        self.evictions.inc(blocks, tags=self.tags)
 
     def shipped(self, nbytes: int, transport: str) -> None:
         self.kv_bytes.inc(nbytes, tags={**self.tags, "transport": transport})

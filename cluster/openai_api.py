@@ -16,8 +16,9 @@ cannot be reached, or answers 5xx or 429, is skipped for the next; when none is 
 KV is released when the answer ends however it ends (vLLM acknowledges it once loaded; a ticket
 vLLM refused or never used would otherwise wait for ``kv_ttl_s``).
 
-Usage is vLLM's (``prompt_tokens`` the prompt's length, ``completion_tokens`` what it generated), as
-is every sampling parameter, which is passed through; ``n`` other than 1 is refused (one prompt's KV
+Usage is vLLM's (``prompt_tokens`` the prompt's length, ``completion_tokens`` what it generated) but
+for ``prompt_tokens_details.cached_tokens``: the prompt tokens this replica's prefix cache served.
+Every sampling parameter is passed through; ``n`` other than 1 is refused (one prompt's KV
 is loaded once), as are several prompts in one request.
 """
 
@@ -220,8 +221,18 @@ def chat_chunk(chunk: dict[str, Any], model: str, first: bool) -> dict[str, Any]
     return answer
 
 
-async def relay_stream(upstream: Upstream, chat: bool, model: str) -> AsyncIterator[bytes]:
-    """vLLM's server-sent events, each rewritten for the client (its model name; chat chunks for a chat)."""
+def with_cached_tokens(answer: dict[str, Any], cached_tokens: int) -> dict[str, Any]:
+    """An answer whose usage (if any) says ``prompt_tokens_details.cached_tokens``: the prompt tokens
+    the tier's prefix cache served (vLLM's own count would be the tokens it loaded from us)."""
+    usage = answer.get("usage")
+    if not isinstance(usage, dict):
+        return answer
+    return {**answer, "usage": {**usage, "prompt_tokens_details": {**(usage.get("prompt_tokens_details") or {}), "cached_tokens": cached_tokens}}}
+
+
+async def relay_stream(upstream: Upstream, chat: bool, model: str, cached_tokens: int) -> AsyncIterator[bytes]:
+    """vLLM's server-sent events, each rewritten for the client (its model name; chat chunks for a chat;
+    ``cached_tokens`` in the usage chunk)."""
     first = True
     async for raw in upstream.response.content:
         line = raw.decode().strip()
@@ -235,6 +246,7 @@ async def relay_stream(upstream: Upstream, chat: bool, model: str) -> AsyncItera
         if "error" in chunk:
             yield f"data: {json.dumps(chunk)}\n\n".encode()
             continue
+        chunk = with_cached_tokens(chunk, cached_tokens)
         chunk = chat_chunk(chunk, model, first) if chat else {**chunk, "model": model}
         first = first and not chunk.get("choices")
         yield f"data: {json.dumps(chunk)}\n\n".encode()

@@ -13,9 +13,10 @@ the whole pool (``cluster.queueing``); a scheduler thread per replica
 runs them chunk by chunk in batches.
 
 Requests are validated at submit (``cluster.queueing.validate_tokens``), before
-they join a batch, so a bad request fails alone. The driver mirrors each replica's free KV blocks (of PCP rank 0, which
-holds the most of a striped request): a prompt that could never fit is refused
-at submit, one that does not fit yet waits for releases. A request's future can
+they join a batch, so a bad request fails alone. The driver owns each replica's KV blocks
+(``cluster.prefix_cache``: every PCP rank's, shared by prompts with a common prefix, cached prefixes
+evicted LRU for room): a prompt that could never fit is refused at submit, one that does not fit yet
+waits for releases, and a request goes to the replica holding most of its prefix (:meth:`PrefillPool.routed_elsewhere`). A request's future can
 be cancelled (``future.cancel()`` or :meth:`PrefillPool.cancel`): it is taken out
 before its next chunk and its KV blocks are freed. A batch that fails (a worker
 raised, died or got stuck) replaces its replica; its requests are retried once
@@ -39,6 +40,7 @@ import torch
 
 from cluster.handoff import KVSource, pull_kv
 from cluster.metrics import PoolMetrics
+from cluster.prefix_cache import block_hashes, pool_identity
 from cluster.queueing import Request, RequestQueue, validate_tokens
 from cluster.replica import Replica, cause, connect_ray, start_replica, stop_replica
 from cluster.results import DuplicateRequest, PoolStats, PrefillResult, PromptTooLong
@@ -51,6 +53,7 @@ from workers.weights import check_checkpoint_of
 from workers.worker import WorkerInfo
 
 logger = logging.getLogger(__name__)
+ROUTE_WAIT_S = 0.5  # how long a request may wait in the queue for the replica holding its prefix
 
 
 class PrefillPool:
@@ -95,6 +98,8 @@ class PrefillPool:
         self._use_gpus = False
         self.stopping = False
         self.stats = PoolStats()
+        self._identity = b""  # the root of the prefix cache's block hashes, once the workers say their dtype
+        self._evictions: dict[int, int] = {}  # per replica, evictions already counted in the metrics
 
     # ---- lifecycle -------------------------------------------------------
     def start(self) -> PrefillPool:
@@ -117,6 +122,7 @@ class PrefillPool:
             replica.thread = threading.Thread(target=scheduler.run, name=f"mlapool-replica-{replica.index}", daemon=True)
             replica.thread.start()
         info = self._replicas[0].infos[0]
+        self._identity = pool_identity(self.model_config.fingerprint(), info.dtype, info.weights, cfg.block_size)
         if self.metrics is not None:
             self.metrics.started(info.backend, info.device, info.dtype)
         logger.info(
@@ -210,7 +216,8 @@ class PrefillPool:
                 raise TypeError(f"request_id must be a non-empty string, got {request_id!r}")
             if request_id in self._live:
                 raise DuplicateRequest(f"request id {request_id!r} is already in flight or holds KV; ids must be unique")
-            request = Request(request_id, tokens, Future(), keep_kv, on_progress, kv_blocks)
+            names = block_hashes(tokens, self.config.block_size, self._identity) if self.config.prefix_caching else []
+            request = Request(request_id, tokens, Future(), keep_kv, on_progress, names)
             self._live[request_id] = request
             self._in_flight += 1
         return request
@@ -308,8 +315,8 @@ class PrefillPool:
             except ray.exceptions.RayActorError:
                 return  # the replica failed meanwhile: its KV is gone with it
             with self.lock:
-                if replica.generation == result.generation:
-                    replica.free_blocks += self._kv_blocks(result.num_tokens)
+                if replica.generation == result.generation and replica.prefix is not None:
+                    replica.prefix.release(result.request_id)
             self.queue.notify()
 
     def counts(self) -> dict:
@@ -404,6 +411,43 @@ class PrefillPool:
         if not self.queue.put(request, front=True):
             self.settle_failed(request, RuntimeError("the prefill pool was shut down"))
 
+    def routed_elsewhere(self, request: Request, replica: Replica) -> bool:
+        """Whether ``replica`` should leave a request to another one (called under ``lock``). The rule:
+        a request goes to the replica whose cache holds the longest prefix of it, unless that replica
+        has more than ``chunk_tokens`` more prompt tokens waiting to be prefilled than ``replica``
+        (overloaded), or no room for the request now; a request that has waited ``ROUTE_WAIT_S`` in
+        the queue goes to whichever replica takes it first."""
+        if len(self._replicas) == 1 or not request.names or time.perf_counter() - request.submitted > ROUTE_WAIT_S:
+            return False
+        mine = replica.prefix.cached_tokens(request.names, len(request.tokens))
+        for other in self._replicas:
+            if other is replica or other.prefix is None or not other.alive:
+                continue
+            theirs = other.prefix.cached_tokens(request.names, len(request.tokens))
+            if (
+                theirs > mine
+                and other.pending_tokens <= replica.pending_tokens + self.config.chunk_tokens
+                and other.prefix.fits(len(request.tokens), request.names)
+            ):
+                return True
+        return False
+
+    def count_evictions(self, replica: Replica) -> None:
+        if self.metrics is None:
+            return
+        with self.lock:
+            total = sum(p.evictions for p in replica.prefix.ranks) if replica.prefix is not None else 0
+            new = total - self._evictions.get(replica.index, 0)
+            self._evictions[replica.index] = total
+        if new > 0:
+            self.metrics.evicted(new)
+
+    def prefix_report(self) -> list[dict | None]:
+        """Per replica, its KV blocks (in use, cached, free per PCP rank), evictions and prefix-cache
+        hit rate since it started (None while it is being replaced)."""
+        with self.lock:
+            return [r.prefix.report() if r.prefix is not None else None for r in self._replicas]
+
     def count_batch(self, pieces: int) -> None:
         with self.lock:
             self.stats.batches += 1
@@ -441,6 +485,8 @@ class PrefillPool:
     def drop_cancelled(self, request: Request, replica: Replica | None) -> None:
         """Take out a cancelled request: free its KV blocks on ``replica`` (None: it never ran)."""
         if replica is not None:
+            with self.lock:
+                replica.pending_tokens -= request.remaining
             self._free(replica, request)
         with self.lock:
             self._live.pop(request.id, None)
@@ -448,6 +494,8 @@ class PrefillPool:
 
     def complete(self, replica: Replica, request: Request, piece) -> None:
         cancelled = request.cancelled
+        if self.metrics is not None:
+            self.metrics.prefix_cache(len(request.tokens), request.cached_tokens)
         if cancelled or not request.keep_kv:
             self._free(replica, request)
         result = PrefillResult(
@@ -460,6 +508,7 @@ class PrefillPool:
             kv_kept=request.keep_kv and not cancelled,
             prompt_digest=prompt_digest(request.tokens) if request.keep_kv else "",  # what a decode server checks
             generation=replica.generation,
+            cached_tokens=request.cached_tokens,
         )
         with self.lock:
             if cancelled:
@@ -483,7 +532,8 @@ class PrefillPool:
         for worker in replica.workers:
             worker.release.remote([request.id])
         with self.lock:
-            replica.free_blocks += request.kv_blocks
+            if replica.prefix is not None:
+                replica.prefix.release(request.id)
         self.queue.notify()
 
     def _replica(self, index: int) -> Replica:

@@ -38,9 +38,11 @@ class Request:
     future: Future
     keep_kv: bool
     on_progress: Callable[[int, int], None] | None
-    kv_blocks: int  # blocks its KV takes on each worker of a replica
+    names: list[bytes] = field(default_factory=list)  # its full blocks' chained hashes (cluster.prefix_cache); [] without the cache
     submitted: float = field(default_factory=time.perf_counter)
-    done: int = 0  # tokens prefilled so far
+    done: int = 0  # tokens prefilled so far (from cached_tokens on)
+    cached_tokens: int = 0  # of its prompt, taken from the prefix cache of the replica that admitted it
+    block_table: tuple[tuple[int, ...], ...] | None = None  # per PCP rank, from its admission
     attempts: int = 0  # batches of it that failed with their replica
     alone: bool = False  # runs in a batch of its own (a retry)
     blocked_since: float | None = None  # when a replica first found it did not fit

@@ -21,6 +21,7 @@ from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from configs.pool import PoolConfig
+from cluster.prefix_cache import PrefixCache
 from workers.worker import SAFE_NCCL_ENV, PrefillWorker, WorkerInfo
 
 logger = logging.getLogger(__name__)
@@ -40,7 +41,8 @@ class Replica:
     thread: threading.Thread | None = None
     generation: int = 0
     alive: bool = True
-    free_blocks: int = 0  # the driver's mirror of the workers' free KV blocks
+    prefix: PrefixCache | None = None  # its KV blocks and cached prefixes (None while it is being replaced)
+    pending_tokens: int = 0  # prompt tokens its scheduler has admitted and not prefilled yet
     start_s: dict | None = None  # how long starting it took: worker processes (to the first call), setup, warm-up, loading
     spares: Spares | None = None  # worker processes ready to replace this replica's (PoolConfig.spare_workers)
 
@@ -168,7 +170,7 @@ def start_replica(
             remove_placement_group(group)
         raise RuntimeError(f"replica {index} failed to start: {cause(exc)}") from exc
     replica = Replica(index, workers, group if owned else None, infos)
-    replica.free_blocks = replica.kv_blocks
+    replica.prefix = PrefixCache(replica.kv_blocks, config.pcp, config.block_size, enabled=config.prefix_caching)
     if wants_spares(config, use_gpus):
         replica.spares = start_spares(config, group, bundle_offset, use_gpus)
     replica.start_s = {

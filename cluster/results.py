@@ -33,6 +33,7 @@ class PrefillResult:
     prompt_digest: str = ""  # kv.frames.prompt_digest of its token ids: a decode server's check of its prompt
     generation: int = 0  # the replica's incarnation that holds the KV (it changes when a worker dies)
     finished: float = field(default_factory=time.monotonic)  # when the prefill finished (time.monotonic)
+    cached_tokens: int = 0  # prompt tokens whose KV came from the replica's prefix cache (not computed)
 
     @property
     def first_token(self) -> int:

@@ -111,16 +111,28 @@ class ReplicaScheduler:
         return batch
 
     def _reserve(self, request: Request) -> bool:
-        with self.pool.lock:
-            if request.kv_blocks > self.replica.free_blocks:
+        """Admit a request here if its blocks fit (its cached prefix shared) and the pool's routing
+        does not keep it for a replica holding more of its prefix (``PrefillPool.routed_elsewhere``)."""
+        pool, replica = self.pool, self.replica
+        with pool.lock:
+            if replica.prefix is None or pool.routed_elsewhere(request, replica):
                 return False
-            self.replica.free_blocks -= request.kv_blocks
-            return True
+            cached = replica.prefix.admit(request.id, len(request.tokens), request.names)
+            if cached is None:
+                return False
+            request.cached_tokens = request.done = cached
+            request.block_table = tuple(tuple(t) for t in replica.prefix.tables[request.id])
+            replica.pending_tokens += request.remaining
+        pool.count_evictions(replica)
+        return True
 
     # ---- running it ---------------------------------------------------------------------------
     def _run_batch(self, batch: list[tuple[Request, int]]) -> None:
         pool, replica = self.pool, self.replica
-        pieces = [ChunkPiece(r.id, r.tokens[r.done : r.done + count], r.done, len(r.tokens)) for r, count in batch]
+        pieces = [
+            ChunkPiece(r.id, r.tokens[r.done : r.done + count], r.done, len(r.tokens), r.block_table if r.done == r.cached_tokens else None)
+            for r, count in batch
+        ]  # fmt: skip
         pool.count_batch(len(pieces))
         try:
             outputs = gather([w.prefill.remote(pieces) for w in replica.workers], timeout_s=pool.config.batch_timeout_s)
@@ -134,8 +146,14 @@ class ReplicaScheduler:
         report = outputs[0]
         finished = {result.request_id: result for result in report.results}
         pool.count_pcp(report)
+        block_size = pool.config.block_size
+        with pool.lock:
+            replica.pending_tokens -= sum(count for _, count in batch)
+            for request, count in batch:  # their full blocks written so far can serve later prompts
+                request.done += count
+                if replica.prefix is not None:
+                    replica.prefix.written(request.id, request.names[: request.done // block_size])
         for request, count in batch:
-            request.done += count
             if request.on_progress is not None:
                 try:
                     request.on_progress(request.done, len(request.tokens))
@@ -154,11 +172,13 @@ class ReplicaScheduler:
         logger.error("replica %d: batch of %d request(s) failed (%s); replacing the replica", replica.index, len(batch), reason)
         with pool.lock:
             replica.generation += 1  # its kept KV is gone from here on
-            replica.free_blocks = 0  # nothing is admitted until the new workers are up
+            replica.prefix = None  # nothing is admitted until the new workers are up; their cache starts empty
+            replica.pending_tokens = 0
         stop_replica(replica, keep_group=True)  # kill first: a rank blocked in a collective would never return
         retry = []
         for request in self.active:
-            request.done = 0
+            request.done = request.cached_tokens = 0
+            request.block_table = None
             if request in batch:
                 request.attempts += 1
                 if request.attempts > 1:
@@ -184,7 +204,7 @@ class ReplicaScheduler:
             return
         with pool.lock:
             replica.workers, replica.group, replica.infos = fresh.workers, fresh.group, fresh.infos
-            replica.free_blocks, replica.spares = fresh.free_blocks, fresh.spares
+            replica.prefix, replica.spares = fresh.prefix, fresh.spares
         recovery.restart_s, recovery.start_s = time.time() - recovery.detected, fresh.start_s
         self._recovering = recovery
         pool.queue.notify()

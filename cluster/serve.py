@@ -11,7 +11,8 @@ the cluster autoscaler) place and scale whole TP x PCP groups. Every replica run
 HTTP API (JSON, or msgpack with ``content-type: application/msgpack``; the answer uses the same):
 
 ``POST /prefill`` ``{"token_ids": [int, ...], "request_id": str?, "handoff": bool?, "return_logits": bool?}``
-    200 ``{"request_id", "client_request_id"?, "num_tokens", "first_token", "ttft_s", "logits"?, "ticket"?}``.
+    200 ``{"request_id", "client_request_id"?, "num_tokens", "cached_tokens", "first_token", "ttft_s", "logits"?, "ticket"?}``
+    (``cached_tokens``: of the prompt, taken from the replica's prefix cache).
     ``request_id`` is unique across the tier (every replica): the client's ``request_id`` with a
     random suffix (as vLLM's servers do), or a random one; tickets, logs and metrics use it.
     ``logits``
@@ -50,7 +51,9 @@ from starlette.responses import Response, StreamingResponse
 
 from cluster.kv_server import KVServer
 from cluster.metrics import PoolMetrics
-from cluster.openai_api import CHAT, COMPLETIONS, DecodeServers, OpenAIError, Tokenizer, chat_answer, open_upstream, parse_request, relay_stream
+from cluster.openai_api import (
+    CHAT, COMPLETIONS, DecodeServers, OpenAIError, Tokenizer, chat_answer, open_upstream, parse_request, relay_stream, with_cached_tokens,
+)  # fmt: skip
 from cluster.pool import PrefillPool
 from cluster.results import PromptTooLong
 from configs.serve import ServeConfig
@@ -159,6 +162,7 @@ class PrefillServer:
             "vocab_size": self.pool.model_config.vocab_size,
             "in_flight": self.pool.in_flight,
             "requests": self.pool.counts(),
+            "prefix_cache": self.pool.prefix_report()[0],
             "kv_kept_requests": len(self.pool.kept_results()),
             "kv_transfers": dict(self.kv.transfers),
             "decode_servers": self.decoders.report(),
@@ -194,6 +198,7 @@ class PrefillServer:
             "request_id": result.request_id,
             **({"client_request_id": client_id} if client_id else {}),
             "num_tokens": result.num_tokens,
+            "cached_tokens": result.cached_tokens,
             "first_token": result.first_token,
             "ttft_s": round(result.ttft_s, 6),
         }
@@ -265,13 +270,13 @@ class PrefillServer:
                 await upstream.close()
                 await asyncio.to_thread(self.kv.discard, result)
             if status == 200:
-                completion = json.loads(answer)
+                completion = with_cached_tokens(json.loads(answer), result.cached_tokens)
                 answer = json.dumps(chat_answer(completion, model) if chat else {**completion, "model": model}).encode()
             return Response(answer, status_code=status, media_type="application/json")
 
         async def events():
             try:
-                async for event in relay_stream(upstream, chat, model):
+                async for event in relay_stream(upstream, chat, model, result.cached_tokens):
                     yield event
             finally:
                 await upstream.close()

@@ -63,6 +63,8 @@ class PoolConfig:
                      GPU and runs a 128K prompt on 4 GPUs at 92% parallel efficiency, against 86% with 32K
     max_batch_tokens tokens of all requests' chunks in one batch
     batch_wait_ms    how long the scheduler waits for more requests before running a batch
+    prefix_caching   reuse the KV of prompts' full blocks cached from earlier requests on the same replica
+                     (cluster.prefix_cache), and route a request to the replica holding most of its prefix
     workspace_tokens bound on cached-context rows up-projected at once (see attention.mla)
     block_size       tokens per block of the paged latent KV cache
     kv_cache_tokens  KV cache capacity per worker in tokens (under PCP a prompt's KV is striped over the
@@ -84,8 +86,8 @@ class PoolConfig:
                      requires it (a worker without NIXL fails to start), "off" serves TCP only
     spare_workers    "on": each replica keeps one spare worker process per rank, started ahead with torch
                      and the kernel library imported and no GPU memory, that replaces a failed rank
-                     (fault to serving again on H200 with FA4: 1.4 s with, 15.2 s without; the README's
-                     Faults section); "auto": on when the workers use GPUs; "off": none
+                     (fault to serving again on H200 with FA4: 1.4 s with, 15.2 s without: docs/faults.md);
+                     "auto": on when the workers use GPUs; "off": none
     seed             seed of random weights
     """
 
@@ -106,6 +108,7 @@ class PoolConfig:
     chunk_tokens: int = 32768  # measured: benchmarks/results/2026-11-21-4xh200-pcp-chunk-sweep-128k.json
     max_batch_tokens: int = 32768
     batch_wait_ms: float = 2.0
+    prefix_caching: bool = True
     workspace_tokens: int = 16384
     block_size: int = 64
     kv_cache_tokens: int | None = None
@@ -165,6 +168,8 @@ class PoolConfig:
             raise ValueError(f"pool config: batch_timeout_s must be positive or None, got {self.batch_timeout_s}")
         if self.nixl not in NIXL_MODES:
             raise ValueError(f"pool config: nixl {self.nixl!r} is not one of {', '.join(NIXL_MODES)}")
+        if not isinstance(self.prefix_caching, bool):
+            raise ValueError(f"pool config: prefix_caching must be true or false, got {self.prefix_caching!r}")
         if self.batch_wait_ms < 0:
             raise ValueError(f"pool config: batch_wait_ms must be >= 0, got {self.batch_wait_ms}")
 

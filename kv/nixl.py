@@ -23,8 +23,8 @@ block (per-block descriptors are what makes MLA transfers slow over CUDA IPC: vl
 READs between GPUs of one node need UCX's CUDA IPC GET, which UCX turns off where it finds no
 NVLink (one GPU, PCIe-only GPUs): the READs then go over TCP through host memory, at well under
 1 GiB/s (measured: 0.36 GiB/s into vLLM's cache on one H200). Every agent here is made with
-``UCX_CUDA_IPC_ENABLE_GET_ZCOPY=y`` unless the environment sets it (as Dynamo's and llm-d's
-same-node deployments do).
+``UCX_CUDA_IPC_ENABLE_GET_ZCOPY=y`` where CUDA is present, unless the environment sets it (as
+Dynamo's and llm-d's same-node deployments do).
 
 The module is importable without NIXL; :func:`nixl_unavailable` says why it cannot be used.
 """
@@ -52,7 +52,8 @@ class NixlError(RuntimeError):
 
 @cache
 def _api():
-    os.environ.setdefault("UCX_CUDA_IPC_ENABLE_GET_ZCOPY", "y")  # before UCX reads its configuration: see above
+    if torch.cuda.is_available():  # before UCX reads its configuration (see above); off CUDA UCX warns of it as unused
+        os.environ.setdefault("UCX_CUDA_IPC_ENABLE_GET_ZCOPY", "y")
     errors = []
     for name in MODULES:
         try:

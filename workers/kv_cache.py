@@ -2,18 +2,22 @@
 
 Per layer the cache is ``[num_blocks, block_size, latent]`` -- the layout vLLM's
 MLA decode reads -- with one row per token: ``[kv_c_normed | k_pe]`` (576 values
-for DeepSeek). A request owns a list of blocks (its block table), reserved for
-its whole prompt when its first chunk arrives, so a request that has started
-never runs out of cache. Token ``i`` of a request lives in block
+for DeepSeek). A request has a list of blocks (its block table), given for its
+whole prompt when its first chunk arrives, so a request that has started never
+runs out of cache. Token ``i`` of a request lives in block
 ``table[i // block_size]`` at offset ``i % block_size``.
 
-Capacity is fixed when the worker starts; the driver mirrors the block
-accounting to admit only requests that fit (``cluster.pool``).
+Capacity is fixed when the worker starts. The driver owns the blocks
+(``cluster.prefix_cache``): it sends each request's table, whose first blocks may
+already hold rows another request wrote (a cached prefix, shared read-only), and
+admits only requests that fit. Without a table (the worker's own warm-up) the
+lowest blocks no request uses are taken.
 """
 
 from __future__ import annotations
 
-import heapq
+from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -49,7 +53,7 @@ class PagedKVCache:
         self.block_size = block_size
         self.blocks = torch.empty(num_layers, num_blocks, block_size, width, dtype=dtype, device=device)
         self._rows = self.blocks.view(num_layers, num_blocks * block_size, width)
-        self._free = list(range(num_blocks))  # a min-heap: the lowest free blocks go first, so tables stay runs
+        self._used: Counter[int] = Counter()  # block -> tables that hold it (a shared prefix is in several)
         self._requests: dict[str, _Entry] = {}
 
     @staticmethod
@@ -62,28 +66,36 @@ class PagedKVCache:
 
     @property
     def free_blocks(self) -> int:
-        return len(self._free)
+        """Blocks in no request's table (cached prefix blocks the driver keeps are among them)."""
+        return self.num_blocks - len(self._used)
 
     @property
     def num_requests(self) -> int:
         return len(self._requests)
 
-    def reserve(self, request_id: str, tokens: int) -> None:
-        """Give ``request_id`` blocks for ``tokens`` rows."""
+    def reserve(self, request_id: str, tokens: int, block_ids: Sequence[int] | None = None, filled: int = 0) -> None:
+        """Give ``request_id`` blocks for ``tokens`` rows: ``block_ids`` (the driver's table, whose
+        first ``filled`` rows are already written: a cached prefix), or the lowest unused blocks."""
         if request_id in self._requests:
             raise ValueError(f"request id {request_id!r} already holds a KV cache on this worker")
         need = blocks_for(tokens, self.block_size)
-        if need > len(self._free):
-            raise KVCacheFull(
-                f"request {request_id!r} needs {need} KV blocks of {self.block_size} tokens; "
-                f"{len(self._free)} of {self.num_blocks} are free"
-            )
-        ids = [heapq.heappop(self._free) for _ in range(need)]
+        if block_ids is None:
+            ids = [b for b in range(self.num_blocks) if b not in self._used][:need]
+            if len(ids) < need:
+                raise KVCacheFull(
+                    f"request {request_id!r} needs {need} KV blocks of {self.block_size} tokens; "
+                    f"{self.free_blocks} of {self.num_blocks} are free"
+                )
+        else:
+            ids = [int(b) for b in block_ids]
+            if len(ids) != need or not all(0 <= b < self.num_blocks for b in ids) or not 0 <= filled <= tokens:
+                raise ValueError(f"request {request_id!r}: a table of {len(ids)} blocks for {tokens} rows ({need} blocks of {self.block_size}, {filled} filled) in a cache of {self.num_blocks}")
         blocks = torch.tensor(ids, dtype=torch.int64, device=self.blocks.device)
         positions = torch.arange(tokens, device=self.blocks.device)
         slots = blocks[positions // self.block_size] * self.block_size + positions % self.block_size
         run = ids == list(range(ids[0], ids[0] + need)) if ids else False
-        self._requests[request_id] = _Entry(ids, blocks, slots, ids[0] if run else None)
+        self._used.update(ids)
+        self._requests[request_id] = _Entry(ids, blocks, slots, ids[0] if run else None, filled)
 
     def append(self, request_id: str, latents: list[torch.Tensor], rows: slice | torch.Tensor) -> None:
         """Append rows ``rows`` (a slice or an index tensor) of every layer's batch latent ``[T, width]``."""
@@ -121,8 +133,8 @@ class PagedKVCache:
         entry = self._requests.pop(request_id, None)
         if entry is None:
             return 0
-        for block in entry.ids:
-            heapq.heappush(self._free, block)
+        self._used.subtract(entry.ids)
+        self._used += Counter()  # drops the blocks no table holds any more
         return len(entry.blocks)
 
     def _entry(self, request_id: str) -> _Entry:

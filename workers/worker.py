@@ -78,12 +78,15 @@ class InjectedFault(RuntimeError):
 
 @dataclass(frozen=True)
 class ChunkPiece:
-    """The next chunk of one request in a batch. ``total_len`` sizes the request's KV buffer."""
+    """The next chunk of one request in a batch. ``total_len`` sizes the request's KV buffer. A
+    request's first chunk carries its ``block_table``: per PCP rank, the blocks its rows go to
+    (``cluster.prefix_cache``), the first ``context_len`` tokens' rows already there (a cached prefix)."""
 
     request_id: str
     token_ids: np.ndarray  # int32 [n]
     context_len: int
     total_len: int
+    block_table: tuple[tuple[int, ...], ...] | None = None
 
     @property
     def is_last(self) -> bool:
@@ -335,7 +338,10 @@ class PrefillWorker(KVHolder):
             self._check_piece(piece)
         with self._kv_lock:
             for piece in pieces:
-                if piece.context_len == 0:
+                if piece.block_table is not None:
+                    table = piece.block_table[self.pcp.rank]
+                    self.kv.reserve(piece.request_id, self._rows(piece.total_len), table, self._rows(piece.context_len))
+                elif piece.context_len == 0:  # the worker's own warm-up and profile runs
                     self.kv.reserve(piece.request_id, self._rows(piece.total_len))
         seq_lens, context_lens = [len(p.token_ids) for p in pieces], [p.context_len for p in pieces]
         token_ids = torch.from_numpy(np.concatenate([p.token_ids for p in pieces]).astype(np.int64)).to(device)
@@ -452,6 +458,10 @@ class PrefillWorker(KVHolder):
         return self.model
 
     def _check_piece(self, piece: ChunkPiece) -> None:
+        if piece.block_table is not None:
+            if len(piece.block_table) != self.pcp.size:
+                raise ValueError(f"request {piece.request_id!r}: a block table for {len(piece.block_table)} PCP ranks, the replica has {self.pcp.size}")
+            return
         if piece.context_len == 0:
             return
         held, expected = self.kv.length(piece.request_id), self._rows(piece.context_len)

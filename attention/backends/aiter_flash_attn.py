@@ -2,7 +2,7 @@
 
 Calls ``aiter.flash_attn_varlen_func`` with Q/K 192 and V 128 natively; its LSE
 is already natural-log ``[H, T]``. Not yet run on ROCm hardware by this
-project (see README).
+project (see docs/backends.md).
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 Calls ``tokenspeed_mla.tokenspeed_mla_prefill``; V must be contiguous (a
 strided view gives wrong results in that library), so it is copied when it
 is not. Its LSE is natural-log ``[T, H]``, returned as ``[H, T]``. Not yet
-run on SM100 hardware by this project (see README).
+run on SM100 hardware by this project (see docs/backends.md).
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 Calls ``flashinfer.prefill.trtllm_ragged_attention_deepseek``; its LSE is
 base-2 ``[T, H]`` and is returned as natural-log ``[H, T]``. Not yet run on
-SM100 hardware by this project (see README).
+SM100 hardware by this project (see docs/backends.md).
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Faults and handoff safety on real GPUs (NCCL), where the machine has two or more: a rank that
 raises, exits or hangs inside a TP=2 batch is noticed and its replica replaced, its request retried; a
 decode actor on a holder's own GPU pulls over Ray objects (``auto``) or is refused before any send
-(``p2p``), and one on the other GPU pulls over NCCL. Results: benchmarks/results/*-gpu-faults.log."""
+(``p2p``), and one on the other GPU pulls over NCCL. Results: benchmarks/results/history/*-gpu-faults.log."""
 
 import json
 import logging
@@ -51,7 +51,7 @@ def test_a_rank_failing_inside_an_nccl_batch_is_replaced_within_seconds(gpu_ray,
         print(f"\n{kind}: {json.dumps(recovery)}")
         assert pool.stats.retried == 1 and pool.stats.failed == 0
         assert torch.allclose(result.logits, expected, atol=5e-2 * float(expected.abs().max()))
-        # measured 14-16 s on 2 x H200 (the target is 10 s: see the README's Faults section)
+        # measured 14-16 s on 2 x H200 (the target is 10 s: see docs/faults.md)
         assert recovery["serving_s"] < 30.0
 
 

@@ -136,21 +136,26 @@ def test_a_ticket_issued_ahead_holds_the_receiver_until_the_prefill_is_done(pool
     layers = [torch.full((50, 16, 80), float("nan")) for _ in range(2)]
     kv = _receiver(server, pool).fetch("ahead-1", into=layers, block_ids=list(range(44)), prompt_digest=ticket["prompt_digest"])
     assert future.done() and kv.tokens == 700
-    cold = pool.fetch_kv(pool.prefill(prompt, keep_kv=True))
-    for layer, want in zip(layers, cold):
-        assert torch.equal(layer[:44].reshape(-1, 80)[:700], want)
+    again = pool.prefill(prompt, keep_kv=True)  # its full blocks are ahead-1's, the last one recomputed
+    assert again.cached_tokens == 688
+    for layer, want in zip(layers, pool.fetch_kv(again)):
+        torch.testing.assert_close(layer[:44].reshape(-1, 80)[:700], want, atol=1e-5, rtol=1e-5)
     pool.release(pool.kept_results()[0])
     assert _no_block_leaked(pool)
 
 
 def test_a_ticket_issued_ahead_whose_prefill_is_cancelled_is_refused_with_the_reason(pool, server):
     prompt = np.arange(900) % 512
+    cancelled = pool.counts()["cancelled"]
     future = pool.submit(prompt, keep_kv=True, request_id="ahead-2")
     ticket = server.ticket_ahead("ahead-2", prompt.tolist())
     future.cancel()
     with pytest.raises(KVTransferError, match="'ahead-2' was cancelled before its prefill finished|no kept KV for request 'ahead-2'"):
         _receiver(server, pool).fetch("ahead-2", prompt_digest=ticket["prompt_digest"])
-    assert _no_block_leaked(pool)
+    deadline = time.monotonic() + 30
+    while pool.counts()["cancelled"] == cancelled and time.monotonic() < deadline:
+        time.sleep(0.05)  # its scheduler takes it out before its next chunk
+    assert pool.counts()["cancelled"] == cancelled + 1 and _no_block_leaked(pool)
 
 
 def _refused(server, request_id, **receiver):

@@ -211,7 +211,7 @@ def test_a_request_that_does_not_fit_one_replica_runs_on_the_other_at_once(ray_c
     with PrefillPool(config).start() as pool:
         held = pool.prefill(np.arange(240) % 512, keep_kv=True)  # 15 blocks
         for i in range(6):
-            result = pool.submit(np.arange(i, 200 + i) % 512).result(timeout=10)  # 13 blocks
+            result = pool.submit(np.arange(250 + i, 450 + i) % 512).result(timeout=10)  # 13 blocks, no prefix of the held one
             assert result.replica != held.replica
         pool.release(held)
 

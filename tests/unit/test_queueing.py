@@ -11,8 +11,12 @@ from cluster import queueing
 from cluster.queueing import Request, RequestQueue
 
 
+BLOCKS: dict[str, int] = {}  # request id -> the blocks it takes
+
+
 def _request(name, blocks, tokens=10):
-    return Request(name, np.zeros(tokens, dtype=np.int32), Future(), False, None, blocks)
+    BLOCKS[name] = blocks
+    return Request(name, np.zeros(tokens, dtype=np.int32), Future(), False, None)
 
 
 class Replica:
@@ -22,9 +26,9 @@ class Replica:
         self.free = free
 
     def reserve(self, request):
-        if request.kv_blocks > self.free:
+        if BLOCKS[request.id] > self.free:
             return False
-        self.free -= request.kv_blocks
+        self.free -= BLOCKS[request.id]
         return True
 
 

@@ -1,0 +1,102 @@
+"""The table of current headline figures, built from the results files themselves.
+
+    python benchmarks/figures.py            # rewrite the table in README.md and docs/performance.md
+    python benchmarks/figures.py --check    # exit 1 when a checked-in table differs (the suite runs this)
+
+``benchmarks/figures.json`` lists each figure: its words, the results file (in ``benchmarks/results/``),
+the path to the value inside it (keys joined by ``/``; ``key[field=value,...]`` picks the element of
+a list whose fields match) and its format. Machine and date come from the file's own ``machine`` and
+``date``. The table goes between the ``<!-- figures -->`` and ``<!-- /figures -->`` lines of each page.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+RESULTS = REPO / "benchmarks" / "results"
+PAGES = (REPO / "README.md", REPO / "docs" / "performance.md")
+BEGIN, END = "<!-- figures -->", "<!-- /figures -->"
+STEP = re.compile(r"^([^\[]+)(?:\[(.+)\])?$")
+
+
+def lookup(document, path: str):
+    """The value at ``path`` in a results document (see the module docstring)."""
+    value = document
+    for step in path.split("/") if "[" not in path else _steps(path):
+        key, where = STEP.match(step).groups()
+        value = value[key]
+        if where is not None:
+            wanted = dict(part.split("=", 1) for part in where.split(","))
+            matches = [item for item in value if all(str(item.get(k)) == v for k, v in wanted.items())]
+            if len(matches) != 1:
+                raise KeyError(f"{step}: {len(matches)} elements match")
+            value = matches[0]
+    return value
+
+
+def _steps(path: str) -> list[str]:
+    """``path`` split at the ``/`` outside brackets (a selector's value may hold one)."""
+    steps, depth, current = [], 0, ""
+    for char in path:
+        depth += char == "["
+        depth -= char == "]"
+        if char == "/" and depth == 0:
+            steps.append(current)
+            current = ""
+        else:
+            current += char
+    return [*steps, current]
+
+
+def machine(document) -> str:
+    value = document.get("machine", "?")
+    if isinstance(value, dict):
+        gpus = value.get("gpus", 1)
+        return f"{gpus} x {value.get('gpu', '?')}" if gpus != 1 else value.get("gpu", "?")
+    return re.sub(r",\s*\d+ MiB$", "", str(value)).removeprefix("1 x ")
+
+
+def table() -> str:
+    rows = ["| figure | value | machine | date | file |", "|---|---|---|---|---|"]
+    for entry in json.loads((REPO / "benchmarks" / "figures.json").read_text()):
+        document = json.loads((RESULTS / entry["file"]).read_text())
+        value = entry["format"].format(lookup(document, entry["path"]))
+        link = f"[{entry['file']}](benchmarks/results/{entry['file']})"
+        rows.append(f"| {entry['figure']} | {value} | {machine(document)} | {str(document.get('date', '?'))[:10]} | {link} |")
+    return "\n".join(rows) + "\n"
+
+
+def rendered(page: Path, text: str) -> str:
+    """``text`` with its figures table replaced by the current one (links relative to ``page``)."""
+    body = table()
+    if page.parent != REPO:
+        body = body.replace("](benchmarks/", "](../benchmarks/")
+    start, end = text.index(BEGIN) + len(BEGIN), text.index(END)
+    return text[:start] + "\n" + body + text[end:]
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--check", action="store_true", help="only compare; exit 1 naming the pages whose table is stale")
+    args = parser.parse_args()
+    stale = []
+    for page in PAGES:
+        text = page.read_text()
+        new = rendered(page, text)
+        if new != text:
+            stale.append(str(page.relative_to(REPO)))
+            if not args.check:
+                page.write_text(new)
+    if args.check and stale:
+        print(f"stale figures table in {', '.join(stale)}: run python benchmarks/figures.py", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

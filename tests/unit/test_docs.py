@@ -1,0 +1,62 @@
+"""The README and docs/: the figures tables equal what benchmarks/figures.py builds from the results
+files, every Markdown link resolves (files and heading anchors), and the README stays a front page
+that starts with the two commands."""
+
+import re
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO / "benchmarks"))
+import figures  # noqa: E402
+
+PAGES = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
+LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
+
+
+def _anchors(page: Path) -> set[str]:
+    """GitHub's anchors of a page's headings (outside code fences)."""
+    anchors, fence = set(), False
+    for line in page.read_text().splitlines():
+        if line.startswith("```"):
+            fence = not fence
+        elif not fence and line.startswith("#"):
+            title = line.lstrip("#").strip().lower()
+            anchors.add(re.sub(r"[^\w\- ]", "", title).replace(" ", "-"))
+    return anchors
+
+
+@pytest.mark.parametrize("page", figures.PAGES, ids=lambda p: p.name)
+def test_the_checked_in_figures_table_is_what_the_results_files_say(page):
+    text = page.read_text()
+    assert figures.rendered(page, text) == text, "stale figures table: run python benchmarks/figures.py"
+
+
+def test_a_figure_that_disagrees_with_its_file_is_caught(tmp_path):
+    page = REPO / "README.md"
+    table = figures.table()
+    first = table.splitlines()[2]
+    tampered = page.read_text().replace(first, first.replace("623,533", "700,000"))
+    assert tampered != page.read_text() and figures.rendered(page, tampered) != tampered
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: p.name)
+def test_every_markdown_link_resolves(page):
+    for target in LINK.findall(page.read_text()):
+        if target.startswith(("http://", "https://", "mailto:")):
+            continue
+        path, _, anchor = target.partition("#")
+        resolved = (page.parent / path).resolve() if path else page
+        assert resolved.exists(), f"{page.name}: link to missing {target}"
+        if anchor:
+            assert anchor in _anchors(resolved), f"{page.name}: no heading #{anchor} in {resolved.name}"
+
+
+def test_the_readme_is_a_front_page_that_starts_with_the_two_commands():
+    lines = (REPO / "README.md").read_text().splitlines()
+    assert len(lines) <= 200
+    assert lines[2] == "```bash" and "mlapool prefill" in lines[3] and "python -m pytest -q" in lines[4]
+    test_command = lines[4].split("#")[0].strip()
+    assert test_command.replace("pip install", "python -m pip install -q") in (REPO / ".ci" / "run").read_text()
