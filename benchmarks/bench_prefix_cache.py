@@ -27,20 +27,19 @@ import datetime
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 import numpy as np
+from machine import machine  # benchmarks/machine.py
+from timing import percentiles  # benchmarks/timing.py
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 GPU_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 os.environ.update(GPU_ENV)
 
 
-def _percentiles(values: list[float]) -> dict:
-    return {"p50": round(float(np.percentile(values, 50)), 4), "p99": round(float(np.percentile(values, 99)), 4), "n": len(values)}
 
 
 def _n(tokens: int, scale: float) -> int:
@@ -67,7 +66,7 @@ def multi_turn(pool, rng, vocab: int, conversations: int, turns: int, scale: flo
                 pending[pool.submit(histories[c])] = c
     wall = time.perf_counter() - started
     return {"requests": len(ttfts), "prompt_tokens": total, "cached_tokens": cached, "hit_rate": round(cached / total, 4),
-            "wall_s": round(wall, 3), "tokens_per_s": round(total / wall, 1), "ttft_s": _percentiles(ttfts),
+            "wall_s": round(wall, 3), "tokens_per_s": round(total / wall, 1), "ttft_s": percentiles(ttfts),
             "longest_prompt": max(len(h) for h in histories)}  # fmt: skip
 
 
@@ -79,7 +78,7 @@ def shared_prefix(pool, rng, vocab: int, prompts: int, scale: float) -> dict:
     wall = time.perf_counter() - started
     total, cached = sum(r.num_tokens for r in results), sum(r.cached_tokens for r in results)
     return {"requests": prompts, "prompt_tokens": total, "cached_tokens": cached, "hit_rate": round(cached / total, 4),
-            "wall_s": round(wall, 3), "tokens_per_s": round(total / wall, 1), "ttft_s": _percentiles([r.ttft_s for r in results])}  # fmt: skip
+            "wall_s": round(wall, 3), "tokens_per_s": round(total / wall, 1), "ttft_s": percentiles([r.ttft_s for r in results])}  # fmt: skip
 
 
 def isolated_turns(pool, rng, vocab: int, probes: int, chunk: int, repeats: int = 3) -> list[dict]:
@@ -133,7 +132,7 @@ def main() -> None:
     vocab = base.model_config().vocab_size
     report = {
         "what": "bench_prefix_cache: multi-turn and shared-system-prompt workloads, prefix cache off and on; isolated cached turns against their reference",
-        "date": datetime.date.today().isoformat(), "machine": _machine(args.device), "command": " ".join(sys.argv),
+        "date": datetime.date.today().isoformat(), "machine": machine(), "command": " ".join(sys.argv),
         "checkpoint": str(args.checkpoint), "results": {},
     }  # fmt: skip
     args.out.parent.mkdir(parents=True, exist_ok=True)
@@ -165,12 +164,6 @@ def main() -> None:
     print(json.dumps(report["targets"], indent=1))
     ray.shutdown()
 
-
-def _machine(device: str) -> str:
-    if device == "cpu":
-        return f"CPU, {os.cpu_count()} cores"
-    name = subprocess.run(["nvidia-smi", "--query-gpu=name,memory.total", "--format=csv,noheader"], capture_output=True, text=True).stdout.strip()
-    return f"1 x {name}"
 
 
 if __name__ == "__main__":

@@ -31,7 +31,6 @@ import argparse
 import datetime
 import json
 import os
-import platform
 import re
 import socket
 import statistics
@@ -44,6 +43,8 @@ import urllib.request
 from pathlib import Path
 
 import numpy as np
+from machine import machine  # benchmarks/machine.py
+from timing import percentiles  # benchmarks/timing.py
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "tests"))
@@ -220,11 +221,11 @@ def run_speed(args, checkpoint: Path, alone: str, tier: str, vllm_log: Path, sav
         loads = _loads(vllm_log)[loads_before + 2 :]
         rates = [tokens * layers * width * 2 / seconds / 2**30 for tokens, _, seconds, _ in loads if seconds > 0]
         out[f"{n}x{count}"] = {
-            "e2e_ttft_s": _percentiles(times["endpoint"]), "vllm_alone_ttft_s": _percentiles(times["alone"]),
+            "e2e_ttft_s": percentiles(times["endpoint"]), "vllm_alone_ttft_s": percentiles(times["alone"]),
             "e2e_over_alone_p50": round(statistics.median(times["endpoint"]) / statistics.median(times["alone"]), 4),
-            "tier_prefill_s": _percentiles(times["tier_prefill"]),
-            "kv_load_gib_per_s": _percentiles(rates), "kv_load_read_s": _percentiles([s for _, _, s, _ in loads]),
-            "kv_load_after_prefill_s": _percentiles([after for *_, after in loads]), "kv_load_transports": sorted({t for _, t, _, _ in loads}),
+            "tier_prefill_s": percentiles(times["tier_prefill"]),
+            "kv_load_gib_per_s": percentiles(rates), "kv_load_read_s": percentiles([s for _, _, s, _ in loads]),
+            "kv_load_after_prefill_s": percentiles([after for *_, after in loads]), "kv_load_transports": sorted({t for _, t, _, _ in loads}),
             "per_prompt_s": times,
         }  # fmt: skip
         save(out)
@@ -240,11 +241,6 @@ def _loads(log: Path) -> list[tuple[int, str, float, float]]:
     return [(int(m[1]), m[2], float(m[3]), float(m[4])) for m in LOAD_LINE.finditer(log.read_text())]
 
 
-def _percentiles(values: list[float]) -> dict:
-    values = sorted(values)
-    if not values:
-        return {}
-    return {"p50": round(float(np.percentile(values, 50)), 4), "p99": round(float(np.percentile(values, 99)), 4), "n": len(values)}
 
 
 def main() -> None:
@@ -285,7 +281,7 @@ def main() -> None:
         max_len = max(int(s.split("x")[0]) for s in args.lengths) + args.max_tokens + 16
     report = {
         "what": f"bench_vllm_decode {args.mode}: the tier's /v1/completions (pool prefill, KV loaded by vLLM) vs vLLM alone",
-        "date": datetime.date.today().isoformat(), "machine": _machine(args.device),
+        "date": datetime.date.today().isoformat(), "machine": machine(),
         "command": " ".join(sys.argv), "checkpoint": str(checkpoint), "weights": args.weights if args.mode == "parity" else None,
         "vllm_version": _vllm_version(args), "max_tokens": args.max_tokens, "complete": False, "results": {},
     }  # fmt: skip
@@ -308,11 +304,6 @@ def main() -> None:
     print(json.dumps({k: v for k, v in report.items() if k != "results"} | {"summary": {k: v for k, v in results.items() if k != "per_prompt"}}, indent=1))
 
 
-def _machine(device: str) -> str:
-    if device == "cpu":
-        return f"{platform.machine()} CPU, {os.cpu_count()} cores"
-    name = subprocess.run(["nvidia-smi", "--query-gpu=name,memory.total", "--format=csv,noheader"], capture_output=True, text=True).stdout.strip()
-    return f"1 x {name}"
 
 
 def _vllm_version(args) -> str:

@@ -27,7 +27,7 @@ STEP = re.compile(r"^([^\[]+)(?:\[(.+)\])?$")
 def lookup(document, path: str):
     """The value at ``path`` in a results document (see the module docstring)."""
     value = document
-    for step in path.split("/") if "[" not in path else _steps(path):
+    for step in _steps(path):
         key, where = STEP.match(step).groups()
         value = value[key]
         if where is not None:

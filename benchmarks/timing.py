@@ -5,6 +5,7 @@ from __future__ import annotations
 import statistics
 import time
 
+import numpy as np
 import torch
 
 
@@ -36,3 +37,10 @@ def seconds_per_call(fn, repeats: int = 10, *, synced: bool = False) -> float:
         end.record()
     sync()
     return statistics.median(start.elapsed_time(end) for start, end in events) / 1e3
+
+
+def percentiles(values: list[float]) -> dict:
+    """p50 and p99 of some timings (or rates), and how many there were ({} for none)."""
+    if not values:
+        return {}
+    return {"p50": round(float(np.percentile(values, 50)), 4), "p99": round(float(np.percentile(values, 99)), 4), "n": len(values)}

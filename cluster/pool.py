@@ -99,7 +99,6 @@ class PrefillPool:
         self.stopping = False
         self.stats = PoolStats()
         self._identity = b""  # the root of the prefix cache's block hashes, once the workers say their dtype
-        self._evictions: dict[int, int] = {}  # per replica, evictions already counted in the metrics
 
     # ---- lifecycle -------------------------------------------------------
     def start(self) -> PrefillPool:
@@ -431,16 +430,6 @@ class PrefillPool:
             ):
                 return True
         return False
-
-    def count_evictions(self, replica: Replica) -> None:
-        if self.metrics is None:
-            return
-        with self.lock:
-            total = sum(p.evictions for p in replica.prefix.ranks) if replica.prefix is not None else 0
-            new = total - self._evictions.get(replica.index, 0)
-            self._evictions[replica.index] = total
-        if new > 0:
-            self.metrics.evicted(new)
 
     def prefix_report(self) -> list[dict | None]:
         """Per replica, its KV blocks (in use, cached, free per PCP rank), evictions and prefix-cache

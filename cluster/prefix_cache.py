@@ -151,42 +151,51 @@ class PrefixCache:
         cached tokens, or None when some PCP rank lacks the room (nothing is taken then)."""
         if request_id in self.tables:
             raise ValueError(f"request {request_id!r} already holds blocks on this replica")
-        hit = self.cached_tokens(names, num_tokens) // self.block_size
-        total = blocks_for(num_tokens, self.block_size)
-        shared = [[self.ranks[r].find(names[j]) for j in range(r, hit, self.pcp)] for r in range(self.pcp)]
-        for rank, pool, reused in zip(range(self.pcp), self.ranks, shared):
-            new = len(range(rank, total, self.pcp)) - len(reused)
-            if new > pool.available - sum(pool.evictable(b) for b in reused):
-                return None
+        plan = self._plan(num_tokens, names)
+        if plan is None:
+            return None
         tables = []
-        for rank, pool, reused in zip(range(self.pcp), self.ranks, shared):
+        for pool, (reused, new) in zip(self.ranks, plan):
             for block in reused:
                 pool.share(block)
-            tables.append(reused + pool.allocate(len(range(rank, total, self.pcp)) - len(reused)))
+            tables.append(reused + pool.allocate(new))
         self.tables[request_id] = tables
-        self.hit_tokens += hit * self.block_size
+        hit = sum(len(reused) for reused, _ in plan) * self.block_size
+        self.hit_tokens += hit
         self.query_tokens += num_tokens
-        return hit * self.block_size
+        return hit
 
     def fits(self, num_tokens: int, names: Sequence[bytes]) -> bool:
         """Whether :meth:`admit` would take the request now."""
+        return self._plan(num_tokens, names) is not None
+
+    def _plan(self, num_tokens: int, names: Sequence[bytes]) -> list[tuple[list[int], int]] | None:
+        """Per PCP rank, the cached blocks a request would share and how many new ones it needs; None
+        when a rank's free and evictable blocks (less those it would share) are too few."""
         hit = self.cached_tokens(names, num_tokens) // self.block_size
         total = blocks_for(num_tokens, self.block_size)
+        plan = []
         for rank, pool in enumerate(self.ranks):
             reused = [pool.find(names[j]) for j in range(rank, hit, self.pcp)]
-            if len(range(rank, total, self.pcp)) - len(reused) > pool.available - sum(pool.evictable(b) for b in reused):
-                return False
-        return True
+            new = len(range(rank, total, self.pcp)) - len(reused)
+            if new > pool.available - sum(pool.evictable(b) for b in reused):
+                return None
+            plan.append((reused, new))
+        return plan
 
-    def written(self, request_id: str, names: Sequence[bytes]) -> None:
-        """A request's first ``len(names)`` blocks are written (after each of its chunks): name them,
-        so later prompts can share them."""
+    def written(self, request_id: str, names: Sequence[bytes], first: int = 0) -> None:
+        """A request's blocks ``first`` to ``first + len(names)`` are written (after one of its chunks):
+        name them, so later prompts can share them."""
         tables = self.tables.get(request_id)
         if tables is None or not self.enabled:
             return
-        for j, name in enumerate(names):
+        for j, name in enumerate(names, start=first):
             rank = j % self.pcp
             self.ranks[rank].name(tables[rank][j // self.pcp], name)
+
+    @property
+    def evictions(self) -> int:
+        return sum(p.evictions for p in self.ranks)
 
     def release(self, request_id: str) -> bool:
         """Drop a request's references (its last blocks first into the LRU); False if it held none."""
@@ -203,7 +212,7 @@ class PrefixCache:
             "blocks_in_use": [p.in_use for p in self.ranks],
             "blocks_cached": [p.cached for p in self.ranks],
             "blocks_free": [p.available - p.cached for p in self.ranks],
-            "evictions": sum(p.evictions for p in self.ranks),
+            "evictions": self.evictions,
             "hit_tokens": self.hit_tokens,
             "query_tokens": self.query_tokens,
             "hit_rate": round(self.hit_tokens / self.query_tokens, 4) if self.query_tokens else None,

@@ -117,13 +117,16 @@ class ReplicaScheduler:
         with pool.lock:
             if replica.prefix is None or pool.routed_elsewhere(request, replica):
                 return False
+            evictions = replica.prefix.evictions
             cached = replica.prefix.admit(request.id, len(request.tokens), request.names)
             if cached is None:
                 return False
             request.cached_tokens = request.done = cached
             request.block_table = tuple(tuple(t) for t in replica.prefix.tables[request.id])
             replica.pending_tokens += request.remaining
-        pool.count_evictions(replica)
+            evicted = replica.prefix.evictions - evictions
+        if evicted and pool.metrics is not None:
+            pool.metrics.evicted(evicted)
         return True
 
     # ---- running it ---------------------------------------------------------------------------
@@ -149,10 +152,11 @@ class ReplicaScheduler:
         block_size = pool.config.block_size
         with pool.lock:
             replica.pending_tokens -= sum(count for _, count in batch)
-            for request, count in batch:  # their full blocks written so far can serve later prompts
+            for request, count in batch:  # the full blocks this chunk completed can serve later prompts
+                first = request.done // block_size
                 request.done += count
                 if replica.prefix is not None:
-                    replica.prefix.written(request.id, request.names[: request.done // block_size])
+                    replica.prefix.written(request.id, request.names[first : request.done // block_size], first)
         for request, count in batch:
             if request.on_progress is not None:
                 try:

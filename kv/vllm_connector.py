@@ -55,7 +55,7 @@ import vllm
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, KVConnectorMetadata, KVConnectorRole
 from vllm.logger import init_logger
 
-from kv.frames import KVTransferError, config_fingerprint, prompt_digest
+from kv.frames import config_fingerprint, prompt_digest
 from kv.nixl import NixlEndpoint
 from kv.receiver import KVReceiver, resolve_transports
 
