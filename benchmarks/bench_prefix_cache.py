@@ -91,23 +91,27 @@ def isolated_turns(pool, rng, vocab: int, probes: int, chunk: int, repeats: int 
     rows = []
     for chunks in range(2, probes + 2):
         history_len, new = chunks * chunk, int(rng.integers(chunk // 4, chunk // 2 + 1))
-        cached_turn, reference = [], []
+        cached_turn, queued, reference = [], [], []
         for _ in range(repeats):
             history = rng.integers(0, vocab, size=history_len)
             pool.prefill(history)  # the previous turn: caches the history's full blocks
             result = pool.prefill(np.concatenate([history, rng.integers(0, vocab, size=new)]))
             cached_turn.append(result.ttft_s)
+            queued.append(result.queue_s)
             whole = pool.prefill(rng.integers(0, vocab, size=history_len + new)).ttft_s  # fresh tokens: nothing cached
             alone = pool.prefill(rng.integers(0, vocab, size=history_len)).ttft_s  # the same chunks but the last
             reference.append(whole - alone)
         turn_s, reference_s = statistics.median(cached_turn), statistics.median(reference)
         rows.append({"history_tokens": history_len, "new_tokens": new, "cached_tokens": result.cached_tokens,
-                     "turn_ttft_s": round(turn_s, 4), "reference_s": round(reference_s, 4), "ratio": round(turn_s / reference_s, 3)})  # fmt: skip
+                     "turn_ttft_s": round(turn_s, 4), "turn_queue_s": round(statistics.median(queued), 4),
+                     "reference_s": round(reference_s, 4), "ratio": round(turn_s / reference_s, 3)})  # fmt: skip
         print(json.dumps(rows[-1]), flush=True)
     return rows
 
 
 def main() -> None:
+    from configs.pool import PoolConfig
+
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--checkpoint", type=Path, required=True, help="the checkpoint (benchmarks/write_checkpoint.py writes one)")
     parser.add_argument("--out", type=Path, required=True, help="the results JSON")
@@ -116,6 +120,8 @@ def main() -> None:
     parser.add_argument("--shared-prompts", type=int, default=256)
     parser.add_argument("--probes", type=int, default=6, help="isolated turns, histories of 8K, 12K, ... (default 6: to 28K)")
     parser.add_argument("--kv-cache-tokens", type=int, default=1 << 21, help="the worker's KV cache (default 2097152)")
+    parser.add_argument("--batch-wait-ms", type=float, default=PoolConfig.batch_wait_ms, help=f"the pools' batch_wait_ms (default {PoolConfig.batch_wait_ms})")
+    parser.add_argument("--only-isolated", action="store_true", help="only the isolated turns (no workloads, no targets)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda", help="cpu: the script checked on a small model (with --scale)")
     parser.add_argument("--scale", type=float, default=1.0, help="every token count times this (default 1)")
@@ -124,11 +130,11 @@ def main() -> None:
     import ray
 
     from cluster.pool import PrefillPool
-    from configs.pool import PoolConfig
 
     gpu = args.device == "cuda"
     ray.init(num_cpus=None if gpu else 2, num_gpus=1, include_dashboard=False, log_to_driver=False, runtime_env={"env_vars": GPU_ENV})
-    base = PoolConfig(checkpoint=str(args.checkpoint), kv_cache_tokens=args.kv_cache_tokens, device=args.device, use_gpus=True, worker_cpus=1.0 if gpu else 0.5)
+    base = PoolConfig(checkpoint=str(args.checkpoint), kv_cache_tokens=args.kv_cache_tokens, device=args.device, use_gpus=True,
+                      worker_cpus=1.0 if gpu else 0.5, batch_wait_ms=args.batch_wait_ms)  # fmt: skip
     vocab = base.model_config().vocab_size
     report = {
         "what": "bench_prefix_cache: multi-turn and shared-system-prompt workloads, prefix cache off and on; isolated cached turns against their reference",
@@ -136,7 +142,9 @@ def main() -> None:
         "checkpoint": str(args.checkpoint), "results": {},
     }  # fmt: skip
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    for cache in (False, True):
+    rng = np.random.default_rng(args.seed)
+    report["results"]["cache_on"] = {}
+    for cache in () if args.only_isolated else (False, True):
         rng = np.random.default_rng(args.seed)  # the same workloads both ways
         with PrefillPool(base.replace(prefix_caching=cache)).start() as pool:
             pool.prefill(rng.integers(0, vocab, size=_n(4096, args.scale)))  # warm-up, not counted
@@ -152,6 +160,10 @@ def main() -> None:
     with PrefillPool(base.replace(chunk_tokens=chunk, max_batch_tokens=chunk)).start() as pool:
         pool.prefill(rng.integers(0, vocab, size=chunk))  # warm-up
         report["results"]["cache_on"]["isolated_turns"] = isolated_turns(pool, rng, vocab, args.probes, chunk)
+    if args.only_isolated:
+        args.out.write_text(json.dumps(report, indent=1) + "\n")
+        ray.shutdown()
+        return
     on, off = report["results"]["cache_on"], report["results"]["cache_off"]
     ratios = [row["ratio"] for row in on["isolated_turns"]]
     report["targets"] = {

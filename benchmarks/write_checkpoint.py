@@ -5,8 +5,8 @@ RandomWeights``, same seed, so a worker loading this directory holds exactly the
 drawing them): FP8 ``float8_e4m3fn`` weights with float32 ``weight_scale_inv`` per 128x128 block
 where the config has a ``quantization_config``, the other tensors in the dtype a model of ``--dtype``
 holds them in (bf16 as in DeepSeek's releases; the routers' ``e_score_correction_bias`` float32). Files of at most ``--file-gib`` with
-``model.safetensors.index.json``, and the built-in ``config.json`` with ``num_hidden_layers`` set to
-the layers written. Drawn on ``--device`` one tensor at a time (the values equal those workers draw on
+``model.safetensors.index.json``, the built-in ``config.json`` with ``num_hidden_layers`` set to
+the layers written, and a word-level tokenizer over the vocabulary (:func:`write_tokenizer`). Drawn on ``--device`` one tensor at a time (the values equal those workers draw on
 the same kind of device: CPU and CUDA generators differ); host memory holds one file's worth.
 
     python benchmarks/write_checkpoint.py --model deepseek-v3 --num-layers 5 --out /tmp/v3-5layers
@@ -71,8 +71,24 @@ def write_checkpoint(
     (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=1) + "\n")
     builtin, given = MODELS_DIR / f"{model}.json", Path(model)
     config_file = builtin if builtin.is_file() else given / "config.json" if given.is_dir() else given
-    (out / "config.json").write_text(json.dumps({**json.loads(config_file.read_text()), **overrides}, indent=1) + "\n")
+    config = {**json.loads(config_file.read_text()), **overrides}
+    (out / "config.json").write_text(json.dumps(config, indent=1) + "\n")
+    write_tokenizer(out, config)
     return {"files": len(files), "tensors": len(weight_map), "bytes": total, "seconds": round(time.perf_counter() - started, 1)}
+
+
+def write_tokenizer(out: Path, config: dict) -> None:
+    """A word-level tokenizer over the whole vocabulary (id ``i`` is the word ``w<i>``; the config's
+    bos and eos ids are ``<s>`` and ``</s>``): the release's own tokenizer is not at hand, and servers
+    that detokenize (vLLM, the tier's OpenAI endpoint) need one; the same text costs for both."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    special = {config.get("bos_token_id", 0): "<s>", config.get("eos_token_id", 1): "</s>"}
+    words = {special.get(i, f"w{i}"): i for i in range(config["vocab_size"])}
+    backend = Tokenizer(models.WordLevel(words, unk_token="w2"))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    PreTrainedTokenizerFast(tokenizer_object=backend, bos_token="<s>", eos_token="</s>", unk_token="w2").save_pretrained(out)
 
 
 def main() -> None:

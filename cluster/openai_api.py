@@ -8,7 +8,10 @@ then tokenized as vLLM does), prefilled by this replica's pool with its KV kept,
 completion of those token ids to a vLLM decode server (``ServeConfig.decode_servers``) with the
 ticket in ``kv_transfer_params["mlapool"]``; vLLM's connector (``kv.vllm_connector``) takes the KV
 from the prefill workers, vLLM decodes, and its answer streams back, as a chat completion for a chat.
-The first token is vLLM's: it computes the last prompt token itself over our KV (see the connector).
+The first token is the tier's when it reproduces the request's sampling (``cluster.first_token``):
+sampled from the prefill's logits and sent at once, with vLLM given the prompt and that token. Else it
+is vLLM's, which then gets the request (and its ticket, issued ahead) as the prefill starts, and
+computes the prompt's last token itself over our KV.
 
 The decode server with the fewest requests in flight from this replica is tried first; one that
 cannot be reached, or answers 5xx or 429, is skipped for the next; when none is left the client gets
@@ -33,6 +36,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
+
+from cluster.first_token import shift
 
 COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"
 RETRY_STATUSES = {429, 500, 502, 503, 504}
@@ -106,18 +111,27 @@ class Tokenizer:
     Token ids need no tokenizer."""
 
     def __init__(self, path: str | None) -> None:
-        self.path, self._tokenizer = path, None
+        self.path, self._tokenizer, self._error = path, None, None
 
     @property
     def tokenizer(self):
-        if self._tokenizer is None:
+        if self._tokenizer is None and self._error is None:
             try:
                 from transformers import AutoTokenizer
 
                 self._tokenizer = AutoTokenizer.from_pretrained(self.path)
             except Exception as exc:  # noqa: BLE001 -- no transformers, no tokenizer files, a broken one
-                raise OpenAIError(400, f"this endpoint has no tokenizer ({self.path}: {type(exc).__name__}: {exc}); send token ids as the prompt") from None
+                self._error = f"{type(exc).__name__}: {exc}"
+        if self._tokenizer is None:
+            raise OpenAIError(400, f"this endpoint has no tokenizer ({self.path}: {self._error}); send token ids as the prompt")
         return self._tokenizer
+
+    @property
+    def available(self) -> bool:
+        try:
+            return self.tokenizer is not None
+        except OpenAIError:
+            return False
 
     def encode(self, parsed: Parsed) -> list[int]:
         if parsed.chat:
@@ -230,10 +244,20 @@ def with_cached_tokens(answer: dict[str, Any], cached_tokens: int) -> dict[str, 
     return {**answer, "usage": {**usage, "prompt_tokens_details": {**(usage.get("prompt_tokens_details") or {}), "cached_tokens": cached_tokens}}}
 
 
-async def relay_stream(upstream: Upstream, chat: bool, model: str, cached_tokens: int) -> AsyncIterator[bytes]:
+def sse(chunk: dict[str, Any]) -> bytes:
+    return f"data: {json.dumps(chunk)}\n\n".encode()
+
+
+def client_chunk(chunk: dict[str, Any], chat: bool, model: str, first: bool) -> dict[str, Any]:
+    return chat_chunk(chunk, model, first) if chat else {**chunk, "model": model}
+
+
+async def relay_stream(upstream: Upstream, chat: bool, model: str, cached_tokens: int, head: dict[str, Any] | None = None) -> AsyncIterator[bytes]:
     """vLLM's server-sent events, each rewritten for the client (its model name; chat chunks for a chat;
-    ``cached_tokens`` in the usage chunk)."""
-    first = True
+    ``cached_tokens`` in the usage chunk). ``head``: the first token's chunk, sampled by the tier
+    (``cluster.first_token``) and already sent: vLLM's chunks, which go on from the second token, get
+    its id and usage counting it."""
+    first = head is None
     async for raw in upstream.response.content:
         line = raw.decode().strip()
         if not line.startswith("data:"):
@@ -244,9 +268,10 @@ async def relay_stream(upstream: Upstream, chat: bool, model: str, cached_tokens
             continue
         chunk = json.loads(data)
         if "error" in chunk:
-            yield f"data: {json.dumps(chunk)}\n\n".encode()
+            yield sse(chunk)
             continue
-        chunk = with_cached_tokens(chunk, cached_tokens)
-        chunk = chat_chunk(chunk, model, first) if chat else {**chunk, "model": model}
+        if head is not None:
+            chunk = shift(chunk, head["id"])
+        chunk = client_chunk(with_cached_tokens(chunk, cached_tokens), chat, model, first)
         first = first and not chunk.get("choices")
-        yield f"data: {json.dumps(chunk)}\n\n".encode()
+        yield sse(chunk)

@@ -494,6 +494,7 @@ class PrefillPool:
             last_hidden=piece.last_hidden,
             replica=replica.index,
             ttft_s=time.perf_counter() - request.submitted,
+            queue_s=(request.started or request.submitted) - request.submitted,
             kv_kept=request.keep_kv and not cancelled,
             prompt_digest=prompt_digest(request.tokens) if request.keep_kv else "",  # what a decode server checks
             generation=replica.generation,

@@ -40,6 +40,7 @@ class Request:
     on_progress: Callable[[int, int], None] | None
     names: list[bytes] = field(default_factory=list)  # its full blocks' chained hashes (cluster.prefix_cache); [] without the cache
     submitted: float = field(default_factory=time.perf_counter)
+    started: float | None = None  # when its first chunk went to the workers (time.perf_counter)
     done: int = 0  # tokens prefilled so far (from cached_tokens on)
     cached_tokens: int = 0  # of its prompt, taken from the prefix cache of the replica that admitted it
     block_table: tuple[tuple[int, ...], ...] | None = None  # per PCP rank, from its admission

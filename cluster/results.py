@@ -34,6 +34,7 @@ class PrefillResult:
     generation: int = 0  # the replica's incarnation that holds the KV (it changes when a worker dies)
     finished: float = field(default_factory=time.monotonic)  # when the prefill finished (time.monotonic)
     cached_tokens: int = 0  # prompt tokens whose KV came from the replica's prefix cache (not computed)
+    queue_s: float = 0.0  # of ttft_s, the wait from submission to its first chunk's batch (admission, routing, batching)
 
     @property
     def first_token(self) -> int:

@@ -137,6 +137,9 @@ class ReplicaScheduler:
             for r, count in batch
         ]  # fmt: skip
         pool.count_batch(len(pieces))
+        now = time.perf_counter()
+        for request, _ in batch:
+            request.started = request.started or now
         try:
             outputs = gather([w.prefill.remote(pieces) for w in replica.workers], timeout_s=pool.config.batch_timeout_s)
         except (ray.exceptions.RayError, BatchTimeout) as exc:

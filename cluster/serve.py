@@ -37,6 +37,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import time
 import uuid
 import warnings
 from typing import Any
@@ -51,8 +52,10 @@ from starlette.responses import Response, StreamingResponse
 
 from cluster.kv_server import KVServer
 from cluster.metrics import PoolMetrics
+from cluster.first_token import FirstToken, first_chunk, generation_defaults, shift, token_text, usage
 from cluster.openai_api import (
-    CHAT, COMPLETIONS, DecodeServers, OpenAIError, Tokenizer, chat_answer, open_upstream, parse_request, relay_stream, with_cached_tokens,
+    CHAT, COMPLETIONS, DecodeServers, OpenAIError, Parsed, Tokenizer, Upstream, chat_answer, client_chunk, open_upstream, parse_request,
+    relay_stream, sse, with_cached_tokens,
 )  # fmt: skip
 from cluster.pool import PrefillPool
 from cluster.results import PromptTooLong
@@ -117,6 +120,7 @@ class PrefillServer:
         self.fingerprint = self.pool.model_config.fingerprint()
         self.decoders = DecodeServers.of(list(config.decode_servers))
         self.tokenizer = Tokenizer(config.tokenizer or config.pool.checkpoint)
+        self.generation = generation_defaults(config.pool.checkpoint)  # vLLM's sampling defaults for the first token
 
     async def __call__(self, request: Request) -> Response:
         path = request.url.path
@@ -237,9 +241,12 @@ class PrefillServer:
 
     async def _openai(self, request: Request, chat: bool) -> Response:
         """An OpenAI completion or chat completion: prefill here with the KV kept, decode on a vLLM
-        decode server that loads it (``cluster.openai_api``). The request goes to the decode server
-        with a ticket issued ahead (``KVServer.ticket_ahead``) as soon as the prefill is submitted:
-        vLLM takes it in, allocates its blocks and asks for the KV while the pool prefills."""
+        decode server that loads it (``cluster.openai_api``). When the tier reproduces the request's
+        sampling (``cluster.first_token``), the first token is sampled here from the prefill's logits
+        and sent at once, and the decode server gets the prompt followed by it. Otherwise the request
+        goes to the decode server with a ticket issued ahead (``KVServer.ticket_ahead``) as soon as the
+        prefill is submitted: vLLM takes it in, allocates its blocks and asks for the KV while the pool
+        prefills, and computes the first token itself."""
         if not self.decoders.servers:
             raise OpenAIError(503, "this tier has no decode servers (ServeConfig.decode_servers)")
         try:
@@ -248,21 +255,106 @@ class PrefillServer:
             raise OpenAIError(exc.status, str(exc)) from None
         except (json.JSONDecodeError, UnicodeDecodeError) as exc:
             raise OpenAIError(400, f"body is not valid JSON ({exc})") from None
-        model = self.config.model_name
-        parsed = parse_request(body, chat, model)
+        parsed = parse_request(body, chat, self.config.model_name)
         token_ids = self.tokenizer.encode(parsed)
+        first = FirstToken.plan(parsed.passthrough, self.generation, self._eos_id()) if self.tokenizer.available else "no tokenizer"
+        if isinstance(first, FirstToken):
+            return await self._openai_first_token(parsed, token_ids, first)
         try:
             request_id, future = self._submit(token_ids, None, keep_kv=True)
         except HTTPError as exc:
             raise OpenAIError(exc.status, str(exc)) from None
-        forward = {
-            **parsed.passthrough, "model": self.config.decode_model_name or model, "prompt": token_ids, "stream": parsed.stream,
-            "kv_transfer_params": {"mlapool": self.kv.ticket_ahead(request_id, token_ids, host=self.ticket_host)},
-        }  # fmt: skip
+        forward = self._forward(parsed, parsed.passthrough, token_ids, {"mlapool": self.kv.ticket_ahead(request_id, token_ids, host=self.ticket_host)})
+        result, upstream = await self._prefill_and_forward(request_id, future, forward)
+        logger.info("decoding", extra={"mlapool_request_id": request_id, "decode_server": upstream.server.url, "first_token": first})
+        return await self._answer(upstream, result, parsed)
+
+    async def _openai_first_token(self, parsed: Parsed, token_ids: list[int], first: FirstToken) -> Response:
+        """Prefill, sample the first token here, and send the rest to a decode server (or end here)."""
+        try:
+            result = await self._run(token_ids, None, keep_kv=True)
+        except HTTPError as exc:
+            raise OpenAIError(exc.status, str(exc)) from None
+        try:
+            token = first.sample(result.logits) if first.greedy else await asyncio.to_thread(first.sample, result.logits)
+            finish = first.finish(token)
+            text = "" if finish == "stop" else token_text(self.tokenizer.tokenizer, token_ids, token)
+            ticket = {"mlapool": self.kv.ticket(result, host=self.ticket_host)}
+            if text is None:  # not whole on its own: vLLM samples the first token after all
+                upstream = await open_upstream(self.decoders, self._forward(parsed, parsed.passthrough, token_ids, ticket), self.config.decode_timeout_s)
+                return await self._answer(upstream, result, parsed)
+            head = first_chunk("cmpl-" + result.request_id, self.config.model_name, int(time.time()), text, token, finish,
+                               token_ids if first.return_token_ids else None)  # fmt: skip
+            if finish is not None:
+                await asyncio.to_thread(self.kv.discard, result)
+                return self._local_answer(parsed, head, len(token_ids), result.cached_tokens)
+            forward = self._forward(parsed, first.forwarded(parsed.passthrough), token_ids + [token], ticket)
+            opening = asyncio.ensure_future(open_upstream(self.decoders, forward, self.config.decode_timeout_s))
+            if parsed.stream:  # the first token goes out now, not once a decode server answers (vLLM answers with its first token)
+                return StreamingResponse(self._head_then_relay(head, opening, result, parsed), media_type="text/event-stream")
+            upstream = await opening
+        except BaseException:  # no decode server took it, or the client left
+            await asyncio.to_thread(self.kv.discard, result)
+            raise
+        return await self._answer(upstream, result, parsed, head)
+
+    async def _head_then_relay(self, head: dict[str, Any], opening: asyncio.Future, result, parsed: Parsed):
+        """A streamed answer whose first token is the tier's: that token at once, then the decode
+        server's tokens. A failure to reach one comes as an error event (the answer has begun)."""
+        model, upstream = self.config.model_name, None
+        try:
+            yield sse(client_chunk(head, parsed.chat, model, True))
+            try:
+                upstream = await opening
+            except OpenAIError as exc:
+                yield sse(exc.body())
+                yield b"data: [DONE]\n\n"
+                return
+            if upstream.response.status != 200:
+                text = (await upstream.response.text())[:500]
+                yield sse(OpenAIError(upstream.response.status, f"the decode server refused the rest of the answer: {text}").body())
+                yield b"data: [DONE]\n\n"
+                return
+            async for event in relay_stream(upstream, parsed.chat, model, result.cached_tokens, head):
+                yield event
+        finally:
+            if upstream is not None:
+                await upstream.close()
+            elif not opening.done():
+                opening.cancel()  # the client left first: open_upstream gives the server back
+            elif not opening.cancelled():
+                opening.exception()  # retrieved: it was answered as an error event
+            await asyncio.to_thread(self.kv.discard, result)
+
+    def _forward(self, parsed: Parsed, params: dict[str, Any], prompt: list[int], ticket: dict[str, Any]) -> dict[str, Any]:
+        """The completion request for a decode server."""
+        forward = {**params, "model": self.config.decode_model_name or self.config.model_name, "prompt": prompt, "stream": parsed.stream,
+                   "kv_transfer_params": ticket}  # fmt: skip
+        if "max_completion_tokens" in forward:  # a chat's name for it; vLLM's completions take max_tokens
+            forward.setdefault("max_tokens", forward.pop("max_completion_tokens"))
         if parsed.stream:
             forward["stream_options"] = {"include_usage": parsed.include_usage}
-        result, upstream = await self._prefill_and_forward(request_id, future, forward)
-        logger.info("decoding", extra={"mlapool_request_id": request_id, "decode_server": upstream.server.url, "tokens": result.num_tokens})
+        return forward
+
+    def _eos_id(self) -> int | None:
+        eos = self.tokenizer.tokenizer.eos_token_id
+        return eos if type(eos) is int else None
+
+    def _local_answer(self, parsed: Parsed, head: dict[str, Any], prompt_tokens: int, cached_tokens: int) -> Response:
+        """The answer of a request whose first token ended it."""
+        model, counts = self.config.model_name, usage(prompt_tokens, 1, cached_tokens)
+        if not parsed.stream:
+            answer = {**head, "usage": counts}
+            return Response(json.dumps(chat_answer(answer, model) if parsed.chat else answer), media_type="application/json")
+        events = [sse(client_chunk(head, parsed.chat, model, True))]
+        if parsed.include_usage:
+            events.append(sse(client_chunk({**head, "choices": [], "usage": counts}, parsed.chat, model, False)))
+        return StreamingResponse(iter([*events, b"data: [DONE]\n\n"]), media_type="text/event-stream")
+
+    async def _answer(self, upstream: Upstream, result, parsed: Parsed, head: dict[str, Any] | None = None) -> Response:
+        """The decode server's answer, as the client's (``head``: the first token's chunk of an answer
+        not streamed, when it was the tier's); the KV is released when it ends however it ends."""
+        model = self.config.model_name
         if upstream.response.status != 200 or not parsed.stream:
             try:
                 status, answer = upstream.response.status, await upstream.response.read()
@@ -270,13 +362,16 @@ class PrefillServer:
                 await upstream.close()
                 await asyncio.to_thread(self.kv.discard, result)
             if status == 200:
-                completion = with_cached_tokens(json.loads(answer), result.cached_tokens)
-                answer = json.dumps(chat_answer(completion, model) if chat else {**completion, "model": model}).encode()
+                completion = json.loads(answer)
+                if head is not None:
+                    completion = shift(completion, head["id"], head)
+                completion = with_cached_tokens(completion, result.cached_tokens)
+                answer = json.dumps(chat_answer(completion, model) if parsed.chat else {**completion, "model": model}).encode()
             return Response(answer, status_code=status, media_type="application/json")
 
         async def events():
             try:
-                async for event in relay_stream(upstream, chat, model, result.cached_tokens):
+                async for event in relay_stream(upstream, parsed.chat, model, result.cached_tokens):
                     yield event
             finally:
                 await upstream.close()

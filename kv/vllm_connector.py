@@ -14,13 +14,15 @@ have NIXL, else TCP) straight into vLLM's paged MLA cache (one ``[num_blocks, bl
 tensor per layer), in vLLM's block size, whatever the pool's is. A request without a ticket is
 plain vLLM.
 
-vLLM computes the last prompt token itself (its scheduler always leaves one token of a fully loaded
-prompt to compute, so that it has logits to sample from): the first token a client gets is vLLM's,
-computed over our KV, and the prefill tier's first token is not used. The KV row of that last token
-is rewritten by vLLM with its own.
+The prompt vLLM gets is the prefilled one, or the prefilled one followed by more tokens: the tier's
+OpenAI endpoint sends the prompt and the first token it sampled from its prefill's logits
+(``cluster.first_token``), and vLLM loads the prompt's rows and computes only that token's. A prompt
+that is exactly the prefilled one has its last token computed by vLLM (its scheduler always leaves one
+token of a fully loaded prompt to compute, so that it has logits to sample from): the first token is
+then vLLM's, computed over our KV, and that token's row is rewritten by vLLM with its own.
 
-A ticket that cannot be used is never decoded from: one for another model, with another prompt
-(length, or ids by their digest), expired, or malformed is refused at scheduling (vLLM prefills the
+A ticket that cannot be used is never decoded from: one for another model, for another prompt (longer
+than the request's, or other ids by their digest), expired, or malformed is refused at scheduling (vLLM prefills the
 prompt itself); a load that fails (the KV server refuses it: already taken, freed, another prompt;
 unreachable; a holder lost mid-transfer; no answer within ``timeout_s``) reports its blocks through
 ``get_block_ids_with_load_errors``, and vLLM recomputes them with ``kv_load_failure_policy``
@@ -104,13 +106,14 @@ class Ticket:
         return cls(**{key: raw[key] for key in kinds}, expires_at=expires)
 
     def refusal(self, prompt: list[int], fingerprint: str, now: float) -> str | None:
-        """Why this ticket cannot load ``prompt`` into a decode server of model ``fingerprint``, or None."""
+        """Why this ticket cannot load ``prompt`` into a decode server of model ``fingerprint``, or None.
+        The prefilled prompt must be ``prompt`` or its beginning (the tier's first token may follow it)."""
         if self.model_fingerprint != fingerprint:
             return f"it is for model {self.model_fingerprint!r}; this decode server runs {fingerprint!r}"
-        if self.tokens != len(prompt):
+        if len(prompt) < self.tokens:
             return f"it is for a prompt of {self.tokens} tokens; the request's has {len(prompt)}"
-        if self.prompt_digest != prompt_digest(prompt):
-            return "it is for another prompt of the same length (token ids differ)"
+        if self.prompt_digest != prompt_digest(prompt[: self.tokens]):
+            return f"it is for another prompt (the first {self.tokens} token ids differ)"
         if self.expires_at is not None and now > self.expires_at:
             return f"it expired {now - self.expires_at:.1f} s ago"
         return None

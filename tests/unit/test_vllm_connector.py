@@ -21,14 +21,16 @@ def test_a_ticket_for_this_prompt_and_model_is_taken():
     assert (ticket.host, ticket.port, ticket.request_id, ticket.tokens) == ("10.0.0.5", 7431, "r-1", 3)
     assert ticket.refusal(PROMPT, "abc", NOW) is None
     assert Ticket.parse({**RAW, "expires_at": None}).refusal(PROMPT, "abc", NOW + 1e6) is None
+    assert ticket.refusal(PROMPT + [42], "abc", NOW) is None  # the prefilled prompt and the tier's first token
 
 
 @pytest.mark.parametrize("prompt, fingerprint, later, match", [
     (PROMPT, "xyz", 0, "it is for model 'abc'; this decode server runs 'xyz'"),
     ([5, 9], "abc", 0, "a prompt of 3 tokens; the request's has 2"),
-    ([5, 9, 12], "abc", 0, "another prompt of the same length"),
+    ([5, 9, 12], "abc", 0, "another prompt \\(the first 3 token ids differ\\)"),
+    ([5, 8, 11, 4], "abc", 0, "another prompt \\(the first 3 token ids differ\\)"),
     (PROMPT, "abc", 120, "it expired 60.0 s ago"),
-], ids=["model", "length", "ids", "expired"])  # fmt: skip
+], ids=["model", "length", "ids", "longer-other-ids", "expired"])  # fmt: skip
 def test_a_ticket_for_another_model_prompt_or_time_is_refused_with_the_reason(prompt, fingerprint, later, match):
     why = Ticket.parse(RAW).refusal(prompt, fingerprint, NOW + later)
     assert why is not None and re.search(match, why)
