@@ -31,6 +31,8 @@ import torch
 SAMPLING_EPS = 1e-5  # vLLM's: a temperature below it is greedy
 REPRODUCED = {"max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop_token_ids", "ignore_eos",
               "return_token_ids", "user", "stop"}  # fmt: skip
+KINDS = {"temperature": float, "top_p": float, "top_k": int, "min_p": float, "seed": int, "max_tokens": int, "max_completion_tokens": int,
+         "ignore_eos": bool, "return_token_ids": bool}  # fmt: skip
 GENERATION_KEYS = {"temperature", "top_p", "top_k", "min_p"}  # generation_config.json defaults vLLM applies that this reproduces
 
 
@@ -72,9 +74,7 @@ class FirstToken:
         if float(defaults.get("repetition_penalty") or 1.0) != 1.0:
             return "the checkpoint's generation_config sets a repetition penalty"
         merged = {**{k: v for k, v in defaults.items() if k in GENERATION_KEYS}, **{k: v for k, v in params.items() if v is not None}}
-        kinds = {"temperature": float, "top_p": float, "top_k": int, "min_p": float, "seed": int, "max_tokens": int,
-                 "max_completion_tokens": int, "ignore_eos": bool, "return_token_ids": bool}  # fmt: skip
-        for key, kind in kinds.items():
+        for key, kind in KINDS.items():
             if key in merged and not _number(merged[key], kind):
                 return f"{key}={merged[key]!r} is vLLM's to judge"
         stop_ids = merged.get("stop_token_ids") or []

@@ -19,9 +19,9 @@ cannot be reached, or answers 5xx or 429, is skipped for the next; when none is 
 KV is released when the answer ends however it ends (vLLM acknowledges it once loaded; a ticket
 vLLM refused or never used would otherwise wait for ``kv_ttl_s``).
 
-Usage is vLLM's (``prompt_tokens`` the prompt's length, ``completion_tokens`` what it generated) but
-for ``prompt_tokens_details.cached_tokens``: the prompt tokens this replica's prefix cache served.
-Every sampling parameter is passed through; ``n`` other than 1 is refused (one prompt's KV
+Usage counts as OpenAI's: ``prompt_tokens`` the prompt's length, ``completion_tokens`` the tokens
+generated (the tier's first token included), ``prompt_tokens_details.cached_tokens`` the prompt tokens
+this replica's prefix cache served. Every sampling parameter is passed through; ``n`` other than 1 is refused (one prompt's KV
 is loaded once), as are several prompts in one request.
 """
 

@@ -22,6 +22,8 @@ HTTP API (JSON, or msgpack with ``content-type: application/msgpack``; the answe
     model_fingerprint).fetch(request_id)``) within ``expires_in_s``; without it the KV is freed.
     A client that disconnects cancels its request: it leaves the pool before its next chunk and
     its KV is freed.
+``POST /v1/completions``, ``POST /v1/chat/completions`` OpenAI's API, decoded by the configured vLLM
+    servers from this replica's KV (``cluster.openai_api``, ``cluster.first_token``).
 ``GET /`` the model, layout, backend and limits of this replica, and its request counters.
 
 Errors are ``{"error": message}`` with 400 (not JSON/msgpack), 404/405 (path, method), 413 (body
