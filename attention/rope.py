@@ -16,7 +16,11 @@ and interpolation (inv_freq / s) by a linear ramp over the correction range
 multiplied by ``attention_factor = mscale(s, mscale) / mscale(s, mscale_all_dim)``
 and the softmax scale by ``mscale(s, mscale_all_dim)^2``, where
 ``mscale(s, m) = 0.1 * m * ln(s) + 1`` for s > 1, else 1.
-Angles are computed in float64, so long positions keep their precision.
+Frequencies, angles and cos/sin are float32 and computed on the positions' device in the order of
+DeepSeek's reference (``precompute_freqs_cis``) and of vLLM's ``DeepseekScalingRotaryEmbedding``
+table: the rows we hand a vLLM decode server must be the rows it would compute itself. Float64 angles
+are closer to exact, but differ from that table by up to 3e-4 at position 8K, which changes about 1%
+of the bf16 ``k_pe`` values there (one rounding each) and flips near-tied greedy tokens downstream.
 """
 
 from __future__ import annotations
@@ -64,13 +68,13 @@ class YarnScaling:
     def softmax_scale_multiplier(self) -> float:
         return yarn_mscale(self.factor, self.mscale_all_dim) ** 2 if self.mscale_all_dim else 1.0
 
-    def inv_freq(self, rotary_dim: int, base: float) -> torch.Tensor:
-        extrapolation = _inv_freq(rotary_dim, base)
-        interpolation = extrapolation / self.factor
+    def inv_freq(self, rotary_dim: int, base: float, device: torch.device) -> torch.Tensor:
+        powers = _powers(rotary_dim, base, device)
+        extrapolation, interpolation = 1.0 / powers, 1.0 / (self.factor * powers)
         low, high = self._correction_range(rotary_dim, base)
         if low == high:
             high += 0.001  # avoid a zero-width ramp
-        ramp = ((torch.arange(rotary_dim // 2, dtype=torch.float64) - low) / (high - low)).clamp(0, 1)
+        ramp = ((torch.arange(rotary_dim // 2, dtype=torch.float32, device=device) - low) / (high - low)).clamp(0, 1)
         keep_extrapolated = 1 - ramp
         return interpolation * (1 - keep_extrapolated) + extrapolation * keep_extrapolated
 
@@ -85,8 +89,9 @@ class YarnScaling:
         return max(low, 0), min(high, rotary_dim - 1)
 
 
-def _inv_freq(rotary_dim: int, base: float) -> torch.Tensor:
-    return 1.0 / (base ** (torch.arange(0, rotary_dim, 2, dtype=torch.float64) / rotary_dim))
+def _powers(rotary_dim: int, base: float, device: torch.device) -> torch.Tensor:
+    """``base^(2i/R)`` in float32 on ``device`` (the inverse frequencies are ``1 / powers``)."""
+    return base ** (torch.arange(0, rotary_dim, 2, dtype=torch.float32, device=device) / rotary_dim)
 
 
 class RotaryEmbedding:
@@ -102,21 +107,26 @@ class RotaryEmbedding:
     ) -> None:
         if rotary_dim <= 0 or rotary_dim % 2:
             raise ValueError(f"rotary dim must be a positive even number, got {rotary_dim}")
-        self.rotary_dim = rotary_dim
+        self.rotary_dim, self.base, self.yarn = rotary_dim, base, yarn
         self.interleaved = interleaved
-        self.inv_freq = yarn.inv_freq(rotary_dim, base) if yarn else _inv_freq(rotary_dim, base)
         self.cos_sin_factor = yarn.attention_factor if yarn else 1.0
+        self._inv_freq: dict[torch.device, torch.Tensor] = {}
         self._last: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+
+    def inv_freq(self, device: torch.device | str = "cpu") -> torch.Tensor:
+        """``[R/2]`` float32, computed on ``device`` (a GPU's ``pow`` may round otherwise than the CPU's)."""
+        device = torch.device(device)
+        if device not in self._inv_freq:
+            yarn, dim, base = self.yarn, self.rotary_dim, self.base
+            self._inv_freq[device] = yarn.inv_freq(dim, base, device) if yarn else 1.0 / _powers(dim, base, device)
+        return self._inv_freq[device]
 
     def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``cos, sin [T, R/2]`` in float32 for integer ``positions [T]``."""
         if self._last is not None and self._last[0] is positions:
             return self._last[1], self._last[2]
-        if self.inv_freq.device != positions.device:
-            self.inv_freq = self.inv_freq.to(positions.device)
-        angles = positions.to(torch.float64)[:, None] * self.inv_freq[None, :]
-        cos = (angles.cos() * self.cos_sin_factor).float()
-        sin = (angles.sin() * self.cos_sin_factor).float()
+        angles = positions.to(torch.float32)[:, None] * self.inv_freq(positions.device)[None, :]
+        cos, sin = angles.cos() * self.cos_sin_factor, angles.sin() * self.cos_sin_factor
         self._last = (positions, cos, sin)
         return cos, sin
 

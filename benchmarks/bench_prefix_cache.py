@@ -81,7 +81,7 @@ def shared_prefix(pool, rng, vocab: int, prompts: int, scale: float) -> dict:
             "wall_s": round(wall, 3), "tokens_per_s": round(total / wall, 1), "ttft_s": percentiles([r.ttft_s for r in results])}  # fmt: skip
 
 
-def isolated_turns(pool, rng, vocab: int, probes: int, chunk: int, repeats: int = 3) -> list[dict]:
+def isolated_turns(pool, rng, vocab: int, probes: int, chunk: int, repeats: int) -> list[dict]:
     """Per probe (a history of a whole number of chunks, 2 to ``probes + 1`` of them): the turn's TTFT
     with its history cached, and the reference: the TTFT of a cold prompt of the same lengths (fresh
     tokens), whose last chunk is exactly the new tokens, less that of a cold prompt of the history's
@@ -119,6 +119,7 @@ def main() -> None:
     parser.add_argument("--turns", type=int, default=8)
     parser.add_argument("--shared-prompts", type=int, default=256)
     parser.add_argument("--probes", type=int, default=6, help="isolated turns, histories of 8K, 12K, ... (default 6: to 28K)")
+    parser.add_argument("--repeats", type=int, default=5, help="isolated turns: medians of this many of each probe (default 5)")
     parser.add_argument("--kv-cache-tokens", type=int, default=1 << 21, help="the worker's KV cache (default 2097152)")
     parser.add_argument("--batch-wait-ms", type=float, default=PoolConfig.batch_wait_ms, help=f"the pools' batch_wait_ms (default {PoolConfig.batch_wait_ms})")
     parser.add_argument("--only-isolated", action="store_true", help="only the isolated turns (no workloads, no targets)")
@@ -139,7 +140,7 @@ def main() -> None:
     report = {
         "what": "bench_prefix_cache: multi-turn and shared-system-prompt workloads, prefix cache off and on; isolated cached turns against their reference",
         "date": datetime.date.today().isoformat(), "machine": machine(), "command": " ".join(sys.argv),
-        "checkpoint": str(args.checkpoint), "results": {},
+        "checkpoint": str(args.checkpoint), "batch_wait_ms": args.batch_wait_ms, "repeats": args.repeats, "results": {},
     }  # fmt: skip
     args.out.parent.mkdir(parents=True, exist_ok=True)
     rng = np.random.default_rng(args.seed)
@@ -159,7 +160,7 @@ def main() -> None:
     chunk = _n(4096, args.scale)  # the probes' pool: chunks of 4K, so a reference's last chunk is its new tokens
     with PrefillPool(base.replace(chunk_tokens=chunk, max_batch_tokens=chunk)).start() as pool:
         pool.prefill(rng.integers(0, vocab, size=chunk))  # warm-up
-        report["results"]["cache_on"]["isolated_turns"] = isolated_turns(pool, rng, vocab, args.probes, chunk)
+        report["results"]["cache_on"]["isolated_turns"] = isolated_turns(pool, rng, vocab, args.probes, chunk, args.repeats)
     if args.only_isolated:
         args.out.write_text(json.dumps(report, indent=1) + "\n")
         ray.shutdown()

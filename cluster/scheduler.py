@@ -4,9 +4,9 @@ replica's workers, and recovers the replica when a batch fails.
 A batch is the next chunk (at most ``chunk_tokens``) of every request the replica is
 prefilling, plus requests admitted from the shared queue (``cluster.queueing``) while the
 batch has room and their KV fits in the replica's free blocks; it waits ``batch_wait_ms`` for
-company when there is room. Every worker runs the batch (SPMD); a request completes with its
-last chunk. Before each batch, requests whose future was cancelled are taken out and their KV
-blocks freed.
+company when there is room (by default 0: it takes what is queued). Every worker runs the batch
+(SPMD); a request completes with its last chunk. Before each batch, requests whose future was
+cancelled are taken out and their KV blocks freed.
 
 Faults. A batch fails when a worker raises, dies, or the batch outlives ``batch_timeout_s``
 (a rank stuck in a collective raises after ``collective_timeout_s``). The other workers of the

@@ -127,7 +127,7 @@ def test_request_ids_must_be_unique(pool, prompts):
 def test_a_request_reaching_an_idle_replica_runs_without_waiting_out_the_idle_wait(pool, prompts, monkeypatch):
     # the first request of an idle replica waited for the rest of the idle wait (0.5 s) before
     # running: 0.5 s on every request at low load. With the idle wait stretched to 20 s, the
-    # request must still run at once (batch_wait_ms: 2 ms)
+    # request must still run at once (batch_wait_ms: 0 ms)
     monkeypatch.setattr(scheduler, "IDLE_WAIT_S", 20.0)
     time.sleep(0.6)  # every scheduler is now in an idle wait of 20 s
     started = time.monotonic()

@@ -112,9 +112,8 @@ def run(ray_cluster, tmp_path_factory):
 
 
 def _relative(got: torch.Tensor, want: torch.Tensor) -> float:
-    """The largest relative error (L2) of any layer's rows. The latent part differs by about 2e-7; the
-    rope part by an error growing with the position (about 5e-6 at 1,500), vLLM's float32 table of
-    cos/sin against our float64 angles."""
+    """The largest relative error (L2) of any layer's rows: about 2e-7 in layers 1-2 (their rows come
+    out of attention and MoE, summed in other orders than vLLM's)."""
     return max(float((g - w).norm() / w.norm()) for g, w in zip(got, want))
 
 
@@ -128,7 +127,10 @@ def _closed_port() -> int:
 def test_vllm_decodes_from_the_pools_kv_as_from_its_own_prefill(run, n):
     own, loaded = run["results"][f"own-{n}/0"], run["results"][f"loaded-{n}/0"]
     assert loaded["rows"].shape == (3, n, 576)
-    assert _relative(loaded["rows"], own["rows"]) <= 1e-5
+    assert _relative(loaded["rows"], own["rows"]) <= 1e-6
+    # layer 0's rows are a function of the token and its position: equal to vLLM's bit for bit, the rope
+    # part included (our cos/sin are vLLM's float32 table, attention.rope)
+    assert torch.equal(loaded["rows"][0], own["rows"][0])
     assert loaded["tokens"] == own["tokens"] and len(own["tokens"]) == STEPS
     # vLLM computed only the last prompt token itself (it needs its logits to sample the first token)
     assert own["first_step_tokens"] == n and loaded["first_step_tokens"] == 1
@@ -139,7 +141,7 @@ def test_ticketed_requests_in_one_batch_each_get_their_rows(run):
     for i, n in enumerate(BATCH):
         loaded, own = run["results"][f"loaded-batch/{i}"], run["results"][f"own-batch-{i}/0"]
         assert loaded["first_step_tokens"] == 1
-        assert _relative(loaded["rows"][:, : n - 1], own["rows"][:, : n - 1]) <= 1e-5  # ours; the last row is vLLM's
+        assert _relative(loaded["rows"][:, : n - 1], own["rows"][:, : n - 1]) <= 1e-6  # ours; the last row is vLLM's
 
 
 @pytest.mark.slow

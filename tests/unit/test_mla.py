@@ -75,11 +75,25 @@ def test_yarn_scaling_matches_transformers():
     hf_config, config = _configs(24, True, True)
     inv_freq, attention_factor = hf.ROPE_INIT_FUNCTIONS["yarn"](hf_config, "cpu")
     rope = config.rotary_embedding
-    torch.testing.assert_close(rope.inv_freq.float(), inv_freq, atol=1e-7, rtol=1e-6)
+    torch.testing.assert_close(rope.inv_freq(), inv_freq, atol=0, rtol=0)  # the same float32 ops
     assert math.isclose(rope.cos_sin_factor, attention_factor, rel_tol=1e-12)
     hf_scale = hf.DeepseekV3Attention(hf_config, 0).scaling
     assert math.isclose(config.softmax_scale, hf_scale, rel_tol=1e-12)
     assert config.softmax_scale != (16 + 8) ** -0.5  # mscale_all_dim really changes it
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("yarn", [True, False], ids=["yarn", "default-rope"])
+def test_cos_sin_are_the_references_float32_table(yarn):
+    """cos/sin equal transformers' table bit for bit (float32 frequencies and angles, as DeepSeek's
+    reference and vLLM's DeepSeek table compute them), to the longest position."""
+    hf_config, config = _configs(24, yarn, True)
+    positions = torch.arange(hf_config.max_position_embeddings)
+    cos, sin = config.rotary_embedding.cos_sin(positions)
+    hf_cos, hf_sin = hf.DeepseekV3RotaryEmbedding(hf_config)(torch.zeros(1, 1), positions[None])
+    half = config.rotary_embedding.rotary_dim // 2
+    torch.testing.assert_close(cos, hf_cos[0, :, :half], atol=0, rtol=0)
+    torch.testing.assert_close(sin, hf_sin[0, :, :half], atol=0, rtol=0)
 
 
 @torch.no_grad()
