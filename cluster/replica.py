@@ -220,15 +220,15 @@ def gather(refs: list, timeout_s: float | None = None) -> list:
     """Results of one SPMD call, in order. Raises as soon as any worker fails (its error, or
     ``RayActorError`` if it died): the others may be blocked in a collective with the failed one
     and would never return. Raises :class:`BatchTimeout` when the call outlives ``timeout_s``."""
-    pending = list(refs)
+    pending, results = list(refs), {}
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
     while pending:
         wait_s = None if deadline is None else max(0.0, deadline - time.monotonic())
         ready, pending = ray.wait(pending, num_returns=1, timeout=wait_s)
         if not ready:
             raise BatchTimeout(f"{len(pending)} of {len(refs)} workers did not finish within {timeout_s:g} s")
-        ray.get(ready)  # raises the worker's error, or RayActorError if it died
-    return ray.get(refs)
+        results[ready[0]] = ray.get(ready[0])  # raises the worker's error, or RayActorError if it died
+    return [results[ref] for ref in refs]
 
 
 def fits_now(bundle: dict, count: int, placement: str) -> bool:

@@ -62,10 +62,9 @@ class PoolConfig:
                      each GPU computes 1/pcp of a chunk: 32768 * pcp keeps this activation memory per
                      GPU and runs a 128K prompt on 4 GPUs at 92% parallel efficiency, against 86% with 32K
     max_batch_tokens tokens of all requests' chunks in one batch
-    batch_wait_ms    how long a batch waits for more requests before it runs; 0 (the default, as vLLM and
-                     SGLang schedule) runs it with what is queued: requests arriving meanwhile join the next
-                     batch. Every request pays the wait when it reaches an idle replica (2 ms cost a cached
-                     turn 2.4 ms of TTFT on H200, docs/prefix-cache.md), so set it only to batch bursts
+    batch_wait_ms    how long a batch with room waits for more requests, after a batch of several requests
+                     (clients answered together come back together); after a batch of one it runs at once.
+                     0: never wait, take what is queued (docs/prefix-cache.md has both measured)
     prefix_caching   reuse the KV of prompts' full blocks cached from earlier requests on the same replica
                      (cluster.prefix_cache), and route a request to the replica holding most of its prefix
     workspace_tokens bound on cached-context rows up-projected at once (see attention.mla)
@@ -110,7 +109,7 @@ class PoolConfig:
     device: str = "auto"
     chunk_tokens: int = 32768  # measured: benchmarks/results/2026-11-21-4xh200-pcp-chunk-sweep-128k.json
     max_batch_tokens: int = 32768
-    batch_wait_ms: float = 0.0
+    batch_wait_ms: float = 2.0
     prefix_caching: bool = True
     workspace_tokens: int = 16384
     block_size: int = 64

@@ -96,8 +96,8 @@ class ChunkPiece:
 @dataclass
 class PieceResult:
     request_id: str
-    logits: torch.Tensor  # [vocab] float32, CPU
-    last_hidden: torch.Tensor  # [hidden], CPU
+    logits: torch.Tensor  # [vocab] in the model's dtype, CPU
+    last_hidden: torch.Tensor  # [hidden] in the model's dtype, CPU
 
 
 @dataclass
@@ -378,7 +378,10 @@ class PrefillWorker(KVHolder):
             if piece.is_last and device.type == "cuda":
                 self._kv_ready[piece.request_id] = torch.cuda.Event()
                 self._kv_ready[piece.request_id].record()
-        logits, last_hidden = out.logits, out.last_hidden.float()
+        # the head computes in the model's dtype (the model upcasts its logits): shipped in it, the
+        # pool upcasts. Lossless, and half the bytes through Ray's object store (0.5 MB in float32 at a
+        # 129K vocabulary: 1.3-2.0 ms of a cached turn's TTFT on H200 went to storing them)
+        logits, last_hidden = out.logits.to(out.last_hidden.dtype), out.last_hidden
         if isinstance(batch, PCPPlan):  # last tokens of whole requests are on their owners (workers.pcp)
             last = batch.gather_last(torch.cat([logits, last_hidden], dim=1))
             logits, last_hidden = last.split([logits.shape[1], last_hidden.shape[1]], dim=1)

@@ -127,9 +127,18 @@ def test_request_ids_must_be_unique(pool, prompts):
 def test_a_request_reaching_an_idle_replica_runs_without_waiting_out_the_idle_wait(pool, prompts, monkeypatch):
     # the first request of an idle replica waited for the rest of the idle wait (0.5 s) before
     # running: 0.5 s on every request at low load. With the idle wait stretched to 20 s, the
-    # request must still run at once (batch_wait_ms: 0 ms)
+    # request must still run at once
     monkeypatch.setattr(scheduler, "IDLE_WAIT_S", 20.0)
     time.sleep(0.6)  # every scheduler is now in an idle wait of 20 s
     started = time.monotonic()
     pool.prefill(prompts[0][:40])  # one chunk
     assert time.monotonic() - started < 10.0
+
+
+def test_a_replica_serving_one_request_at_a_time_never_waits_for_company(pool, prompts, monkeypatch):
+    # batch_wait_ms applies after a batch of several requests only: with a wait of 20 s, requests
+    # sent one after another (every batch a batch of one) still run at once
+    monkeypatch.setattr(pool, "config", pool.config.replace(batch_wait_ms=20_000.0))
+    pool.prefill(prompts[0][:40])  # after the previous test's batches: this one may wait
+    for prompt in prompts[1:3]:
+        assert pool.prefill(prompt[:40]).queue_s < 10.0

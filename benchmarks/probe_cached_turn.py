@@ -1,0 +1,68 @@
+"""Where a cached turn's fixed costs go: Ray's timeline of the worker's calls during single requests on
+one GPU, a turn whose 12K history is cached (1,138 new tokens) and a cold prompt of the same length.
+
+    PYTHONPATH=<gpu site>:. python benchmarks/probe_cached_turn.py --checkpoint /tmp/v3-5layers
+
+Prints, per request, its TTFT and queueing and every worker event that started during it (the name,
+its start in ms after the submission, its length in ms): ``task:deserialize_arguments``,
+``task:execute`` and ``task:store_outputs`` of the ``prefill`` call, and the ``release`` of a
+request's blocks.
+"""
+
+import argparse
+import os
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+GPU_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
+os.environ.update(GPU_ENV)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--checkpoint", type=Path, required=True, help="the checkpoint (benchmarks/write_checkpoint.py writes one)")
+    parser.add_argument("--history", type=int, default=12288)
+    parser.add_argument("--new", type=int, default=1138)
+    parser.add_argument("--repeats", type=int, default=6)
+    args = parser.parse_args()
+
+    import ray
+
+    from cluster.pool import PrefillPool
+    from configs.pool import PoolConfig
+
+    ray.init(num_gpus=1, include_dashboard=False, log_to_driver=False, runtime_env={"env_vars": GPU_ENV})
+    config = PoolConfig(checkpoint=str(args.checkpoint), kv_cache_tokens=1 << 20, device="cuda", use_gpus=True,
+                        worker_cpus=1.0, chunk_tokens=4096, max_batch_tokens=4096)  # fmt: skip
+    vocab, rng, runs = config.model_config().vocab_size, np.random.default_rng(0), []
+    with PrefillPool(config).start() as pool:
+        pool.prefill(rng.integers(0, vocab, size=4096))  # warm-up
+        for kind in ("turn", "cold"):
+            for _ in range(args.repeats):
+                history = rng.integers(0, vocab, size=args.history)
+                if kind == "turn":
+                    pool.prefill(history)  # the previous turn: caches the history
+                    prompt = np.concatenate([history, rng.integers(0, vocab, size=args.new)])
+                else:
+                    prompt = rng.integers(0, vocab, size=args.history + args.new)
+                started = time.time()
+                result = pool.prefill(prompt)
+                runs.append((kind, started, time.time(), result))
+        time.sleep(2)  # the timeline's last events
+        timeline = ray.timeline()
+    for kind, started, ended, result in runs:
+        events = sorted(
+            ((e["name"], round((float(e["ts"]) - started * 1e6) / 1e3, 2), round(float(e.get("dur", 0)) / 1e3, 2))
+             for e in timeline if e.get("ph") == "X" and started * 1e6 <= float(e["ts"]) <= ended * 1e6),
+            key=lambda event: event[1],
+        )  # fmt: skip
+        print(kind, f"ttft {result.ttft_s * 1e3:.2f} ms queue {result.queue_s * 1e3:.2f} ms", events, flush=True)
+    ray.shutdown()
+
+
+if __name__ == "__main__":
+    main()
