@@ -28,6 +28,8 @@ def main() -> None:
     parser.add_argument("--history", type=int, default=12288)
     parser.add_argument("--new", type=int, default=1138)
     parser.add_argument("--repeats", type=int, default=6)
+    parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda", help="cpu: a small model, to compare the host's part")
+    parser.add_argument("--chunk", type=int, default=4096, help="the pool's chunk_tokens (default 4096)")
     args = parser.parse_args()
 
     import ray
@@ -35,12 +37,13 @@ def main() -> None:
     from cluster.pool import PrefillPool
     from configs.pool import PoolConfig
 
-    ray.init(num_gpus=1, include_dashboard=False, log_to_driver=False, runtime_env={"env_vars": GPU_ENV})
-    config = PoolConfig(checkpoint=str(args.checkpoint), kv_cache_tokens=1 << 20, device="cuda", use_gpus=True,
-                        worker_cpus=1.0, chunk_tokens=4096, max_batch_tokens=4096)  # fmt: skip
+    gpu = args.device == "cuda"
+    ray.init(num_cpus=None if gpu else 2, num_gpus=1, include_dashboard=False, log_to_driver=False, runtime_env={"env_vars": GPU_ENV})
+    config = PoolConfig(checkpoint=str(args.checkpoint), kv_cache_tokens=1 << 20, device=args.device, use_gpus=True,
+                        worker_cpus=1.0 if gpu else 0.5, chunk_tokens=args.chunk, max_batch_tokens=args.chunk)  # fmt: skip
     vocab, rng, runs = config.model_config().vocab_size, np.random.default_rng(0), []
     with PrefillPool(config).start() as pool:
-        pool.prefill(rng.integers(0, vocab, size=4096))  # warm-up
+        pool.prefill(rng.integers(0, vocab, size=args.chunk))  # warm-up
         for kind in ("turn", "cold"):
             for _ in range(args.repeats):
                 history = rng.integers(0, vocab, size=args.history)
