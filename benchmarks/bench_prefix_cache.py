@@ -42,6 +42,18 @@ os.environ.update(GPU_ENV)
 
 
 
+def one_gpu_config(checkpoint: Path, device: str, **overrides) -> "PoolConfig":
+    """Start Ray for a pool of one GPU (``device`` cuda) or of the CPU (2 cores), and return that pool's
+    config (``overrides`` on top); ``benchmarks/probe_cached_turn.py`` shares it."""
+    import ray
+
+    from configs.pool import PoolConfig
+
+    gpu = device == "cuda"
+    ray.init(num_cpus=None if gpu else 2, num_gpus=1, include_dashboard=False, log_to_driver=False, runtime_env={"env_vars": GPU_ENV})
+    return PoolConfig(checkpoint=str(checkpoint), device=device, use_gpus=True, worker_cpus=1.0 if gpu else 0.5, **overrides)
+
+
 def _n(tokens: int, scale: float) -> int:
     return max(1, int(tokens * scale))
 
@@ -132,10 +144,7 @@ def main() -> None:
 
     from cluster.pool import PrefillPool
 
-    gpu = args.device == "cuda"
-    ray.init(num_cpus=None if gpu else 2, num_gpus=1, include_dashboard=False, log_to_driver=False, runtime_env={"env_vars": GPU_ENV})
-    base = PoolConfig(checkpoint=str(args.checkpoint), kv_cache_tokens=args.kv_cache_tokens, device=args.device, use_gpus=True,
-                      worker_cpus=1.0 if gpu else 0.5, batch_wait_ms=args.batch_wait_ms)  # fmt: skip
+    base = one_gpu_config(args.checkpoint, args.device, kv_cache_tokens=args.kv_cache_tokens, batch_wait_ms=args.batch_wait_ms)
     vocab = base.model_config().vocab_size
     report = {
         "what": "bench_prefix_cache: multi-turn and shared-system-prompt workloads, prefix cache off and on; isolated cached turns against their reference",

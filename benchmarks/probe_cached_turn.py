@@ -10,16 +10,15 @@ request's blocks.
 """
 
 import argparse
-import os
 import sys
 import time
 from pathlib import Path
 
 import numpy as np
 
+from bench_prefix_cache import one_gpu_config  # benchmarks/bench_prefix_cache.py: Ray, the GPU environment
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-GPU_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
-os.environ.update(GPU_ENV)
 
 
 def main() -> None:
@@ -35,12 +34,8 @@ def main() -> None:
     import ray
 
     from cluster.pool import PrefillPool
-    from configs.pool import PoolConfig
 
-    gpu = args.device == "cuda"
-    ray.init(num_cpus=None if gpu else 2, num_gpus=1, include_dashboard=False, log_to_driver=False, runtime_env={"env_vars": GPU_ENV})
-    config = PoolConfig(checkpoint=str(args.checkpoint), kv_cache_tokens=1 << 20, device=args.device, use_gpus=True,
-                        worker_cpus=1.0 if gpu else 0.5, chunk_tokens=args.chunk, max_batch_tokens=args.chunk)  # fmt: skip
+    config = one_gpu_config(args.checkpoint, args.device, kv_cache_tokens=1 << 20, chunk_tokens=args.chunk, max_batch_tokens=args.chunk)
     vocab, rng, runs = config.model_config().vocab_size, np.random.default_rng(0), []
     with PrefillPool(config).start() as pool:
         pool.prefill(rng.integers(0, vocab, size=args.chunk))  # warm-up

@@ -8,8 +8,8 @@ ran several requests, a batch with room waits ``batch_wait_ms`` for company: the
 answered tend to come back together (a chat's next turn, an agent's next call) and a fuller batch
 runs the same weights over more tokens. A replica serving one request at a time runs each at once
 (the wait would be all of a cached turn's queueing: 2.4 ms of its TTFT on H200). Every worker runs
-the batch (SPMD); a request completes with its last chunk. Before each batch, requests whose future was
-cancelled are taken out and their KV blocks freed.
+the batch (SPMD); a request completes with its last chunk. Before each batch, requests whose future
+was cancelled are taken out and their KV blocks freed.
 
 Faults. A batch fails when a worker raises, dies, or the batch outlives ``batch_timeout_s``
 (a rank stuck in a collective raises after ``collective_timeout_s``). The other workers of the
