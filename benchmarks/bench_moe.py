@@ -280,7 +280,7 @@ def _worker(rank: int, layout: Layout, args, port: int, queue) -> None:
             loads = {k: v - loads_before.get(k, 0) for k, v in worker.moe_load().items()}
             # the first prompt's outputs go through a file: tensors in a queue die with their process
             outputs = Path(args.scratch) / f"{layout.name}-{rank}-{count}x{length}.pt"
-            torch.save({"logits": first.logits if first is not None else None, "kv": kv}, outputs)
+            torch.save({"logits": torch.from_numpy(first.logits) if first is not None else None, "kv": kv}, outputs)
             out["cases"].append({
                 "case": spec, "prompts": count, "prompt_tokens": length, "seconds": statistics.median(times), "runs_s": times,
                 "pairs_per_layer": {str(k): v / (args.repeats + 1) for k, v in loads.items()}, "outputs": str(outputs),

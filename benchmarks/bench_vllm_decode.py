@@ -18,7 +18,8 @@ decodes from the second (``cluster.first_token``).
 DeepSeek's FP8 format), ``--prompts`` random prompts of 1 to ``--max-prompt`` tokens (log-uniform):
 per prompt whether the first token and all ``--max-tokens`` tokens equal vLLM alone's, and at the
 first divergence vLLM alone's margin between its top two log-probabilities there (a near-tie when
-below 0.05). ``speed``: a checkpoint both load (``benchmarks/write_checkpoint.py``), prompts of the
+below 0.05); and, as the scale of what bf16 moves, the same for vLLM alone against itself with
+another request in the prompt's batches (a companion prompt sent just before it). ``speed``: a checkpoint both load (``benchmarks/write_checkpoint.py``), prompts of the
 given lengths: TTFT seen by the client on both paths (p50, p99; two prompts of each length first, not
 counted), the endpoint's time to the second token (vLLM's first, after the KV load), the tier's plain ``/prefill`` of a
 fresh prompt of the same length (what the pool and the hop into the tier take; the same prompt would find its prefix cached), and from the connector's log lines the rate at which it loaded the KV into vLLM's cache and the
@@ -41,6 +42,7 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -165,19 +167,24 @@ def margin(top: dict) -> float:
 
 
 def run_parity(args, checkpoint: Path, alone: str, tier: str, save) -> dict:
-    rng = np.random.default_rng(args.seed)
+    rng, others = np.random.default_rng(args.seed), np.random.default_rng(args.seed + 1)  # the prompts as before the companions
     lengths = np.exp(rng.uniform(0, np.log(args.max_prompt), size=args.prompts)).astype(int).clip(1, args.max_prompt)
     body = {"model": MODEL, "max_tokens": args.max_tokens, "temperature": 0.0, "ignore_eos": True, "return_token_ids": True}
     margins = {"logprobs": 2, "return_tokens_as_token_ids": True}  # vLLM alone's: asked of the endpoint, vLLM would sample its first token
     rows = []
     for i, n in enumerate(lengths.tolist()):
         prompt = rng.integers(0, 500, size=n).tolist()
+        companion = others.integers(0, 500, size=n).tolist()
         own, ours = complete(alone, {**body, **margins, "prompt": prompt}), complete(tier, {**body, "prompt": prompt})
-        row = {"prompt_tokens": n, "error": ours.get("error") or own.get("error")}
+        beside = batched(alone, {**body, "prompt": prompt}, {**body, "prompt": companion, "max_tokens": 4 * args.max_tokens})
+        row = {"prompt_tokens": n, "error": ours.get("error") or own.get("error") or beside.get("error")}
         if row["error"] is None:
-            diverge = next((k for k, (a, b) in enumerate(zip(own["tokens"], ours["tokens"])) if a != b), None)
+            diverge = first_difference(own["tokens"], ours["tokens"])
+            batched_diverge = first_difference(own["tokens"], beside["tokens"])
             row.update(first_token_equal=own["tokens"][:1] == ours["tokens"][:1], all_equal=own["tokens"] == ours["tokens"],
                        diverge_at=diverge, margin_at_divergence=None if diverge is None else round(margin(own["top"][diverge]), 5),
+                       vllm_batched_all_equal=own["tokens"] == beside["tokens"], vllm_batched_diverge_at=batched_diverge,
+                       vllm_batched_margin=None if batched_diverge is None else round(margin(own["top"][batched_diverge]), 5),
                        ttft_s={"alone": own["ttft_s"], "endpoint": ours["ttft_s"]})  # fmt: skip
         rows.append(row)
         print(f"prompt {i}: {n} tokens, {row}", flush=True)
@@ -185,15 +192,34 @@ def run_parity(args, checkpoint: Path, alone: str, tier: str, save) -> dict:
     return _parity_summary(rows)
 
 
+def first_difference(a: list[int], b: list[int]) -> int | None:
+    return next((k for k, (x, y) in enumerate(zip(a, b)) if x != y), None if len(a) == len(b) else min(len(a), len(b)))
+
+
+def batched(alone: str, body: dict, companion: dict) -> dict:
+    """vLLM alone on a prompt again, with another request in its batches (sent first, decoding longer):
+    how far vLLM's own greedy tokens move when only the batch around a prompt changes."""
+    with ThreadPoolExecutor(1) as pool:
+        other = pool.submit(complete, alone, companion)
+        time.sleep(0.05)  # the companion is scheduled first: the prompt's prefill and decode steps have company
+        mine, theirs = complete(alone, body), other.result()
+    return theirs if "error" in theirs and "error" not in mine else mine
+
+
 def _parity_summary(rows: list[dict]) -> dict:
     ok = [r for r in rows if r["error"] is None]
     divergent = [r for r in ok if not r["all_equal"]]
+    moved = [r for r in ok if not r["vllm_batched_all_equal"]]
     return {
         "prompts": len(rows), "failures": len(rows) - len(ok),
         "first_token_equal": sum(r["first_token_equal"] for r in ok), "all_tokens_equal": sum(r["all_equal"] for r in ok),
         "all_tokens_equal_fraction": round(sum(r["all_equal"] for r in ok) / max(len(rows), 1), 4),
         "divergences": [{k: r[k] for k in ("prompt_tokens", "diverge_at", "margin_at_divergence")} for r in divergent],
         "every_divergence_a_near_tie": all(r["margin_at_divergence"] < 0.05 for r in divergent),
+        "vllm_batched_all_tokens_equal": len(ok) - len(moved),
+        "vllm_batched_all_tokens_equal_fraction": round((len(ok) - len(moved)) / max(len(rows), 1), 4),
+        "vllm_batched_divergences": [{"prompt_tokens": r["prompt_tokens"], "diverge_at": r["vllm_batched_diverge_at"],
+                                      "margin_at_divergence": r["vllm_batched_margin"]} for r in moved],  # fmt: skip
         "per_prompt": rows,
     }  # fmt: skip
 
@@ -305,7 +331,7 @@ def main() -> None:
         save(results, complete=True)
     finally:
         server.terminate()
-    print(json.dumps({k: v for k, v in report.items() if k != "results"} | {"summary": {k: v for k, v in results.items() if k != "per_prompt"}}, indent=1))
+    print(json.dumps({k: v for k, v in report.items() if k not in ("results", "complete")} | {"summary": {k: v for k, v in results.items() if k != "per_prompt"}}, indent=1))
 
 
 

@@ -3,10 +3,12 @@ one GPU, a turn whose 12K history is cached (1,138 new tokens) and a cold prompt
 
     PYTHONPATH=<gpu site>:. python benchmarks/probe_cached_turn.py --checkpoint /tmp/v3-5layers
 
-Prints, per request, its TTFT and queueing and every worker event that started during it (the name,
-its start in ms after the submission, its length in ms): ``task:deserialize_arguments``,
-``task:execute`` and ``task:store_outputs`` of the ``prefill`` call, and the ``release`` of a
-request's blocks.
+Prints, per request, its TTFT and queueing; the pool's steps in this process (``name>`` entering,
+``name<`` leaving, in ms after the submission): admission (validation and block hashes), the batch,
+the SPMD call (``gather``), completion, freeing the blocks (``free``, the ``release`` calls) and
+settling the future; and every worker event that started during it (the name, its start in ms after
+the submission, its length in ms): ``task:deserialize_arguments``, ``task:execute`` and
+``task:store_outputs`` of the ``prefill`` call, and the ``release`` of a request's blocks.
 """
 
 import argparse
@@ -33,7 +35,15 @@ def main() -> None:
 
     import ray
 
+    import cluster.pool
+    import cluster.scheduler
     from cluster.pool import PrefillPool
+
+    marks = []
+    for owner, name, label in [(PrefillPool, "_admit", "admit"), (cluster.scheduler.ReplicaScheduler, "_run_batch", "batch"),
+                               (cluster.scheduler, "gather", "gather"), (PrefillPool, "complete", "complete"),
+                               (PrefillPool, "_free", "free"), (cluster.pool, "_settle", "settle")]:  # fmt: skip
+        setattr(owner, name, _marked(getattr(owner, name), label, marks))
 
     config = one_gpu_config(args.checkpoint, args.device, kv_cache_tokens=1 << 20, chunk_tokens=args.chunk, max_batch_tokens=args.chunk)
     vocab, rng, runs = config.model_config().vocab_size, np.random.default_rng(0), []
@@ -47,19 +57,34 @@ def main() -> None:
                     prompt = np.concatenate([history, rng.integers(0, vocab, size=args.new)])
                 else:
                     prompt = rng.integers(0, vocab, size=args.history + args.new)
+                marks.clear()
                 started = time.time()
                 result = pool.prefill(prompt)
-                runs.append((kind, started, time.time(), result))
+                runs.append((kind, started, time.time(), result, list(marks)))
         time.sleep(2)  # the timeline's last events
         timeline = ray.timeline()
-    for kind, started, ended, result in runs:
+    for kind, started, ended, result, steps in runs:
         events = sorted(
             ((e["name"], round((float(e["ts"]) - started * 1e6) / 1e3, 2), round(float(e.get("dur", 0)) / 1e3, 2))
              for e in timeline if e.get("ph") == "X" and started * 1e6 <= float(e["ts"]) <= ended * 1e6),
             key=lambda event: event[1],
         )  # fmt: skip
-        print(kind, f"ttft {result.ttft_s * 1e3:.2f} ms queue {result.queue_s * 1e3:.2f} ms", events, flush=True)
+        pool_steps = " ".join(f"{name}:{(at - started) * 1e3:.2f}" for name, at in steps)
+        print(kind, f"ttft {result.ttft_s * 1e3:.2f} ms queue {result.queue_s * 1e3:.2f} ms", pool_steps, events, flush=True)
     ray.shutdown()
+
+
+def _marked(function, label: str, marks: list):
+    """``function``, appending ``(label + ">", time)`` and ``(label + "<", time)`` around each call."""
+
+    def marked(*args, **kwargs):
+        marks.append((label + ">", time.time()))
+        try:
+            return function(*args, **kwargs)
+        finally:
+            marks.append((label + "<", time.time()))
+
+    return marked
 
 
 if __name__ == "__main__":

@@ -490,8 +490,8 @@ class PrefillPool:
         result = PrefillResult(
             request_id=request.id,
             num_tokens=len(request.tokens),
-            logits=piece.logits.float(),
-            last_hidden=piece.last_hidden.float(),
+            logits=torch.from_numpy(piece.logits.copy()),  # Ray's arrays are read-only views of its store
+            last_hidden=torch.from_numpy(piece.last_hidden.copy()),
             replica=replica.index,
             ttft_s=time.perf_counter() - request.submitted,
             queue_s=(request.started or request.submitted) - request.submitted,

@@ -209,7 +209,7 @@ class PrefillServer:
             "ttft_s": round(result.ttft_s, 6),
         }
         if req["return_logits"]:
-            answer["logits"] = result.logits.float().numpy()
+            answer["logits"] = result.logits.numpy()
         if req["handoff"]:
             answer["ticket"] = self.kv.ticket(result, host=self.ticket_host)
         return answer
