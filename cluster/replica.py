@@ -224,6 +224,12 @@ def gather(refs: list, timeout_s: float | None = None) -> list:
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
     while pending:
         wait_s = None if deadline is None else max(0.0, deadline - time.monotonic())
+        if len(pending) == 1:  # the last (or only) one: fetched as it lands, one call fewer than wait + get
+            try:
+                results[pending[0]] = ray.get(pending[0], timeout=wait_s)
+            except ray.exceptions.GetTimeoutError:
+                raise BatchTimeout(f"1 of {len(refs)} workers did not finish within {timeout_s:g} s") from None
+            break
         ready, pending = ray.wait(pending, num_returns=1, timeout=wait_s)
         if not ready:
             raise BatchTimeout(f"{len(pending)} of {len(refs)} workers did not finish within {timeout_s:g} s")
