@@ -379,19 +379,17 @@ class PrefillWorker(KVHolder):
             if piece.is_last and device.type == "cuda":
                 self._kv_ready[piece.request_id] = torch.cuda.Event()
                 self._kv_ready[piece.request_id].record()
-        # the head computes in the model's dtype (the model upcasts its logits): gathered across PCP
-        # ranks in it (lossless), and upcast here on the device. Not in the driver: there a vocab-sized
-        # CPU cast runs on torch's intra-op thread pool, whose wake-up cost a cached turn 3-10 ms of
-        # TTFT on H200; float32 numpy arrays store in Ray's object store in 0.9-1.5 ms, as bf16
-        # tensors did
-        logits, last_hidden = out.logits.to(out.last_hidden.dtype), out.last_hidden
+        # float32 from the device (the model upcasts its logits there): a vocab-sized cast in the driver
+        # runs on torch's intra-op thread pool, whose wake-up cost a cached turn 3-10 ms of TTFT on
+        # H200; float32 numpy arrays store in Ray's object store in 0.9-1.5 ms, as bf16 tensors did
+        logits, last_hidden = out.logits, out.last_hidden.float()
         if isinstance(batch, PCPPlan):  # last tokens of whole requests are on their owners (workers.pcp)
             last = batch.gather_last(torch.cat([logits, last_hidden], dim=1))
             logits, last_hidden = last.split([logits.shape[1], last_hidden.shape[1]], dim=1)
         if self.rank != 0:
             return None
         results = [
-            PieceResult(piece.request_id, logits[i].float().cpu().numpy(), last_hidden[i].float().cpu().numpy())
+            PieceResult(piece.request_id, logits[i].cpu().numpy(), last_hidden[i].cpu().numpy())
             for i, piece in enumerate(pieces)
             if piece.is_last
         ]
