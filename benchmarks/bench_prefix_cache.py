@@ -11,8 +11,8 @@ sends its next turn once the previous one is prefilled, all chats at once. Share
 For both: TTFT (submit to logits, queueing included) p50/p99, prompt tokens per second of the whole
 workload (every prompt's full length over the wall time), and the cache's hit rate.
 
-Isolated turns (cache on, one request at a time, a pool with chunks of 4K): for ``--probes`` histories
-of 8K, 12K, ... tokens and 1K-2K new ones, the turn's TTFT with its history cached, against the
+Isolated turns (cache on, one request at a time, a pool with chunks of 4K): for histories of 8K, 12K,
+... tokens, one per ``--new-tokens`` count (1K-2K), the turn's TTFT with its history cached, against the
 reference: the time to prefill only the new tokens against that context, measured as the TTFT of a
 cold prompt of history plus new tokens (fresh tokens; its last chunk is the new tokens) less that of a
 cold prompt of the history's length. Target: the cached turn within 1.25x the reference, and
@@ -38,8 +38,9 @@ from timing import percentiles  # benchmarks/timing.py
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 GPU_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 os.environ.update(GPU_ENV)
-
-
+# the isolated turns' new tokens: fixed, so runs compare (they are what the first runs drew at random
+# from 1K-2K; the 1,138 after a 12K history, the shortest reference, was the slowest turn in most runs)
+PROBE_NEW_TOKENS = [1823, 1138, 1670, 1438, 1807, 1892]
 
 
 def one_gpu_config(checkpoint: Path, device: str, **overrides) -> "PoolConfig":
@@ -52,6 +53,14 @@ def one_gpu_config(checkpoint: Path, device: str, **overrides) -> "PoolConfig":
     gpu = device == "cuda"
     ray.init(num_cpus=None if gpu else 2, num_gpus=1, include_dashboard=False, log_to_driver=False, runtime_env={"env_vars": GPU_ENV})
     return PoolConfig(checkpoint=str(checkpoint), device=device, use_gpus=True, worker_cpus=1.0 if gpu else 0.5, **overrides)
+
+
+def token_counts(text: str) -> list[int]:
+    """``--new-tokens``: comma-separated positive integers."""
+    counts = [int(n) for n in text.split(",")]
+    if min(counts) < 1:
+        raise ValueError(text)
+    return counts
 
 
 def _n(tokens: int, scale: float) -> int:
@@ -93,16 +102,16 @@ def shared_prefix(pool, rng, vocab: int, prompts: int, scale: float) -> dict:
             "wall_s": round(wall, 3), "tokens_per_s": round(total / wall, 1), "ttft_s": percentiles([r.ttft_s for r in results])}  # fmt: skip
 
 
-def isolated_turns(pool, rng, vocab: int, probes: int, chunk: int, repeats: int) -> list[dict]:
-    """Per probe (a history of a whole number of chunks, 2 to ``probes + 1`` of them): the turn's TTFT
+def isolated_turns(pool, rng, vocab: int, new_tokens: list[int], chunk: int, repeats: int) -> list[dict]:
+    """Per probe ``i`` (a history of ``i + 2`` chunks and ``new_tokens[i]`` new tokens): the turn's TTFT
     with its history cached, and the reference: the TTFT of a cold prompt of the same lengths (fresh
     tokens), whose last chunk is exactly the new tokens, less that of a cold prompt of the history's
     length (the same chunks but that one; the fixed costs of a request cancel). Medians of ``repeats``.
     (Timing the last chunk alone from ``on_progress`` overstates it: a chunk that returns no logits
     returns before its GPU work ends.)"""
     rows = []
-    for chunks in range(2, probes + 2):
-        history_len, new = chunks * chunk, int(rng.integers(chunk // 4, chunk // 2 + 1))
+    for chunks, new in enumerate(new_tokens, start=2):
+        history_len = chunks * chunk
         cached_turn, queued, reference = [], [], []
         for _ in range(repeats):
             history = rng.integers(0, vocab, size=history_len)
@@ -116,8 +125,9 @@ def isolated_turns(pool, rng, vocab: int, probes: int, chunk: int, repeats: int)
         turn_s, reference_s = statistics.median(cached_turn), statistics.median(reference)
         rows.append({"history_tokens": history_len, "new_tokens": new, "cached_tokens": result.cached_tokens,
                      "turn_ttft_s": round(turn_s, 4), "turn_queue_s": round(statistics.median(queued), 4),
-                     "reference_s": round(reference_s, 4), "ratio": round(turn_s / reference_s, 3)})  # fmt: skip
-        print(json.dumps(rows[-1]), flush=True)
+                     "reference_s": round(reference_s, 4), "ratio": round(turn_s / reference_s, 3),
+                     "turn_ttft_each_s": [round(t, 4) for t in cached_turn], "reference_each_s": [round(t, 4) for t in reference]})  # fmt: skip
+        print(json.dumps({k: v for k, v in rows[-1].items() if not k.endswith("_each_s")}), flush=True)
     return rows
 
 
@@ -130,8 +140,10 @@ def main() -> None:
     parser.add_argument("--conversations", type=int, default=32)
     parser.add_argument("--turns", type=int, default=8)
     parser.add_argument("--shared-prompts", type=int, default=256)
-    parser.add_argument("--probes", type=int, default=6, help="isolated turns, histories of 8K, 12K, ... (default 6: to 28K)")
-    parser.add_argument("--repeats", type=int, default=5, help="isolated turns: medians of this many of each probe (default 5)")
+    parser.add_argument("--new-tokens", type=token_counts, default=PROBE_NEW_TOKENS,
+                        help="isolated turns: the new tokens of each, comma-separated; their histories are 8K, 12K, ... "
+                             f"(default {','.join(map(str, PROBE_NEW_TOKENS))})")
+    parser.add_argument("--repeats", type=int, default=15, help="isolated turns: medians of this many of each probe (default 15)")
     parser.add_argument("--kv-cache-tokens", type=int, default=1 << 21, help="the worker's KV cache (default 2097152)")
     parser.add_argument("--batch-wait-ms", type=float, default=PoolConfig.batch_wait_ms, help=f"the pools' batch_wait_ms (default {PoolConfig.batch_wait_ms})")
     parser.add_argument("--only-isolated", action="store_true", help="only the isolated turns (no workloads, no targets)")
@@ -169,7 +181,8 @@ def main() -> None:
     chunk = _n(4096, args.scale)  # the probes' pool: chunks of 4K, so a reference's last chunk is its new tokens
     with PrefillPool(base.replace(chunk_tokens=chunk, max_batch_tokens=chunk)).start() as pool:
         pool.prefill(rng.integers(0, vocab, size=chunk))  # warm-up
-        report["results"]["cache_on"]["isolated_turns"] = isolated_turns(pool, rng, vocab, args.probes, chunk, args.repeats)
+        new_tokens = [_n(n, args.scale) for n in args.new_tokens]
+        report["results"]["cache_on"]["isolated_turns"] = isolated_turns(pool, rng, vocab, new_tokens, chunk, args.repeats)
     if args.only_isolated:
         args.out.write_text(json.dumps(report, indent=1) + "\n")
         ray.shutdown()

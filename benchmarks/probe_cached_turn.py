@@ -31,6 +31,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=6)
     parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda", help="cpu: a small model, to compare the host's part")
     parser.add_argument("--chunk", type=int, default=4096, help="the pool's chunk_tokens (default 4096)")
+    parser.add_argument("--kv-cache-tokens", type=int, default=1 << 21, help="the worker's KV cache (default 2097152, as bench_prefix_cache)")
     args = parser.parse_args()
 
     import ray
@@ -45,7 +46,7 @@ def main() -> None:
                                (PrefillPool, "_free", "free"), (cluster.pool, "_settle", "settle")]:  # fmt: skip
         setattr(owner, name, _marked(getattr(owner, name), label, marks))
 
-    config = one_gpu_config(args.checkpoint, args.device, kv_cache_tokens=1 << 20, chunk_tokens=args.chunk, max_batch_tokens=args.chunk)
+    config = one_gpu_config(args.checkpoint, args.device, kv_cache_tokens=args.kv_cache_tokens, chunk_tokens=args.chunk, max_batch_tokens=args.chunk)
     vocab, rng, runs = config.model_config().vocab_size, np.random.default_rng(0), []
     with PrefillPool(config).start() as pool:
         pool.prefill(rng.integers(0, vocab, size=args.chunk))  # warm-up
