@@ -388,11 +388,9 @@ class PrefillWorker(KVHolder):
             logits, last_hidden = last.split([logits.shape[1], last_hidden.shape[1]], dim=1)
         if self.rank != 0:
             return None
-        results = [
-            PieceResult(piece.request_id, logits[i].cpu().numpy(), last_hidden[i].cpu().numpy())
-            for i, piece in enumerate(pieces)
-            if piece.is_last
-        ]
+        finished = [i for i, piece in enumerate(pieces) if piece.is_last]  # one copy from the device for all
+        host_logits, host_hidden = logits[finished].cpu().numpy(), last_hidden[finished].cpu().numpy()
+        results = [PieceResult(pieces[i].request_id, host_logits[j], host_hidden[j]) for j, i in enumerate(finished)]
         if not isinstance(batch, PCPPlan):
             return BatchOutput(results)
         layers = model.config.num_hidden_layers
