@@ -15,7 +15,8 @@ streamed, greedy, ``ignore_eos``: the endpoint samples the first token from the 
 decodes from the second (``cluster.first_token``).
 
 ``parity``: a DeepSeek-width tiny MoE checkpoint (``tests/hf_models.write_vllm_checkpoint``, bf16 or
-DeepSeek's FP8 format), ``--prompts`` random prompts of 1 to ``--max-prompt`` tokens (log-uniform):
+DeepSeek's FP8 format; bf16 prefilled with ``moe_rounding="vllm"``, FP8 with the reference rounding, or
+as ``--moe-rounding`` says), ``--prompts`` random prompts of 1 to ``--max-prompt`` tokens (log-uniform):
 per prompt whether the first token and all ``--max-tokens`` tokens equal vLLM alone's, and at the
 first divergence vLLM alone's margin between its top two log-probabilities there (a near-tie when
 below 0.05); and, as the scale of what bf16 moves, the same for vLLM alone against itself with
@@ -110,7 +111,7 @@ def start_tier(args, checkpoint: Path, decode_url: str, dtype: str) -> str:
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     pool = PoolConfig(
         checkpoint=str(checkpoint), dtype=dtype, kv_cache_tokens=args.kv_cache_tokens, device="cuda" if gpu else "cpu", use_gpus=True,
-        worker_cpus=1.0 if gpu else 0.25, **({"gpu_memory_utilization": args.pool_memory} if gpu else {}),
+        worker_cpus=1.0 if gpu else 0.25, moe_rounding=args.moe_rounding, **({"gpu_memory_utilization": args.pool_memory} if gpu else {}),
     )  # fmt: skip
     config = ServeConfig(pool=pool, name="bench", decode_servers=(decode_url,), served_model_name=MODEL, replica_cpus=1.0 if gpu else 0.25,
                          kv_ttl_s=300.0, max_ongoing_requests=8, max_body_bytes=64 << 20)  # fmt: skip
@@ -290,10 +291,14 @@ def main() -> None:
     parity.add_argument("--weights", choices=["bf16", "fp8"], default="bf16", help="the tiny checkpoint's format")
     parity.add_argument("--prompts", type=int, default=32)
     parity.add_argument("--max-prompt", type=int, default=8192)
+    parser.add_argument("--moe-rounding", choices=["reference", "vllm"],
+                        help="the pool's MoE rounding (PoolConfig.moe_rounding; default: vllm for bf16 parity, reference otherwise)")  # fmt: skip
     speed = parser.add_argument_group("speed")
     speed.add_argument("--checkpoint", type=Path, help="the checkpoint both sides load (speed)")
     speed.add_argument("--lengths", nargs="+", default=["32768x16", "4096x64"], help="TOKENSxCOUNT, one request at a time")
     args = parser.parse_args()
+    if args.moe_rounding is None:
+        args.moe_rounding = "vllm" if args.mode == "parity" and args.weights == "bf16" else "reference"
     work = Path(tempfile.mkdtemp(prefix="bench-vllm-"))
     dtype = "float32" if args.device == "cpu" else "bfloat16"
     if args.mode == "parity":
@@ -313,6 +318,7 @@ def main() -> None:
         "what": f"bench_vllm_decode {args.mode}: the tier's /v1/completions (pool prefill, KV loaded by vLLM) vs vLLM alone",
         "date": datetime.date.today().isoformat(), "machine": machine(),
         "command": " ".join(sys.argv), "checkpoint": str(checkpoint), "weights": args.weights if args.mode == "parity" else None,
+        "moe_rounding": args.moe_rounding,
         "vllm_version": _vllm_version(args), "max_tokens": args.max_tokens, "complete": False, "results": {},
     }  # fmt: skip
     args.out.parent.mkdir(parents=True, exist_ok=True)

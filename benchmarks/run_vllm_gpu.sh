@@ -3,6 +3,7 @@
 #   bash benchmarks/run_vllm_gpu.sh OUT_DIR STEP...
 # Steps: install (the two offline bundles staged in /tmp/stage/{gpu,vllm}-NN: deploy/offline_bundle.py build
 # --sets ray,serve,flash-attn-4 and --sets vllm, into /tmp/gpu-site and /tmp/vllm-site, NIXL shared by both),
+# probe-moe (one bf16 MoE layer through vLLM's kernels and ours: benchmarks/probe_vllm_moe.py),
 # parity-bf16, parity-fp8 (32 prompts of 1-8K tokens through the tier's OpenAI endpoint against vLLM alone,
 # DeepSeek-width tiny MoE checkpoints), speed (the DeepSeek-V3 5-layer FP8 slice in $CKPT, default
 # /tmp/v3-5layers, written first when missing: 16 prompts of 32K and 64 of 4K, TTFT both ways).
@@ -21,6 +22,7 @@ for step in "$@"; do
              python3 -m compileall -q -j 16 /tmp/vllm-site /tmp/gpu-site > /dev/null  # else every process of a first start compiles vLLM
              python3 -c "import ray, flash_attn.cute, nixl_cu13; print('gpu site ok', ray.__version__)"
              PYTHONPATH=/tmp/vllm-site:$PWD python3 -c "import vllm, kv.vllm_connector; print('vllm site ok', vllm.__version__)" ;;
+    probe-moe) PYTHONPATH=/tmp/vllm-site:$PWD python3 benchmarks/probe_vllm_moe.py --out "$out/vllm-moe-rounding.json" ;;
     parity-bf16|parity-fp8) python3 benchmarks/bench_vllm_decode.py parity --weights ${step#parity-} --out "$out/vllm-decode-parity-${step#parity-}.json" ;;
     speed) ckpt=${CKPT:-/tmp/v3-5layers}
            [ -f "$ckpt/model.safetensors.index.json" ] || python3 benchmarks/write_checkpoint.py --model deepseek-v3 --num-layers 5 --out "$ckpt" | tail -1

@@ -28,7 +28,7 @@ from attention.backends.base import DeviceCapability, MLAPrefillSelectorConfig
 from attention.backends.registry import MLAPrefillBackendEnum
 from attention.backends.selector import ENV_BACKEND, backend_priorities, backend_reasons, get_mla_prefill_backend
 from attention.mla import DEFAULT_WORKSPACE_TOKENS
-from configs.model import DTYPES, EP_SCHEDULES, builtin_models, load_model_config
+from configs.model import DTYPES, EP_SCHEDULES, MOE_ROUNDINGS, builtin_models, load_model_config
 from configs.pool import DEVICES, PCP_STRATEGIES, QUANTIZATIONS, PoolConfig
 
 BACKEND_CHOICES = ["AUTO"] + [m.name for m in MLAPrefillBackendEnum]
@@ -96,6 +96,9 @@ def add_pool_arguments(parser: argparse.ArgumentParser) -> None:
                            "local-first: a worker's own pairs computed while the others travel; two-micro-batches: DeepSeek's overlap)")  # fmt: skip
     pool.add_argument("--ep-comm-sms", type=int, default=DEFAULTS.ep_comm_sms,
                       help="SMs that kernels beside an expert-parallel all-to-all leave to it, and the most CTAs it may use (CUDA; default: 0, none)")
+    pool.add_argument("--moe-rounding", default=DEFAULTS.moe_rounding, choices=MOE_ROUNDINGS,
+                      help="where MoE layers round: reference (transformers', the default) or vllm (as vLLM's CUDA path: "
+                           "handed-off KV closer to a vLLM decode server's own; one-worker replicas, unquantized experts)")  # fmt: skip
     pool.add_argument("--device", default=DEFAULTS.device, choices=DEVICES, help="worker device (default: cuda when the workers see a GPU)")
     pool.add_argument("--chunk-tokens", type=int, default=DEFAULTS.chunk_tokens, help=f"prefill the prompt in chunks of this many tokens (default: {DEFAULTS.chunk_tokens})")
     pool.add_argument("--workspace-tokens", type=int, default=DEFAULT_WORKSPACE_TOKENS,
@@ -121,6 +124,7 @@ def pool_config(args: argparse.Namespace) -> PoolConfig:
         quantization=args.quantization,
         ep_schedule=args.ep_schedule,
         ep_comm_sms=args.ep_comm_sms,
+        moe_rounding=args.moe_rounding,
         device=args.device,
         chunk_tokens=args.chunk_tokens,
         max_batch_tokens=max(args.chunk_tokens, DEFAULTS.max_batch_tokens),

@@ -49,6 +49,8 @@ def builtin_models() -> list[str]:
 
 # how a MoE layer orders its expert-parallel work (configs.pool.PoolConfig.ep_schedule explains each)
 EP_SCHEDULES = ("all-to-all", "local-first", "two-micro-batches")
+# where a MoE layer rounds (configs.pool.PoolConfig.moe_rounding explains each)
+MOE_ROUNDINGS = ("reference", "vllm")
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from attention.backends.registry import MLAPrefillBackendEnum
-from configs.model import DTYPES, EP_SCHEDULES, ModelConfig, load_model_config
+from configs.model import DTYPES, EP_SCHEDULES, MOE_ROUNDINGS, ModelConfig, load_model_config
 
 DEVICES = ("auto", "cpu", "cuda")
 QUANTIZATIONS = ("auto", "none")
@@ -55,6 +55,16 @@ class PoolConfig:
                      SM carveout, CUDA only; 0: none), and the most CTAs the all-to-all may use (its own
                      NCCL communicator, maxCTAs). With none, a persistent grouped GEMM beside an NCCL
                      kernel runs in two waves
+    moe_rounding     where MoE layers round: "reference" (transformers': float32 router logits and
+                     weights, the routing weight applied before the down GEMM, a token's experts added in
+                     float32), or "vllm": as vLLM 0.26's CUDA path (workers.moe_vllm: router logits in
+                     the model's dtype, routed in float32 without the scaling factor, the weight times the
+                     down GEMM's float32 result, the sum scaled after it). With vLLM decode servers, "vllm" hands vLLM rows
+                     closer to its own prefill's: 99.999% of a bf16 layer's outputs equal vLLM's kernels'
+                     bit for bit (54-56% with "reference"), and on one H200 vLLM's 16 greedy tokens equal
+                     vLLM alone's on 30 of 32 prompts, against 28 (docs/vllm-decode.md). Unquantized
+                     experts, replicas of one worker, noaux_tc + sigmoid routing only; its down GEMM runs
+                     one GEMM per expert after a host sync
     device           "cuda", "cpu" or "auto" (cuda when the workers see a GPU)
     chunk_tokens     prompts are prefilled in chunks of at most this many tokens per request (32768:
                      on H200 a 128K prompt of a DeepSeek-V3 layer runs 10% faster than with 8K chunks on
@@ -106,6 +116,7 @@ class PoolConfig:
     quantization: str = "auto"
     ep_schedule: str = "all-to-all"
     ep_comm_sms: int = 0
+    moe_rounding: str = "reference"
     device: str = "auto"
     chunk_tokens: int = 32768  # measured: benchmarks/results/2026-11-21-4xh200-pcp-chunk-sweep-128k.json
     max_batch_tokens: int = 32768
@@ -147,6 +158,10 @@ class PoolConfig:
             raise ValueError(f"pool config: ep_schedule {self.ep_schedule!r} is not one of {', '.join(EP_SCHEDULES)}")
         if not isinstance(self.ep_comm_sms, int) or isinstance(self.ep_comm_sms, bool) or not 0 <= self.ep_comm_sms <= 64:
             raise ValueError(f"pool config: ep_comm_sms must be an integer in 0..64, got {self.ep_comm_sms!r}")
+        if self.moe_rounding not in MOE_ROUNDINGS:
+            raise ValueError(f"pool config: moe_rounding {self.moe_rounding!r} is not one of {', '.join(MOE_ROUNDINGS)}")
+        if self.moe_rounding == "vllm" and self.tp * self.pcp > 1:
+            raise ValueError(f"pool config: moe_rounding 'vllm' needs replicas of one worker (tp = pcp = 1), got tp={self.tp}, pcp={self.pcp}")
         if self.spare_workers not in SPARE_MODES:
             raise ValueError(f"pool config: spare_workers {self.spare_workers!r} is not one of {', '.join(SPARE_MODES)}")
         if self.device not in DEVICES:

@@ -51,7 +51,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from attention.kernel_choice import use_triton
-from configs.model import EP_SCHEDULES, MoEConfig
+from configs.model import EP_SCHEDULES, MOE_ROUNDINGS, MoEConfig
+from workers import moe_vllm
 from workers.activation import silu_mul
 from workers.expert_parallel import Dispatch, EPGroup, exchange_counts, sm_carveout
 from workers.fp8 import FP8, quantize_activations
@@ -119,9 +120,9 @@ def _keep_groups(scores: torch.Tensor, group_scores: torch.Tensor, config: MoECo
 class Router(nn.Module):
     """The gate: ``weight [E, H]`` (never quantized) and, for ``noaux_tc``, ``e_score_correction_bias [E]``."""
 
-    def __init__(self, config: MoEConfig, hidden: int, *, dtype: torch.dtype, device=None) -> None:
+    def __init__(self, config: MoEConfig, hidden: int, *, dtype: torch.dtype, rounding: str = "reference", device=None) -> None:
         super().__init__()
-        self.config = config
+        self.config, self.rounding = config, rounding
         self.weight = nn.Parameter(torch.empty(config.n_routed_experts, hidden, dtype=dtype, device=device), requires_grad=False)
         if config.topk_method == "noaux_tc":
             bias = torch.empty(config.n_routed_experts, dtype=torch.float32, device=device)
@@ -131,7 +132,10 @@ class Router(nn.Module):
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``x [T, H]`` -> ``(weights [T, k] float32, ids [T, k])``; the logits are float32 (bf16 inputs
-        multiply exactly in fp32 and accumulate in fp32, as a float32 GEMM of them does)."""
+        multiply exactly in fp32 and accumulate in fp32, as a float32 GEMM of them does), or with
+        ``rounding="vllm"`` in ``x``'s dtype, routed by :func:`workers.moe_vllm.route`."""
+        if self.rounding == "vllm":
+            return moe_vllm.route(F.linear(x, self.weight), self.config, self.e_score_correction_bias)
         if x.is_cuda and x.dtype in (torch.bfloat16, torch.float16):
             logits = torch.mm(x, self.weight.t(), out_dtype=torch.float32)
         else:
@@ -145,11 +149,15 @@ class Experts(nn.Module):
 
     ``fp8``: the weights are ``float8_e4m3fn`` with ``gate_up_proj_scale [E_r, 2I]`` and
     ``down_proj_scale [E_r, H]`` (one scale per output row), run by ``_scaled_grouped_mm``.
+    ``rounding="vllm"``: the routing weight multiplies the down GEMM's float32 result
+    (:func:`workers.moe_vllm.weighted_down`), not its input.
     """
 
-    def __init__(self, num_local: int, hidden: int, intermediate: int, *, dtype: torch.dtype, fp8: bool, device=None) -> None:
+    def __init__(
+        self, num_local: int, hidden: int, intermediate: int, *, dtype: torch.dtype, fp8: bool, rounding: str = "reference", device=None
+    ) -> None:  # fmt: skip
         super().__init__()
-        self.fp8, self.intermediate = fp8, intermediate
+        self.fp8, self.intermediate, self.rounding = fp8, intermediate, rounding
         stored = {"dtype": FP8 if fp8 else dtype, "device": device}
         self.gate_up_proj = nn.Parameter(torch.empty(num_local, 2 * intermediate, hidden, **stored), requires_grad=False)
         self.down_proj = nn.Parameter(torch.empty(num_local, hidden, intermediate, **stored), requires_grad=False)
@@ -177,6 +185,8 @@ class Experts(nn.Module):
         if not self.fp8:
             (x,) = rows
             gate_up = torch._grouped_mm(x, self.gate_up_proj.transpose(-2, -1), offs=offs)
+            if self.rounding == "vllm":
+                return moe_vllm.weighted_down(silu_mul(gate_up), self.down_proj, offs, weights)
             return torch._grouped_mm(silu_mul(gate_up, weights), self.down_proj.transpose(-2, -1), offs=offs)
         q, scale = rows[0].view(FP8), rows[1]
         gate_up = torch._scaled_grouped_mm(
@@ -201,7 +211,8 @@ class MoE(nn.Module):
 
     ``schedule`` (one of :data:`EP_SCHEDULES`; see ``configs.pool.PoolConfig.ep_schedule``) orders the
     expert-parallel work; ``comm_sms`` is the SM carveout (``workers.expert_parallel.sm_carveout``) of
-    the kernels that run beside an all-to-all.
+    the kernels that run beside an all-to-all. ``rounding`` (one of :data:`MOE_ROUNDINGS`; see
+    ``configs.pool.PoolConfig.moe_rounding``): "reference", or "vllm" (``workers.moe_vllm``).
     """
 
     def __init__(
@@ -215,6 +226,7 @@ class MoE(nn.Module):
         fp8: bool = False,
         schedule: str = "all-to-all",
         comm_sms: int = 0,
+        rounding: str = "reference",
         device=None,
     ) -> None:
         super().__init__()
@@ -222,11 +234,15 @@ class MoE(nn.Module):
             raise ValueError(f"EP schedule {schedule!r} is not one of {', '.join(EP_SCHEDULES)}")
         if not isinstance(comm_sms, int) or comm_sms < 0:
             raise ValueError(f"EP comm SMs must be an integer >= 0, got {comm_sms!r}")
-        self.config, self.ep, self.schedule, self.comm_sms = config, ep, schedule, comm_sms
+        if rounding not in MOE_ROUNDINGS:
+            raise ValueError(f"MoE rounding {rounding!r} is not one of {', '.join(MOE_ROUNDINGS)}")
+        if rounding == "vllm":
+            moe_vllm.check_supported(config, fp8=fp8, ep_size=ep.size)
+        self.config, self.ep, self.schedule, self.comm_sms, self.rounding = config, ep, schedule, comm_sms, rounding
         local = ep.experts(config.n_routed_experts)
         self.first_expert = local.start
-        self.gate = Router(config, hidden, dtype=dtype, device=device)
-        self.experts = Experts(len(local), hidden, config.moe_intermediate_size, dtype=dtype, fp8=fp8, device=device)
+        self.gate = Router(config, hidden, dtype=dtype, rounding=rounding, device=device)
+        self.experts = Experts(len(local), hidden, config.moe_intermediate_size, dtype=dtype, fp8=fp8, rounding=rounding, device=device)
         self.shared_experts = shared_experts
         self.pairs = 0  # (token, expert) pairs computed here (reset by the worker after its warm-up)
         self._tables: tuple[torch.Tensor, torch.Tensor] | None = None
@@ -311,7 +327,10 @@ class MoE(nn.Module):
             else:
                 pair_rows = [r.index_select(0, order.index // k) for r in ([hidden] if hidden is not None else rows)]
         y = self.experts(pair_rows, weights.reshape(-1)[order.index], order.offs)
-        return gather_sum(y, order.where, dtype, out=out)
+        total = gather_sum(y, order.where, dtype, out=out)
+        if self.rounding == "vllm":  # scaled after the sum, rounded again (one rank holds every pair: moe_vllm.check_supported)
+            return total * self.config.routed_scaling_factor
+        return total
 
     def _micro_batches(self, x, rows, ids, weights, parts: int) -> Callable[[], torch.Tensor]:
         """Every routed row, this rank's own too, through the all-to-alls; with two parts the dispatch

@@ -226,7 +226,8 @@ class PrefillWorker(KVHolder):
         laps.lap("backend")  # importing its library (FA4's CuTe DSL: seconds)
         tp = TPShard(self.tp_rank, config.tp, tp_group)
         fp8 = self._use_fp8(model_config, device, dtype)
-        shard = {"tp": tp, "ep": ep, "fp8": fp8, "ep_schedule": config.ep_schedule, "ep_comm_sms": config.ep_comm_sms, "dtype": dtype}
+        shard = {"tp": tp, "ep": ep, "fp8": fp8, "ep_schedule": config.ep_schedule, "ep_comm_sms": config.ep_comm_sms,
+                 "moe_rounding": config.moe_rounding, "dtype": dtype}  # fmt: skip
         weight_bytes = DeepseekPrefillModel.create(model_config, TorchSDPAPrefillBackend, device="meta", **shard).weight_bytes()
         check_weights_fit(weight_bytes, device, config, model_config)
         self.model = DeepseekPrefillModel.create(model_config, backend_cls, device=device, **shard)
