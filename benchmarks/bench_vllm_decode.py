@@ -50,6 +50,8 @@ import numpy as np
 from machine import machine  # benchmarks/machine.py
 from timing import percentiles  # benchmarks/timing.py
 
+from configs.model import MOE_ROUNDINGS
+
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "tests"))
 MODEL = "bench"
@@ -291,7 +293,7 @@ def main() -> None:
     parity.add_argument("--weights", choices=["bf16", "fp8"], default="bf16", help="the tiny checkpoint's format")
     parity.add_argument("--prompts", type=int, default=32)
     parity.add_argument("--max-prompt", type=int, default=8192)
-    parser.add_argument("--moe-rounding", choices=["reference", "vllm"],
+    parser.add_argument("--moe-rounding", choices=MOE_ROUNDINGS,
                         help="the pool's MoE rounding (PoolConfig.moe_rounding; default: vllm for bf16 parity, reference otherwise)")  # fmt: skip
     speed = parser.add_argument_group("speed")
     speed.add_argument("--checkpoint", type=Path, help="the checkpoint both sides load (speed)")

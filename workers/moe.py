@@ -75,17 +75,22 @@ def gather_sum(
 
 # ---- routing -------------------------------------------------------------------------------------
 def route(
-    logits: torch.Tensor, config: MoEConfig, bias: torch.Tensor | None = None, *, impl: str = "auto"
+    logits: torch.Tensor, config: MoEConfig, bias: torch.Tensor | None = None, *, impl: str = "auto", rounding: str = "reference"
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Routing weights ``[T, k]`` (float32) and expert ids ``[T, k]`` (int64) from router logits ``[T, E]``.
 
     ``bias`` is ``e_score_correction_bias`` (``noaux_tc``: used to choose experts, not to weigh them).
     A Triton kernel on CUDA (``workers.moe_triton``), torch ops elsewhere; ``impl`` forces one.
+    ``rounding="vllm"`` (``noaux_tc`` only, torch ops) routes as vLLM's fused ``grouped_topk``
+    (``workers.moe_vllm``): groups and experts taken best first, ties to the lower index, so a
+    token's slots are in decreasing biased score, and the weights left without
+    ``routed_scaling_factor`` (applied after the experts' sum).
     """
-    if use_triton(impl, logits):
+    if rounding == "reference" and use_triton(impl, logits):
         from workers.moe_triton import route as kernel
 
         return kernel(logits.float().contiguous(), config, bias)
+    pick = _best_first if rounding == "vllm" else _top
     logits = logits.float()
     scores = torch.sigmoid(logits) if config.scoring_func == "sigmoid" else logits.softmax(dim=-1)
     tokens, k = scores.shape[0], config.num_experts_per_tok
@@ -94,24 +99,35 @@ def route(
         if config.grouped:
             grouped = choice.view(tokens, config.n_group, config.n_routed_experts // config.n_group)
             group_scores = grouped.topk(2, dim=-1).values.sum(dim=-1)
-            choice = _keep_groups(choice, group_scores, config, float("-inf"))
-        ids = choice.topk(k, dim=-1, sorted=False).indices
+            choice = _keep_groups(choice, group_scores, config, float("-inf"), pick)
+        ids = pick(choice, k)
         weights = scores.gather(1, ids)
         if config.norm_topk_prob:
             weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
-        return weights * config.routed_scaling_factor, ids
+        return (weights if rounding == "vllm" else weights * config.routed_scaling_factor), ids
     if config.grouped:  # group_limited_greedy
         group_scores = scores.view(tokens, config.n_group, config.n_routed_experts // config.n_group).amax(dim=-1)
-        scores = _keep_groups(scores, group_scores, config, 0.0)
+        scores = _keep_groups(scores, group_scores, config, 0.0, pick)
     weights, ids = scores.topk(k, dim=-1, sorted=False)
     if k > 1 and config.norm_topk_prob:
         return weights / (weights.sum(dim=-1, keepdim=True) + 1e-20), ids
     return weights * config.routed_scaling_factor, ids
 
 
-def _keep_groups(scores: torch.Tensor, group_scores: torch.Tensor, config: MoEConfig, fill: float) -> torch.Tensor:
-    """``scores [T, E]`` with every expert outside each token's ``topk_group`` best groups set to ``fill``."""
-    best = group_scores.topk(config.topk_group, dim=-1, sorted=False).indices
+def _top(values: torch.Tensor, k: int) -> torch.Tensor:
+    """The indices of each row's ``k`` largest values, in no particular order."""
+    return values.topk(k, dim=-1, sorted=False).indices
+
+
+def _best_first(values: torch.Tensor, k: int) -> torch.Tensor:
+    """The indices of each row's ``k`` largest values, largest first, ties to the lower index."""
+    return torch.sort(values, dim=-1, descending=True, stable=True).indices[:, :k]
+
+
+def _keep_groups(scores: torch.Tensor, group_scores: torch.Tensor, config: MoEConfig, fill: float, pick=_top) -> torch.Tensor:
+    """``scores [T, E]`` with every expert outside each token's ``topk_group`` best groups (chosen by
+    ``pick``) set to ``fill``."""
+    best = pick(group_scores, config.topk_group)
     keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, best, True)
     keep = keep.repeat_interleave(config.n_routed_experts // config.n_group, dim=1)
     return scores.masked_fill(~keep, fill)
@@ -133,9 +149,9 @@ class Router(nn.Module):
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``x [T, H]`` -> ``(weights [T, k] float32, ids [T, k])``; the logits are float32 (bf16 inputs
         multiply exactly in fp32 and accumulate in fp32, as a float32 GEMM of them does), or with
-        ``rounding="vllm"`` in ``x``'s dtype, routed by :func:`workers.moe_vllm.route`."""
+        ``rounding="vllm"`` in ``x``'s dtype (vLLM's gate), routed by :func:`route` as vLLM routes."""
         if self.rounding == "vllm":
-            return moe_vllm.route(F.linear(x, self.weight), self.config, self.e_score_correction_bias)
+            return route(F.linear(x, self.weight), self.config, self.e_score_correction_bias, rounding="vllm")
         if x.is_cuda and x.dtype in (torch.bfloat16, torch.float16):
             logits = torch.mm(x, self.weight.t(), out_dtype=torch.float32)
         else:

@@ -9,11 +9,11 @@ DeepSeek-V3 (``noaux_tc``, sigmoid) MoE layer of a bf16 model:
 
 1. router logits in the model's dtype (its gate is a plain linear layer, ``GateLinear`` at the end of
    its kernel list);
-2. ``grouped_topk`` (its fused CUDA kernel) in float32 from those logits: sigmoid scores plus the
-   bias choose the experts, in the ``topk_group`` groups whose two best sums are highest; groups and
-   then experts are taken best first (ties: the lower index), so a token's slots are in decreasing
-   biased score; the weights are the unbiased scores over their sum, *not* times
-   ``routed_scaling_factor``;
+2. ``grouped_topk`` (its fused CUDA kernel; ``workers.moe.route(..., rounding="vllm")``) in float32
+   from those logits: sigmoid scores plus the bias choose the experts, in the ``topk_group`` groups
+   whose two best sums are highest; groups and then experts are taken best first (ties: the lower
+   index), so a token's slots are in decreasing biased score; the weights are the unbiased scores over
+   their sum, *not* times ``routed_scaling_factor``;
 3. the experts' gate/up GEMM rounded to the dtype, ``silu`` rounded, times ``up`` rounded (as here);
 4. the down GEMM's float32 accumulator times the pair's weight, rounded to the dtype once;
 5. ``moe_sum``: a token's pair rows added in float32, rounded once (``workers.moe.gather_sum``);
@@ -36,6 +36,7 @@ import torch
 
 from configs.model import MoEConfig
 
+
 def check_supported(config: MoEConfig, *, fp8: bool, ep_size: int) -> None:
     """Raise ``ValueError`` naming what stops a MoE layer from rounding as vLLM does."""
     if fp8:
@@ -50,31 +51,6 @@ def check_supported(config: MoEConfig, *, fp8: bool, ep_size: int) -> None:
             f"moe_rounding 'vllm' follows vLLM's fused noaux_tc + sigmoid routing; this model routes by "
             f"{config.topk_method} + {config.scoring_func}: use 'reference'"
         )
-
-
-def route(logits: torch.Tensor, config: MoEConfig, bias: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(weights [T, k] float32, ids [T, k] int64)`` from router logits ``[T, E]`` (in the model's dtype,
-    step 1), as vLLM's fused ``grouped_topk`` kernel computes them (step 2)."""
-    tokens, experts = logits.shape
-    scores = torch.sigmoid(logits.float())
-    choice = scores + bias if bias is not None else scores
-    if config.grouped:
-        per_group = experts // config.n_group
-        top2 = choice.view(tokens, config.n_group, per_group).topk(2, dim=-1).values
-        group_scores = top2[..., 0] + top2[..., 1]
-        groups = _best(group_scores, config.topk_group)
-        keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, groups, True)
-        choice = choice.masked_fill(~keep.repeat_interleave(per_group, dim=1), float("-inf"))
-    ids = _best(choice, config.num_experts_per_tok)
-    weights = scores.gather(1, ids)
-    if config.norm_topk_prob:
-        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
-    return weights, ids
-
-
-def _best(values: torch.Tensor, k: int) -> torch.Tensor:
-    """The indices of each row's ``k`` largest values, largest first, ties to the lower index."""
-    return torch.sort(values, dim=-1, descending=True, stable=True).indices[:, :k]
 
 
 def weighted_down(h: torch.Tensor, down_proj: torch.Tensor, offs: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:

@@ -11,8 +11,7 @@ from configs.model import MoEConfig, load_model_config
 from configs.pool import PoolConfig
 from workers.expert_parallel import EPGroup
 from workers.model import DeepseekPrefillModel, DenseMLP
-from workers.moe import MoE
-from workers.moe_vllm import route
+from workers.moe import MoE, route
 
 BF16 = torch.bfloat16
 CONFIG = MoEConfig(n_routed_experts=16, num_experts_per_tok=4, moe_intermediate_size=32, n_shared_experts=1, n_group=4, topk_group=2,
@@ -61,7 +60,7 @@ def test_routing_takes_groups_and_experts_best_first_from_bf16_logits():
 def test_tied_scores_go_to_the_lower_expert():
     config = MoEConfig(n_routed_experts=8, num_experts_per_tok=3, moe_intermediate_size=8)
     logits = torch.tensor([[0.5, 2.0, 0.5, 2.0, 0.5, 0.5, 2.0, 0.25]], dtype=BF16)
-    weights, ids = route(logits, config, torch.zeros(8))
+    weights, ids = route(logits, config, torch.zeros(8), rounding="vllm")
     assert ids.tolist() == [[1, 3, 6]]
     assert weights.sum().item() == pytest.approx(1.0)
 
