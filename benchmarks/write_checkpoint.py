@@ -10,6 +10,7 @@ the layers written, and a word-level tokenizer over the vocabulary (:func:`write
 the same kind of device: CPU and CUDA generators differ); host memory holds one file's worth.
 
     python benchmarks/write_checkpoint.py --model deepseek-v3 --num-layers 5 --out /tmp/v3-5layers
+    python benchmarks/write_checkpoint.py --model deepseek-v3 --kv-shaped --out /tmp/v3-kv-shaped  # 61 layers, small
     python benchmarks/bench_moe.py --model deepseek-v3 --num-layers 5 --checkpoint /tmp/v3-5layers \\
         --layouts fp8:1 fp8:1:ckpt fp8:4:tp2:ckpt --share-gpus --prompts 1x8192 --repeats 1 --out FILE.json
 """
@@ -29,13 +30,23 @@ from configs.model import MODELS_DIR, load_model_config
 from workers.model import DeepseekPrefillModel
 from workers.weights import SCALE, RandomWeights, load_plan
 
+# ``--kv-shaped``: the model's layers and MLA widths (kv_lora_rank + qk_rope_head_dim: its KV per token),
+# everything else small, so that a pool and a vLLM server both load DeepSeek-V3's 61 layers on one GPU
+KV_SHAPED = {
+    "hidden_size": 1024, "intermediate_size": 2048, "moe_intermediate_size": 256, "num_attention_heads": 16,
+    "num_key_value_heads": 16, "q_lora_rank": 512, "n_routed_experts": 16, "num_experts_per_tok": 4, "n_group": 4,
+    "topk_group": 2,
+}  # fmt: skip
+
 
 def write_checkpoint(
-    model: str, num_layers: int | None, out: Path, *, seed: int, device: str, dtype: torch.dtype, file_bytes: int
-) -> dict:
-    """Write the checkpoint; returns what was written (files, tensors, bytes, seconds)."""
+    model: str, num_layers: int | None, out: Path, *, seed: int, device: str, dtype: torch.dtype, file_bytes: int,
+    kv_shaped: bool = False,
+) -> dict:  # fmt: skip
+    """Write the checkpoint; returns what was written (files, tensors, bytes, seconds). ``kv_shaped``:
+    with :data:`KV_SHAPED`'s small widths."""
     started = time.perf_counter()
-    overrides = {"num_hidden_layers": num_layers} if num_layers else {}
+    overrides = {**(KV_SHAPED if kv_shaped else {}), **({"num_hidden_layers": num_layers} if num_layers else {})}
     config = load_model_config(model, **overrides)
     meta = DeepseekPrefillModel.create(config, TorchSDPAPrefillBackend, device="meta", dtype=dtype)
     params = dict(meta.named_parameters())
@@ -101,12 +112,15 @@ def main() -> None:
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"],
                         help="of the unquantized tensors: that of the workers that draw the same weights")
     parser.add_argument("--file-gib", type=float, default=4.0, help="the largest file, GiB")
+    parser.add_argument("--kv-shaped", action="store_true",
+                        help="the model's layers and MLA widths (its KV per token), everything else small (KV_SHAPED): the KV load benchmarks' checkpoint")  # fmt: skip
     args = parser.parse_args()
     if args.file_gib <= 0:
         parser.error(f"--file-gib must be > 0, got {args.file_gib}")
     written = write_checkpoint(
-        args.model, args.num_layers, args.out, seed=args.seed, device=args.device, dtype=getattr(torch, args.dtype), file_bytes=int(args.file_gib * 2**30)
-    )
+        args.model, args.num_layers, args.out, seed=args.seed, device=args.device, dtype=getattr(torch, args.dtype),
+        file_bytes=int(args.file_gib * 2**30), kv_shaped=args.kv_shaped,
+    )  # fmt: skip
     print(json.dumps({"checkpoint": str(args.out), **written}))
 
 

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import socket
 import threading
 import time
 import uuid
@@ -40,6 +39,7 @@ import torch
 
 from configs.model import DTYPES
 from configs.pool import PoolConfig
+from kv.mapped import host_identity
 from workers.decode import DecodeState, ReferenceDecoder
 from workers.kv_link import KVLink, KVLinkBroken, KVLinkError
 from workers.pcp_layout import interleave_shards, shard_rows
@@ -56,7 +56,7 @@ class KVSource:
     block_size: int
     num_tokens: int
     dtype: str  # of the KV cache
-    devices: tuple = ()  # per holder (host, GPU UUID or None on the CPU)
+    devices: tuple = ()  # per holder (kv.mapped.host_identity(), GPU UUID or None on the CPU)
     transports: tuple[str, ...] = ()  # how every holder serves its shard to decode servers outside the cluster
 
 
@@ -138,7 +138,7 @@ class DecodeActor:
         """The first holder (PCP rank) on this actor's GPU, if any."""
         if self.device.type != "cuda":
             return None
-        mine = (socket.gethostname(), str(torch.cuda.get_device_properties(self.device).uuid))
+        mine = (host_identity(), str(torch.cuda.get_device_properties(self.device).uuid))
         return next((rank for rank, device in enumerate(source.devices) if device == mine), None)
 
     def _transport(self, name: str) -> str:

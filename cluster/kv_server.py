@@ -7,7 +7,8 @@
 The server carries no KV: it admits a receiver (``kv.receiver`` has the protocol), asks the
 workers holding the request's shards where its blocks are (a call in their ``kv`` concurrency group,
 answered beside a running prefill batch), and tells the receiver, who takes the blocks from the
-holders themselves: by NIXL READs, or TCP pulls from each holder (``workers.kv_export``).
+holders themselves: by copying them out of the holders' caches mapped into its process (a receiver on
+their host), by NIXL READs, or by TCP pulls from each holder (``workers.kv_export``).
 
 Binds to 127.0.0.1 unless ``host`` says otherwise; with ``token`` set, a receiver must present it
 (compared in constant time) before anything is said. A request's KV is freed on the workers once
@@ -151,6 +152,8 @@ class KVServer:
                 send_frame(conn, "begin", begin)
                 conn.settimeout(self.ack_timeout_s)  # the receiver takes the blocks from the holders meanwhile
                 expect(read_frame(conn, max_payload=0)[0], "ack")
+                if transport == "mapped":  # the holders took no part: ask them whether they lived through it
+                    self._confirm_held(result, source)
                 send_frame(conn, "done", {"request_id": result.request_id})  # the KV was held until now
                 self._count("completed")
                 if self.pool.metrics is not None:
@@ -247,16 +250,18 @@ class KVServer:
                 )
 
     def _transport(self, hello: dict, source) -> str:
-        """The first of the receiver's transports (in its order) that every holder serves."""
+        """The first of the receiver's transports (in its order) that every holder serves; ``mapped``
+        only to a receiver on the holders' host that reaches their GPUs (``kv.mapped``)."""
         wanted = hello.get("transports") or ["tcp"]
         if not isinstance(wanted, list) or not all(isinstance(t, str) for t in wanted):
             raise KVTransferError(f"the receiver's transports must be a list of names, got {wanted!r}")
         for transport in wanted:
-            if transport in source.transports:
+            if transport in source.transports and (transport != "mapped" or _can_map(hello, source)):
                 return transport
         raise KVTransferError(
             f"the receiver takes KV over {wanted}; this pool's workers serve it over {list(source.transports)} "
-            "(NIXL is not installed on them, or the pool runs with nixl='off')"
+            "(mapped only to a receiver on their host that reaches their GPUs; NIXL is not installed on them, "
+            "or the pool runs with nixl='off')"
         )
 
     def _begin(self, result, source, transport: str) -> dict:
@@ -283,9 +288,27 @@ class KVServer:
             "shards": shards,
         }
 
+    def _confirm_held(self, result, source) -> None:
+        """After a mapped copy: every holder still holds the request's KV (one that died meanwhile may
+        have left its memory to the receiver's mapping, but the KV is counted lost: a load error)."""
+        refs = [holder.holds_kv.options(concurrency_group=KV_GROUP).remote(result.request_id) for holder in source.holders]
+        for rank, ref in enumerate(refs):
+            try:
+                held = ray.get(ref, timeout=self.io_timeout_s)
+            except (ray.exceptions.RayError, ray.exceptions.GetTimeoutError) as exc:
+                raise RuntimeError(f"holder {rank} of request {result.request_id!r} died during the transfer: {cause(exc)}") from None
+            if not held:
+                raise RuntimeError(f"holder {rank} no longer holds the KV of request {result.request_id!r}")
+
     def _count(self, outcome: str) -> None:
         with self._lock:
             self.transfers[outcome] += 1
+
+
+def _can_map(hello: dict, source) -> bool:
+    """Whether the receiver runs on every holder's host and reaches every holder's GPU."""
+    devices = hello.get("devices") or []
+    return all(host == hello.get("host") and (uuid is None or uuid in devices) for host, uuid in source.devices)
 
 
 def _payload_bytes(begin: dict) -> int:

@@ -31,6 +31,7 @@ import asyncio
 import json
 import time
 import uuid
+from collections import OrderedDict
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -169,6 +170,26 @@ class DecodeServers:
 
     def report(self) -> list[dict[str, Any]]:
         return [{"url": s.url, "outstanding": s.outstanding, "requests": s.requests, "failures": s.failures} for s in self.servers]
+
+
+class Timeline:
+    """Unix times of the steps of the last ``keep`` requests handed to decode servers, by the tier's
+    request id (a completion's id is ``cmpl-`` and it): what ``GET /`` shows and the benchmarks put
+    beside vLLM's log to take apart the time between the first token and the second."""
+
+    def __init__(self, keep: int = 128) -> None:
+        self.keep = keep
+        self._steps: OrderedDict[str, dict[str, float]] = OrderedDict()
+
+    def mark(self, request_id: str, step: str, value: float | None = None) -> None:
+        """``step`` happened now (or ``value``: a duration the request took, in seconds)."""
+        self._steps.setdefault(request_id, {})[step] = round(time.time() if value is None else value, 6)
+        self._steps.move_to_end(request_id)
+        while len(self._steps) > self.keep:
+            self._steps.popitem(last=False)
+
+    def recent(self) -> dict[str, dict[str, float]]:
+        return {request_id: dict(steps) for request_id, steps in self._steps.items()}
 
 
 class Upstream:

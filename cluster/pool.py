@@ -289,8 +289,8 @@ class PrefillPool:
         ranks = [p * tp for p in range(self.config.pcp)]
         return KVSource(
             result.request_id, tuple(replica.workers[r] for r in ranks), self.config.block_size, result.num_tokens,
-            replica.infos[0].dtype, tuple((replica.infos[r].host, replica.infos[r].device_uuid) for r in ranks),
-            tuple(t for t in ("nixl", "tcp") if all(t in replica.infos[r].kv_transports for r in ranks)),
+            replica.infos[0].dtype, tuple((replica.infos[r].host_id, replica.infos[r].device_uuid) for r in ranks),
+            tuple(t for t in ("mapped", "nixl", "tcp") if all(t in replica.infos[r].kv_transports for r in ranks)),
         )
 
     def kv_lost(self, result: PrefillResult) -> bool:

@@ -57,7 +57,7 @@ from cluster.metrics import PoolMetrics
 from cluster.first_token import FirstToken, first_chunk, generation_defaults, shift, token_text, usage
 from cluster.openai_api import (
     CHAT, COMPLETIONS, DecodeServers, OpenAIError, Parsed, Tokenizer, Upstream, chat_answer, client_chunk, open_upstream, parse_request,
-    relay_stream, sse, with_cached_tokens,
+    Timeline, relay_stream, sse, with_cached_tokens,
 )  # fmt: skip
 from cluster.pool import PrefillPool
 from cluster.results import PromptTooLong
@@ -121,6 +121,7 @@ class PrefillServer:
         self.ticket_host = ray.util.get_node_ip_address() if config.kv_host in ("0.0.0.0", "::") else self.kv.host
         self.fingerprint = self.pool.model_config.fingerprint()
         self.decoders = DecodeServers.of(list(config.decode_servers))
+        self.timeline = Timeline()  # the steps of recent requests handed to decode servers
         self.tokenizer = Tokenizer(config.tokenizer or config.pool.checkpoint)
         self.generation = generation_defaults(config.pool.checkpoint)  # vLLM's sampling defaults for the first token
 
@@ -172,6 +173,7 @@ class PrefillServer:
             "kv_kept_requests": len(self.pool.kept_results()),
             "kv_transfers": dict(self.kv.transfers),
             "decode_servers": self.decoders.report(),
+            "handoff_timeline": self.timeline.recent(),
         }
 
     def check_health(self) -> None:
@@ -277,6 +279,8 @@ class PrefillServer:
             result = await self._run(token_ids, None, keep_kv=True)
         except HTTPError as exc:
             raise OpenAIError(exc.status, str(exc)) from None
+        self.timeline.mark(result.request_id, "prefilled")
+        self.timeline.mark(result.request_id, "pool_ttft_s", result.ttft_s)  # the pool's part of the TTFT
         try:
             token = first.sample(result.logits) if first.greedy else await asyncio.to_thread(first.sample, result.logits)
             finish = first.finish(token)
@@ -291,6 +295,7 @@ class PrefillServer:
                 await asyncio.to_thread(self.kv.discard, result)
                 return self._local_answer(parsed, head, len(token_ids), result.cached_tokens)
             forward = self._forward(parsed, first.forwarded(parsed.passthrough), token_ids + [token], ticket)
+            self.timeline.mark(result.request_id, "forwarded")
             opening = asyncio.ensure_future(open_upstream(self.decoders, forward, self.config.decode_timeout_s))
             if parsed.stream:  # the first token goes out now, not once a decode server answers (vLLM answers with its first token)
                 return StreamingResponse(self._head_then_relay(head, opening, result, parsed), media_type="text/event-stream")
@@ -306,8 +311,10 @@ class PrefillServer:
         model, upstream = self.config.model_name, None
         try:
             yield sse(client_chunk(head, parsed.chat, model, True))
+            self.timeline.mark(result.request_id, "first_token_sent")
             try:
                 upstream = await opening
+                self.timeline.mark(result.request_id, "upstream_answered")
             except OpenAIError as exc:
                 yield sse(exc.body())
                 yield b"data: [DONE]\n\n"
@@ -317,8 +324,12 @@ class PrefillServer:
                 yield sse(OpenAIError(upstream.response.status, f"the decode server refused the rest of the answer: {text}").body())
                 yield b"data: [DONE]\n\n"
                 return
+            relayed = 0
             async for event in relay_stream(upstream, parsed.chat, model, result.cached_tokens, head):
                 yield event
+                relayed += 1
+                if relayed == 1:
+                    self.timeline.mark(result.request_id, "second_token_sent")
         finally:
             if upstream is not None:
                 await upstream.close()

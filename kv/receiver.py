@@ -11,23 +11,27 @@ and, for NIXL, nixl.
 
 The destination's block size is the decode server's own: rows are placed one by one from the
 prefill pool's blocks into the destination's, whatever the two block sizes are (vLLM takes 16 on
-the CPU, FlashMLA 64; the pool keeps the size its prefill wants and feeds both). NIXL READs move
+the CPU, FlashMLA 64; the pool keeps the size its prefill wants and feeds both). A mapped copy
+moves any rows in one gather/scatter per layer (``kv.mapped``: the fastest by far on one host), NIXL READs move
 runs of rows consecutive on both sides (a whole block or more when the sizes and the block ids
 line up), TCP pulls scatter each received piece to its rows.
 
 A transfer (the frames of ``kv.frames``)::
 
     receiver -> server  hello {request_id, token?, model_fingerprint?, dtype?, layers?, width?,
-                               max_tokens?, prompt_digest?, transports}
+                               max_tokens?, prompt_digest?, transports, host?, devices?}
                 (the server refuses, freeing nothing, a receiver whose model, dtype or cache shape
                 differs from its own, whose cache has room for fewer rows than the request has,
                 who speaks none of its transports; and one whose prompt is not the prefilled one)
     server -> receiver  begin {request_id, tokens, layers, dtype, block_size, width, num_blocks,
                                model_fingerprint, transport, pcp, shards: [per PCP rank: rows,
                                blocks (its block ids in table order), tcp {host, port, ticket},
-                               nixl (its registered region) or None]}
-    receiver <- holders the rows: NIXL READs from every holder at once, or one TCP pull per
-                holder (``workers.kv_export``), each straight into the destination rows
+                               nixl (its registered region) or None, mapped (its cache's handle) or None]}
+    receiver <- holders the rows: copied out of the holders' caches mapped into this process
+                (``mapped``: the server offers it when the hello's host is the holders' and, for
+                GPU memory, their GPUs are among its devices), NIXL READs from every holder at once,
+                or one TCP pull per holder (``workers.kv_export``), each straight into the
+                destination rows
     receiver -> server  ack {request_id}    (or error {message})
     server -> receiver  done {request_id}   (or error {message}: it gave up first, and the KV it freed
                                               may have been overwritten under the transfer)
@@ -53,9 +57,10 @@ import numpy as np
 import torch
 
 from kv.frames import DTYPES, KVTransferError, expect, read_frame, read_head, read_payload_into, send_frame, try_send
+from kv.mapped import MappedError, MappedRegion, Mapper, host_identity, reachable_devices
 from kv.nixl import NixlEndpoint, NixlError, Region, descriptors, nixl_unavailable, runs
 
-TRANSPORTS = ("auto", "nixl", "tcp")
+TRANSPORTS = ("auto", "mapped", "nixl", "tcp")
 
 
 @dataclass
@@ -70,6 +75,8 @@ class ReceivedKV:
     transport: str
     transfer_s: float  # from the first byte asked of a holder to the last one in the destination
     bytes: int  # KV bytes moved into the destination
+    runs: int = 0  # runs of rows consecutive on both sides, per layer (all holders): how scattered the blocks were
+    steps_s: dict[str, float] | None = None  # connect, begin (hello to begin: the prefill's wait), place, transfer, done (ack to done)
 
     @property
     def tokens(self) -> int:
@@ -116,23 +123,26 @@ def place_rows(meta: dict, block_size: int, block_table: Sequence[int], start: i
 
 
 def resolve_transports(transport: str) -> list[str]:
-    """The transports a receiver offers for ``transport`` (``auto``: NIXL where installed, then TCP)."""
+    """The transports a receiver offers for ``transport`` (``auto``: mapped, for holders on this
+    host; NIXL where installed; then TCP)."""
     if transport not in TRANSPORTS:
         raise ValueError(f"transport must be one of {', '.join(TRANSPORTS)}, got {transport!r}")
     missing = nixl_unavailable()
     if transport == "nixl" and missing:
         raise ValueError(f"transport 'nixl' needs NIXL here: {missing}")
     if transport == "auto":
-        return ["tcp"] if missing else ["nixl", "tcp"]
+        return ["mapped", "tcp"] if missing else ["mapped", "nixl", "tcp"]
     return [transport]
 
 
 class KVReceiver:
     """Takes prefilled requests' KV from a prefill tier's KV server (``cluster.kv_server``).
 
-    ``transport``: ``nixl`` (one-sided READs from the holders' registered caches: NVLink, RDMA or
-    shared memory, as UCX finds), ``tcp`` (each holder streams its blocks) or ``auto`` (NIXL when it
-    is installed here and on the tier, else TCP). ``model_fingerprint`` and ``dtype``, when given,
+    ``transport``: ``mapped`` (holders on this host: their caches mapped into this process, CUDA IPC
+    or shared memory, the rows copied out by gather/scatter), ``nixl`` (one-sided READs from the
+    holders' registered caches: NVLink, RDMA or shared memory, as UCX finds), ``tcp`` (each holder
+    streams its blocks) or ``auto`` (mapped where the server finds the holders on this host, NIXL when
+    it is installed here and on the tier, else TCP). ``model_fingerprint`` and ``dtype``, when given,
     are presented first: a server whose KV differs refuses before anything is committed and keeps
     the KV for a matching receiver. ``device`` is where :meth:`fetch` puts a new cache (``cuda:1``,
     ``cpu``). ``checksum``: TCP data frames carry a CRC32 of their payload too (off by default, as in
@@ -140,7 +150,8 @@ class KVReceiver:
     costs a third of the rate on a 2-core host; control frames are always checked). ``max_bytes``
     bounds the new cache a fetch without ``into`` may allocate. Keep one receiver per decode server
     process and KV server: its NIXL agent, its peers and the caches it registered are reused
-    (``nixl``: an agent to share with the receivers of other KV servers).
+    (``nixl``: an agent to share with the receivers of other KV servers; ``mapper``: likewise, the
+    holders' mapped caches).
     """
 
     def __init__(
@@ -157,6 +168,7 @@ class KVReceiver:
         timeout_s: float = 60.0,
         max_bytes: int = 1 << 40,
         nixl: NixlEndpoint | None = None,
+        mapper: Mapper | None = None,
     ) -> None:
         if dtype is not None and dtype not in DTYPES:
             raise ValueError(f"dtype {dtype!r} is not one of {', '.join(DTYPES)}")
@@ -166,6 +178,7 @@ class KVReceiver:
         self.device = torch.device(device)
         self.checksum, self.timeout_s, self.max_bytes = checksum, timeout_s, max_bytes
         self._nixl = nixl
+        self._mapper = mapper
 
     def fetch(
         self,
@@ -187,14 +200,17 @@ class KVReceiver:
         freeing nothing, KV prefilled for another prompt. ``on_begin(meta)`` is called once the
         server committed, before any data moves. The prefill side frees the KV once this returns."""
         layers = _check_destination(into, block_ids, start)
+        clock = _Steps()
         try:
             sock = socket.create_connection(self.address, timeout=self.timeout_s)
         except OSError as exc:
             raise KVTransferError(f"cannot reach the KV server at {self.address[0]}:{self.address[1]} ({exc})") from None
         with sock:
+            clock.lap("connect")
             send_frame(sock, "hello", self._hello(request_id, layers, block_ids, prompt_digest))
             try:
                 meta = self._begin(sock, request_id, layers)
+                clock.lap("begin")
                 new = None
                 if layers is None:
                     new = self._new_cache(meta)
@@ -210,7 +226,9 @@ class KVReceiver:
                 if on_begin is not None:
                     on_begin(meta)
                 placed = place_rows(meta, block_size, table, start)
+                clock.lap("place")
                 seconds, moved = self._transfer(meta, layers, placed, keep_registered=into is not None)
+                clock.lap("transfer")
             except Exception as exc:
                 try_send(sock, "error", {"message": f"receiver: {exc}"})
                 raise exc if isinstance(exc, KVTransferError) else KVTransferError(str(exc)) from exc
@@ -219,8 +237,10 @@ class KVReceiver:
                 expect(read_frame(sock, max_payload=0)[0], "done")
             except (OSError, KVTransferError) as exc:
                 raise KVTransferError(f"the KV server did not confirm the ack ({exc}): the KV may have been freed under the transfer") from None
+            clock.lap("done")
             cache = into if into is not None else new
-            return ReceivedKV(meta, cache, table, block_size, start, meta["transport"], seconds, moved)
+            scatter = sum(len(runs(part.src, part.dst)[0]) for part in placed)
+            return ReceivedKV(meta, cache, table, block_size, start, meta["transport"], seconds, moved, scatter, clock.steps)
 
     # ---- the control connection -------------------------------------------------------------------
     def _hello(self, request_id: str, layers: list[torch.Tensor] | None, block_ids, digest: str | None) -> dict:
@@ -228,6 +248,9 @@ class KVReceiver:
             "request_id": request_id, "token": self.token, "model_fingerprint": self.model_fingerprint,
             "dtype": self.dtype, "transports": self.transports, "prompt_digest": digest,
         }  # fmt: skip
+        if "mapped" in self.transports:  # where the server may let this process map the holders' caches
+            on_gpu = layers[0].is_cuda if layers is not None else self.device.type == "cuda"
+            hello.update(host=host_identity(), devices=reachable_devices() if on_gpu else [])
         if layers is not None:  # the cache's own facts, checked by the server before it commits
             _, block_size, width = layers[0].shape
             hello.update(dtype=str(layers[0].dtype).removeprefix("torch."), layers=len(layers), width=width, max_tokens=len(block_ids) * block_size)
@@ -276,9 +299,30 @@ class KVReceiver:
     def _transfer(self, meta: dict, layers: list[torch.Tensor], placed: list[HolderRows], keep_registered: bool) -> tuple[float, int]:
         row_bytes = meta["width"] * DTYPES[meta["dtype"]].itemsize
         moved = sum(len(part.dst) for part in placed) * meta["layers"] * row_bytes
+        if meta["transport"] == "mapped":
+            return self._copy_mapped(meta, layers, placed), moved
         if meta["transport"] == "nixl":
             return self._read_nixl(meta, layers, placed, row_bytes, keep_registered), moved
         return self._pull_tcp(meta, layers, placed), moved
+
+    def _copy_mapped(self, meta: dict, layers: list[torch.Tensor], placed: list[HolderRows]) -> float:
+        """Copy every holder's rows out of its cache, mapped into this process (``kv.mapped``). A
+        holder this process cannot map is not offered ``mapped`` again by this receiver (NIXL or TCP
+        then: a container without the host's ``/dev/shm`` or IPC namespace, say)."""
+        if self._mapper is None:
+            self._mapper = Mapper()
+        seconds, regions = 0.0, []
+        try:
+            for shard, part in zip(meta["shards"], placed):
+                regions.append(MappedRegion.from_dict(shard.get("mapped") or {}))
+                seconds += self._mapper.copy(regions[-1], layers, part.src, part.dst)
+        except MappedError as exc:
+            for region in regions:
+                self._mapper.forget(region)
+            if len(self.transports) > 1:
+                self.transports = [t for t in self.transports if t != "mapped"]
+            raise KVTransferError(f"{exc} (this receiver takes this server's KV over {self.transports} from now on)") from None
+        return seconds
 
     def _read_nixl(self, meta: dict, layers: list[torch.Tensor], placed: list[HolderRows], row_bytes: int, keep_registered: bool) -> float:
         """READ every holder's rows at once, a descriptor per layer and run of rows consecutive on
@@ -408,6 +452,18 @@ class _Staging:
         for event in self.copied:
             if event is not None:
                 event.synchronize()
+
+
+class _Steps:
+    """Seconds of a fetch's steps, each from the end of the one before."""
+
+    def __init__(self) -> None:
+        self.steps: dict[str, float] = {}
+        self._last = time.perf_counter()
+
+    def lap(self, name: str) -> None:
+        now = time.perf_counter()
+        self.steps[name], self._last = now - self._last, now
 
 
 def _bytes(tensor: torch.Tensor) -> memoryview:

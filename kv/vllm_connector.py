@@ -9,8 +9,9 @@ A request whose ``kv_transfer_params`` hold an mlapool ticket (``{"mlapool": {..
 ``POST /prefill`` with ``handoff`` answers and its OpenAI endpoint forwards) has its prompt loaded,
 not computed: the scheduler half reports the prompt's tokens past vLLM's own prefix cache hit as
 computed externally and loaded asynchronously, vLLM allocates their blocks, and the worker half
-pulls the rows from the prefill workers holding them (``kv.receiver``: NIXL READs where both sides
-have NIXL, else TCP) straight into vLLM's paged MLA cache (one ``[num_blocks, block_size, 576]``
+pulls the rows from the prefill workers holding them (``kv.receiver``: on their host, copied out of
+their caches mapped into vLLM's process, ``kv.mapped``; else NIXL READs where both sides have NIXL,
+else TCP) straight into vLLM's paged MLA cache (one ``[num_blocks, block_size, 576]``
 tensor per layer), in vLLM's block size, whatever the pool's is. A request without a ticket is
 plain vLLM.
 
@@ -30,7 +31,7 @@ unreachable; a holder lost mid-transfer; no answer within ``timeout_s``) reports
 own: a vLLM step never waits for one.
 
 ``kv_connector_extra_config``: ``token`` (the tier's KV server secret), ``transport`` (``auto``,
-``nixl``, ``tcp``), ``timeout_s`` (each network wait of a load, default 60; the tier's tickets are
+``mapped``, ``nixl``, ``tcp``), ``timeout_s`` (each network wait of a load, default 60; the tier's tickets are
 issued when its prefill starts, so this includes waiting for the prefill to finish), ``load_threads``
 (loads in flight at once, default 16: a load waits for its prefill on its thread), ``model_fingerprint`` (the tier's, as its tickets and
 ``GET /`` say; by default the one of the ``config.json`` vLLM serves, which is what the tier
@@ -58,6 +59,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
 from vllm.logger import init_logger
 
 from kv.frames import config_fingerprint, prompt_digest
+from kv.mapped import Mapper
 from kv.nixl import NixlEndpoint
 from kv.receiver import KVReceiver, resolve_transports
 
@@ -128,6 +130,7 @@ class Load:
     ticket: Ticket
     block_ids: list[int]
     start: int
+    queued_at: float = 0.0  # Unix time the worker was asked to start it
 
 
 @dataclass
@@ -208,6 +211,7 @@ class MlapoolConnector(KVConnectorBase_V1):
             self._consumed.add(request.request_id)
             return None
         self._checked[request.request_id] = ticket
+        logger.info("request %s: the ticket of mlapool request %s accepted at %.6f", request.request_id, ticket.request_id, time.time())
         return ticket
 
     # ---- worker side -----------------------------------------------------------------------------------
@@ -254,6 +258,7 @@ class _LoadWorker:
         self.layers: list[torch.Tensor] = []
         self.receivers: dict[tuple[str, int], KVReceiver] = {}
         self.nixl: NixlEndpoint | None = None
+        self.mapper = Mapper()  # the holders' caches this process mapped, shared by the receivers
         self.pool = ThreadPoolExecutor(threads, thread_name_prefix="mlapool-kv-load")
         self.lock = threading.Lock()
         self.done: set[str] = set()
@@ -275,6 +280,7 @@ class _LoadWorker:
         logger.info("MlapoolConnector: %d layers of %s registered (transports %s)", len(self.layers), tuple(self.layers[0].shape), self.transports)
 
     def start(self, load: Load) -> None:
+        load.queued_at = time.time()
         self.pool.submit(self._load, load)
 
     def _load(self, load: Load) -> None:
@@ -282,10 +288,14 @@ class _LoadWorker:
         try:
             receiver = self._receiver(ticket.host, ticket.port)
             began: list[float] = []  # when the KV server said go: the prefill is done (a ticket issued ahead waits for it)
+            started = time.time()
             kv = receiver.fetch(ticket.request_id, into=self.layers, block_ids=load.block_ids, start=load.start,
                                 prompt_digest=ticket.prompt_digest, on_begin=lambda _: began.append(time.perf_counter()))  # fmt: skip
-            logger.info("request %s: %d tokens loaded over %s in %.3f s (%.3f s from the KV server's go-ahead to the ack)",
-                        load.request_id, kv.tokens - load.start, kv.transport, kv.transfer_s, time.perf_counter() - began[0])  # fmt: skip
+            steps = {name: round(seconds, 5) for name, seconds in (kv.steps_s or {}).items()}
+            steps.update(queued_at=round(load.queued_at, 6), started_at=round(started, 6), done_at=round(time.time(), 6))
+            logger.info("request %s: %d tokens loaded over %s in %.5f s (%.5f s from the KV server's go-ahead to the ack); "
+                        "%d runs of rows per layer; mlapool request %s; steps %s", load.request_id, kv.tokens - load.start, kv.transport,
+                        kv.transfer_s, time.perf_counter() - began[0], kv.runs, ticket.request_id, json.dumps(steps))  # fmt: skip
             failed: set[int] = set()
         except Exception as exc:  # noqa: BLE001 -- any failure becomes vLLM's load error: it recomputes
             logger.warning("request %s: KV load of mlapool request %r failed, vLLM recomputes it: %s", load.request_id, ticket.request_id, exc)
@@ -297,7 +307,8 @@ class _LoadWorker:
 
     def _receiver(self, host: str, port: int) -> KVReceiver:
         if (host, port) not in self.receivers:
-            self.receivers[host, port] = KVReceiver(host, port, token=self.token, transport=self.transport, timeout_s=self.timeout_s, nixl=self.nixl)
+            self.receivers[host, port] = KVReceiver(host, port, token=self.token, transport=self.transport, timeout_s=self.timeout_s,
+                                                    nixl=self.nixl, mapper=self.mapper)  # fmt: skip
         return self.receivers[host, port]
 
     def finished(self) -> set[str]:
@@ -307,6 +318,8 @@ class _LoadWorker:
             done, self.done = self.done, set()
             for request_id in done:
                 self.to_report |= self.errors.pop(request_id, set())
+        if done:  # the time vLLM learns of them: its next step runs them
+            logger.info("loads of requests %s reported to vLLM at %.6f", sorted(done), time.time())
         return done
 
     def failed_blocks(self) -> set[int]:

@@ -9,7 +9,8 @@ holds its greedy tokens and its prompt's KV rows as vLLM's cache holds them once
 ``[layers, prompt tokens, 576]`` (read from the worker's cache before the next step), the tokens
 vLLM counted as cached, and how many it computed in the request's first step. The blocks a request
 used and that count come back through ``kv_transfer_params`` from :class:`RecordingConnector`, the
-connector under test with ``request_finished`` telling them.
+connector under test with ``request_finished`` telling them; ``_mapper`` holds the state of the
+connector's mapped copies at the end (``kv.mapped``: temporaries left, peak within a chunk).
 """
 
 import json
@@ -70,10 +71,21 @@ def main(job_path: str, out_path: str) -> None:
             block_ids = out.kv_transfer_params["block_ids"]
             rows = llm.collective_rpc(_rows, args=(block_ids, len(step["prompts"][i])))[0]
             results[f"{step['name']}/{i}"] = {
-                "tokens": list(out.outputs[0].token_ids), "rows": rows, "cached": out.num_cached_tokens,
+                "tokens": list(out.outputs[0].token_ids), "rows": rows, "cached": out.num_cached_tokens, "block_ids": block_ids,
                 "first_step_tokens": out.kv_transfer_params["first_step_tokens"],
             }  # fmt: skip
+    results["_mapper"] = llm.collective_rpc(_mapper_state)[0]
     torch.save(results, out_path)
+
+
+def _mapper_state(worker) -> dict:
+    """The connector's mapped copies on the vLLM worker: temporaries left (0), and whether the largest
+    was within one chunk of rows."""
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+    load = get_kv_transfer_group().worker
+    bound = load.mapper.chunk_rows * load.layers[0].shape[-1] * load.layers[0].element_size()
+    return {"in_flight_bytes": load.mapper.in_flight_bytes, "peak_bounded": 0 < load.mapper.peak_in_flight_bytes <= bound}
 
 
 if __name__ == "__main__":

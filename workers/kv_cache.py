@@ -16,11 +16,14 @@ lowest blocks no request uses are taken.
 
 from __future__ import annotations
 
+import weakref
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
+
+from kv.mapped import shared_host_tensor, unlink_shared
 
 
 class KVCacheFull(RuntimeError):
@@ -46,12 +49,20 @@ class _Entry:
 
 class PagedKVCache:
     def __init__(
-        self, num_layers: int, num_blocks: int, block_size: int, width: int, dtype: torch.dtype, device: torch.device
-    ) -> None:
+        self, num_layers: int, num_blocks: int, block_size: int, width: int, dtype: torch.dtype, device: torch.device,
+        *, shared: bool = False,
+    ) -> None:  # fmt: skip
+        """``shared``: on the CPU, the blocks live in a shared-memory file (``shared_path``) that a
+        receiver on this host maps (``kv.mapped``), where ``/dev/shm`` has the room; GPU memory is
+        shared by CUDA IPC as it is."""
         if num_blocks < 1 or block_size < 1:
             raise ValueError(f"the KV cache needs >= 1 block of >= 1 token, got {num_blocks} x {block_size}")
         self.block_size = block_size
-        self.blocks = torch.empty(num_layers, num_blocks, block_size, width, dtype=dtype, device=device)
+        shape = (num_layers, num_blocks, block_size, width)
+        mapped = shared_host_tensor(shape, dtype) if shared and torch.device(device).type == "cpu" else None
+        self.blocks, self.shared_path = mapped if mapped is not None else (torch.empty(shape, dtype=dtype, device=device), None)
+        if self.shared_path is not None:
+            weakref.finalize(self, unlink_shared, self.shared_path)  # a killed worker's file goes at the next start
         self._rows = self.blocks.view(num_layers, num_blocks * block_size, width)
         self._used: Counter[int] = Counter()  # block -> tables that hold it (a shared prefix is in several)
         self._requests: dict[str, _Entry] = {}
@@ -106,6 +117,9 @@ class PagedKVCache:
         for layer, latent in enumerate(latents):
             self._rows[layer].index_copy_(0, slots, latent[rows])
         entry.length += count
+
+    def holds(self, request_id: str) -> bool:
+        return request_id in self._requests
 
     def length(self, request_id: str) -> int:
         return self._entry(request_id).length

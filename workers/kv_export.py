@@ -5,6 +5,9 @@ Each worker that holds shards (TP rank 0 of every PCP rank) keeps a :class:`KVEx
 
 - **NIXL** (when installed): its whole paged cache is registered with the process's NIXL agent at
   start. A receiver told where a request's blocks are READs them itself; this process does nothing.
+- **mapped** (a receiver on this host): the cache is shared as it is, by CUDA IPC on a GPU or as the
+  shared-memory file it lives in on the CPU (``kv.mapped``); each offer carries the handle, and the
+  receiver copies the rows out itself. This process does nothing either.
 - **TCP**: a listener on a free port. A receiver connects, presents the one-time ticket the KV server
   got for it (:meth:`KVExporter.offer`), and gets the request's blocks of every layer as ``blocks``
   frames (``kv.frames``) of at most ``PIECE_BYTES``: straight from the cache's memory on
@@ -33,6 +36,7 @@ from typing import ContextManager
 import torch
 
 from workers.kv_cache import PagedKVCache
+from kv.mapped import share_cache
 from kv.nixl import NixlEndpoint, Region
 from kv.frames import KVTransferError, expect, read_frame, send_frame, tensor_buffer, try_send
 
@@ -50,6 +54,7 @@ class KVExporter:
         self.kv, self._shard = kv, shard
         self.region: Region | None = nixl.register(kv.blocks) if nixl is not None else None
         self._nixl = nixl  # kept alive with its registration
+        self.mapped = self._share(name)  # shared once: the handle is the same for every request
         self._tickets: dict[str, tuple[str, float]] = {}
         self._lock = threading.Lock()
         self._listener = socket.create_server((host, 0))
@@ -59,16 +64,27 @@ class KVExporter:
 
     @property
     def transports(self) -> tuple[str, ...]:
-        return ("nixl", "tcp") if self.region is not None else ("tcp",)
+        return ("mapped",) * (self.mapped is not None) + ("nixl",) * (self.region is not None) + ("tcp",)
+
+    def _share(self, name: str) -> dict | None:
+        """The cache as receivers on this host map it (``kv.mapped``): a GPU cache by CUDA IPC, a host
+        cache by its shared-memory file (``PagedKVCache(shared=True)``); None where it cannot be."""
+        try:
+            return share_cache(self.kv.blocks, self.kv.shared_path).as_dict()
+        except (ValueError, RuntimeError) as exc:  # no room in /dev/shm; an allocator CUDA IPC cannot share
+            logger.info("%s: KV not offered mapped to receivers on this host: %s", name, exc)
+            return None
 
     def offer(self, request_id: str, blocks: list[int], rows: int, transport: str) -> dict:
         """What a receiver needs to take this worker's shard of ``request_id`` over ``transport``: its
-        block ids (table order) and rows, and the NIXL region they are in or a one-time ticket for a
-        TCP pull."""
+        block ids (table order) and rows, and the mapped or NIXL region they are in or a one-time
+        ticket for a TCP pull."""
         if transport not in self.transports:
             raise ValueError(f"this worker serves KV over {', '.join(self.transports)}, not {transport!r}")
-        offer = {"rows": rows, "blocks": blocks, "tcp": None, "nixl": None}
-        if transport == "nixl":
+        offer = {"rows": rows, "blocks": blocks, "tcp": None, "nixl": None, "mapped": None}
+        if transport == "mapped":
+            offer["mapped"] = self.mapped
+        elif transport == "nixl":
             offer["nixl"] = self.region.as_dict()
         else:
             ticket, now = secrets.token_hex(16), time.monotonic()

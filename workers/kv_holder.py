@@ -7,6 +7,7 @@ cache (``self.kv``) to decode servers and decode actors while prefill batches go
 * ``join_kv_link``: a decode actor's point-to-point link (``workers.kv_link``), answered by a thread;
 * ``describe_kv``: where a request's blocks are, for a decode server outside the cluster, which then
   takes them itself (``workers.kv_export``: NIXL READs of the registered cache, or TCP pulls);
+* ``holds_kv``: whether it still holds a request's KV (after a receiver copied it from the mapped cache);
 * ``release``: free a request's blocks (deferred while a link or a TCP pull is sending them).
 
 Threads read the cache while prefill runs: the block tables change under ``_kv_lock``, a request
@@ -87,6 +88,11 @@ class KVHolder:
         if ready is not None:
             ready.synchronize()
         return self.export.offer(request_id, blocks, rows, transport)
+
+    def holds_kv(self, request_id: str) -> bool:
+        """Whether this worker still holds a request's KV (the KV server asks after a mapped copy)."""
+        with self._kv_lock:
+            return self.kv.holds(request_id)
 
     def _start_export(self) -> KVExporter:
         """The KV export: NIXL when ``config.nixl`` allows and it is installed (else TCP only, said once)."""

@@ -48,6 +48,7 @@ from attention.backends.torch_sdpa import TorchSDPAPrefillBackend
 from attention.mla import plan_prefill_batch
 from configs.model import ModelConfig
 from configs.pool import PoolConfig
+from kv.mapped import host_identity
 from workers.collectives import expert_parallel_group, grid_groups
 from workers.fp8 import fp8_gemm_supported
 from workers.kv_cache import PagedKVCache, blocks_for
@@ -132,6 +133,7 @@ class WorkerInfo:
     peak_host_mib_before_load: float  # the same before loading: what loading added is the difference
     read_bytes: int  # read from the checkpoint (0 when the weights are drawn)
     device_uuid: str | None = None  # the GPU's UUID (None on the CPU): who else uses this GPU
+    host_id: str = ""  # kv.mapped.host_identity(): the host name and its kernel's boot id
     kv_transports: tuple[str, ...] = ()  # how it serves its KV shards to decode servers (workers.kv_export)
     start_phases_s: dict | None = None  # seconds of each step of setup(), in order
 
@@ -268,6 +270,7 @@ class PrefillWorker(KVHolder):
             peak_host_mib_before_load=report.peak_host_mib_before,
             read_bytes=report.bytes_read,
             device_uuid=str(torch.cuda.get_device_properties(device).uuid) if device.type == "cuda" else None,
+            host_id=host_identity(),
             kv_transports=self.export.transports if self.export is not None else (),
             start_phases_s=laps.phases,
         )
@@ -433,7 +436,8 @@ class PrefillWorker(KVHolder):
                 )
         else:
             num_blocks = blocks_for(CPU_KV_CACHE_TOKENS, config.block_size)
-        return PagedKVCache(layers, num_blocks, config.block_size, width, dtype, device)
+        # the holders' caches (TP rank 0 of each PCP rank) are mapped by receivers on this host (kv.mapped)
+        return PagedKVCache(layers, num_blocks, config.block_size, width, dtype, device, shared=self.tp_rank == 0)
 
     def _warm_up(self) -> None:
         """Prefill a dummy prompt in two chunks (new tokens, then new tokens over cached context) of

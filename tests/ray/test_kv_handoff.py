@@ -1,5 +1,5 @@
 """KV handoff from a TP=2 x PCP=2 pool (gloo, logical GPUs): to a decode server outside the cluster
-(``KVReceiver``: NIXL READs from the holders, or TCP pulls from them) and to a decode actor's
+(``KVReceiver``: the holders' caches mapped into its process, NIXL READs from them, or TCP pulls) and to a decode actor's
 point-to-point link. Round trips into receiver-chosen blocks, refusals that free nothing, and
 failures -- a holder killed mid-transfer, a receiver that disappears or never acknowledges -- that
 give a reason on both sides, free the KV, and leave the next transfer working, with no block leaked."""
@@ -25,7 +25,7 @@ from kv.frames import KVTransferError, encode_frame, expect, prompt_digest, read
 
 CONFIG = PoolConfig(model="tiny", num_layers=2, tp=2, pcp=2, chunk_tokens=48, block_size=16, worker_cpus=0.25, seed=5, device="cpu")
 TOKEN = "s3cret"
-TRANSPORTS = ["nixl", "tcp"]
+TRANSPORTS = ["mapped", "nixl", "tcp"]
 
 
 @pytest.fixture(scope="module")
@@ -70,8 +70,9 @@ def _receiver(server, pool, transport="auto", **kwargs):
 
 def test_the_pool_serves_its_shards_from_the_holders(pool):
     infos = pool.worker_infos[0]
-    assert [info.kv_transports for info in infos] == [("nixl", "tcp"), (), ("nixl", "tcp"), ()]  # TP rank 0 of each PCP rank
-    assert pool.kv_source(_kept(pool, 20)).transports == ("nixl", "tcp")
+    served = ("mapped", "nixl", "tcp")
+    assert [info.kv_transports for info in infos] == [served, (), served, ()]  # TP rank 0 of each PCP rank
+    assert pool.kv_source(_kept(pool, 20)).transports == served
     pool.release(pool.kept_results()[0])
 
 
@@ -194,7 +195,7 @@ def test_a_cache_of_another_shape_or_with_too_few_blocks_is_refused_and_frees_no
         receiver.fetch(result.request_id, prompt_digest=prompt_digest([1, 2, 3]))
     with socket.create_connection((server.host, server.port), timeout=5) as sock:  # a transport nobody serves
         send_frame(sock, "hello", {"request_id": result.request_id, "token": TOKEN, "transports": ["carrier-pigeon"]})
-        with pytest.raises(KVTransferError, match="the receiver takes KV over \\['carrier-pigeon'\\]; this pool's workers serve it over \\['nixl', 'tcp'\\]"):
+        with pytest.raises(KVTransferError, match="the receiver takes KV over \\['carrier-pigeon'\\]; this pool's workers serve it over \\['mapped', 'nixl', 'tcp'\\]"):
             read_frame(sock, max_payload=0)
     assert _kv_requests(pool) == CONFIG.workers_per_replica
     assert receiver.fetch(result.request_id, into=torch.zeros(2, 20, 16, 80), block_ids=list(range(9))).tokens == 130
@@ -278,16 +279,18 @@ def test_kv_nobody_claims_is_freed_after_the_ttl_and_a_late_receiver_is_refused(
     assert pool.prefill(np.arange(20)).num_tokens == 20
 
 
-def test_a_pool_without_nixl_hands_off_over_tcp_and_refuses_a_receiver_that_speaks_only_nixl(ray_cluster):
+def test_a_pool_without_nixl_hands_off_mapped_or_over_tcp_and_refuses_a_receiver_that_speaks_only_nixl(ray_cluster):
     config = CONFIG.replace(tp=1, pcp=1, nixl="off", use_gpus=False)  # beside the module's pool, which holds the logical GPUs
     with PrefillPool(config).start() as plain, KVServer(plain) as server:
-        assert plain.worker_infos[0][0].kv_transports == ("tcp",)
-        result = plain.prefill(np.arange(50), keep_kv=True)
-        expected, fingerprint = plain.fetch_kv(result), plain.model_config.fingerprint()
-        with pytest.raises(KVTransferError, match=r"the receiver takes KV over \['nixl'\]; this pool's workers serve it over \['tcp'\]"):
-            KVReceiver(server.host, server.port, model_fingerprint=fingerprint, transport="nixl").fetch(result.request_id)
-        kv = KVReceiver(server.host, server.port, model_fingerprint=fingerprint).fetch(result.request_id)  # auto
-        assert kv.transport == "tcp" and torch.equal(kv.rows(), expected)
+        assert plain.worker_infos[0][0].kv_transports == ("mapped", "tcp")
+        fingerprint = plain.model_config.fingerprint()
+        for transport in ("auto", "tcp"):  # auto: mapped, this receiver being on the holders' host
+            result = plain.prefill(np.arange(50), keep_kv=True)
+            expected = plain.fetch_kv(result)
+            with pytest.raises(KVTransferError, match=r"the receiver takes KV over \['nixl'\]; this pool's workers serve it over \['mapped', 'tcp'\]"):
+                KVReceiver(server.host, server.port, model_fingerprint=fingerprint, transport="nixl").fetch(result.request_id)
+            kv = KVReceiver(server.host, server.port, model_fingerprint=fingerprint, transport=transport).fetch(result.request_id)
+            assert kv.transport == {"auto": "mapped"}.get(transport, transport) and torch.equal(kv.rows(), expected)
 
 
 def test_garbage_on_the_port_is_refused_and_the_server_keeps_serving(pool, server):

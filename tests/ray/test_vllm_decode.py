@@ -2,7 +2,11 @@
 mlapool's KV connector (``kv.vllm_connector``), no mock of vLLM anywhere.
 
 A DeepSeek-V3-architecture MoE checkpoint with DeepSeek's MLA widths is prefilled by the pool in
-chunks of 256 tokens, in blocks of 64; vLLM's blocks are 16. For prompts of 1 to 1,500 tokens (some a
+chunks of 256 tokens, in blocks of 64; vLLM's blocks are 16. The connector loads the rows over the
+``mapped`` transport (the pool's caches mapped into vLLM's process, ``kv.mapped``) with the blocks
+scattered on both sides: the pool's prefix cache has run a while (its free blocks used up, its cached
+ones reused in LRU order) and vLLM's cache is small, so its free list hands out blocks freed in other
+orders. A holder killed while vLLM loads from it gives vLLM a load error, and vLLM recomputes the prompt. For prompts of 1 to 1,500 tokens (some a
 multiple of no block size), one request at a time (vLLM's CPU build is not batch-invariant: its own
 tokens change with the batch), vLLM's cache rows of the prompt after the connector's load equal the
 rows vLLM writes in its own prefill of the same prompt, and its 16 greedy tokens are the same. Several
@@ -15,6 +19,7 @@ vLLM runs in a process of its own (``tests/vllm_driver.py``), once for the whole
 
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -23,6 +28,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import ray
 import torch
 from hf_models import write_vllm_checkpoint
 
@@ -40,7 +46,7 @@ TOKEN = "t"
 ENGINE = {  # vLLM's CPU MLA backend, float32, no prefix cache (every prompt prefilled or loaded whole)
     "dtype": "float32", "enforce_eager": True, "max_model_len": 2048, "attention_backend": "CPU_MLA",
     "enable_prefix_caching": False, "skip_tokenizer_init": True, "gpu_memory_utilization": 0.25,
-    "kv_cache_memory_bytes": 256 << 20, "seed": 0,
+    "kv_cache_memory_bytes": 24 << 20, "seed": 0,  # 217 blocks of 16: recycled after a few prompts
 }  # fmt: skip
 
 
@@ -64,8 +70,13 @@ def run(ray_cluster, tmp_path_factory):
     """Prefill every prompt on the pool (KV kept), then one vLLM run of every step; the pool stays up."""
     model = tmp_path_factory.mktemp("v3-mla-widths")
     write_vllm_checkpoint(model, seed=3)
-    config = PoolConfig(checkpoint=str(model), tp=2, pcp=2, chunk_tokens=256, block_size=64, kv_cache_tokens=16384, worker_cpus=0.25, device="cpu")
-    with PrefillPool(config).start() as pool, KVServer(pool, token=TOKEN, ack_timeout_s=60) as server:
+    config = PoolConfig(checkpoint=str(model), tp=2, pcp=2, chunk_tokens=256, block_size=64, kv_cache_tokens=8192, worker_cpus=0.25, device="cpu")
+    victim_config = config.replace(tp=1, pcp=1, use_gpus=False)  # a pool of its own whose holder is killed mid-load
+    with (
+        PrefillPool(config).start() as pool, KVServer(pool, token=TOKEN, ack_timeout_s=60) as server,
+        PrefillPool(victim_config).start() as victim, KillingKVServer(victim, token=TOKEN, ack_timeout_s=60) as killer,
+    ):  # fmt: skip
+        _warm_prefix_cache(pool)
         tickets, prompts, steps = {}, {}, []
 
         def kept(name: str, prompt: list[int]) -> dict:
@@ -98,6 +109,9 @@ def run(ray_cluster, tmp_path_factory):
         steps += [{"name": f"bad-{why}", "prompts": [b], "tickets": [ticket]} for why, ticket in bad.items()]
         steps.append({"name": "loaded-a", "prompts": [a], "tickets": [ticket_a]})
         steps.append({"name": "reused", "prompts": [a], "tickets": [ticket_a]})  # its KV was taken and freed
+        killed = _prompt(300, 9)
+        steps += [{"name": "own-killed", "prompts": [killed], "tickets": [None]},
+                  {"name": "killed", "prompts": [killed], "tickets": [killer.ticket(victim.prefill(killed, keep_kv=True))]}]  # fmt: skip
 
         workdir = tmp_path_factory.mktemp("vllm")
         out = run_vllm(model, steps, workdir, {"token": TOKEN, "timeout_s": 5.0, "transport": os.environ.get("MLAPOOL_TEST_TRANSPORT", "auto")})
@@ -108,7 +122,38 @@ def run(ray_cluster, tmp_path_factory):
         capacity = [info.kv_blocks for info in pool.worker_infos[0]]
         free = [w["kv_free_blocks"] for w in pool.health()[0]]
         yield {**out, "prompts": prompts, "tickets": tickets, "batch": batch, "transfers": dict(server.transfers),
-               "unclaimed": unclaimed, "leak_free": free == capacity}  # fmt: skip
+               "unclaimed": unclaimed, "leak_free": free == capacity, "killer_transfers": dict(killer.transfers)}  # fmt: skip
+
+
+class KillingKVServer(KVServer):
+    """A KV server that kills the request's holder once it has told the receiver where the KV is: the
+    receiver copies from the mapping of a dead process, and the server cannot confirm the KV was held."""
+
+    def _begin(self, result, source, transport):
+        begin = super()._begin(result, source, transport)
+        holder = source.holders[0]
+        pid = ray.get(holder.__ray_call__.remote(lambda self: os.getpid()))
+        ray.kill(holder)
+        deadline = time.monotonic() + 30
+        while Path(f"/proc/{pid}").exists() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        return begin
+
+
+def _warm_prefix_cache(pool) -> None:
+    """Fill the pool's blocks with prompts whose KV is then freed in a shuffled order: their blocks are
+    cached (named, LRU) and only a few stay free, so later requests get blocks in that order."""
+    fillers = [pool.submit(_prompt(256, 1000 + i), keep_kv=True) for i in range(56)]  # 4 blocks each, 2 per PCP rank
+    results = [f.result() for f in fillers]
+    for i in np.random.default_rng(0).permutation(len(results)):
+        pool.release(results[i])
+
+
+def _vllm_runs(block_ids: list[int], tokens: int) -> int:
+    """Runs of consecutive block ids among the request's first blocks."""
+    ids = np.asarray(block_ids[: -(-tokens // 16)])
+    return 1 + int((np.diff(ids) != 1).sum())
+
 
 
 def _relative(got: torch.Tensor, want: torch.Tensor) -> float:
@@ -162,3 +207,25 @@ def test_the_kv_is_freed_once_taken_and_a_reused_ticket_is_recomputed(run):
     assert transfers["completed"] == len(LENGTHS) + len(BATCH) + 1  # every loaded step, each acknowledged
     assert transfers["refused"] >= 2  # the forged digest and the reused ticket, refused freeing nothing
     assert run["unclaimed"] == ["b"] and run["leak_free"]
+
+
+@pytest.mark.slow
+def test_the_rows_came_over_the_mapped_transport_with_the_blocks_scattered_on_both_sides(run):
+    loads = [line for line in run["log"].splitlines() if "tokens loaded over" in line]
+    assert loads and all("loaded over mapped" in line for line in loads), loads[:3]
+    runs_logged = {m[1]: int(m[0]) for m in re.findall(r"(\d+) runs of rows per layer; mlapool request (\S+);", run["log"])}
+    for name in ("p1500", "b2"):  # the longest prompt, and the batch's 1,200-token one
+        n = 1500 if name == "p1500" else BATCH[2]
+        result = run["results"]["loaded-1500/0" if name == "p1500" else "loaded-batch/2"]
+        assert _vllm_runs(result["block_ids"], n) >= 10  # vLLM's blocks: recycled ones, in pieces
+        assert runs_logged[name] > n // 64  # both sides: more runs than the pool has blocks
+    assert run["results"]["_mapper"] == {"in_flight_bytes": 0, "peak_bounded": True}
+
+
+@pytest.mark.slow
+def test_a_holder_killed_mid_load_gives_vllm_a_load_error_and_its_own_rows(run):
+    own, killed = run["results"]["own-killed/0"], run["results"]["killed/0"]
+    assert killed["first_step_tokens"] == 300  # recomputed whole: nothing decoded from the load
+    assert killed["tokens"] == own["tokens"] and _relative(killed["rows"], own["rows"]) <= 1e-5
+    assert run["killer_transfers"]["failed"] == 1 and run["killer_transfers"]["completed"] == 0
+    assert "died during the transfer" in run["log"] or "is gone" in run["log"]

@@ -1,0 +1,108 @@
+"""``kv.mapped`` on the CPU: a holder's cache in a shared-memory file, mapped by a receiver and copied
+row by row into per-layer caches of another block size, blocks scattered on both sides; what it
+refuses; what it allocates. (Across processes, through the KV server, with a pool:
+``tests/ray/test_kv_handoff.py``; with vLLM: ``tests/ray/test_vllm_decode.py``; CUDA IPC on a GPU:
+``benchmarks/bench_kv_load.py``.)"""
+
+import dataclasses
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+import kv.mapped as mapped
+from kv.mapped import MappedError, MappedRegion, Mapper, host_identity, share_cache, shared_host_tensor, unlink_shared
+from kv.nixl import runs
+from kv.receiver import place_rows
+
+LAYERS, POOL_BLOCK, WIDTH = 3, 16, 8
+
+
+@pytest.fixture
+def holder():
+    made = shared_host_tensor((LAYERS, 40, POOL_BLOCK, WIDTH), torch.float32)
+    assert made is not None
+    cache, path = made
+    cache.copy_(torch.randn(cache.shape))
+    yield cache, share_cache(cache, path)
+    unlink_shared(path)
+
+
+@pytest.mark.parametrize("chunk_rows", [7, 1 << 14])
+def test_scattered_rows_land_where_the_tables_say_and_nothing_stays_allocated(holder, chunk_rows):
+    cache, region = holder
+    rng = np.random.default_rng(0)
+    tokens, block = 300, 4  # the destination's blocks are smaller than the pool's, and both tables scattered
+    pool_table = rng.permutation(40)[: -(-tokens // POOL_BLOCK)].tolist()
+    dest_table = rng.permutation(100)[: -(-tokens // block)].tolist()
+    meta = {"block_size": POOL_BLOCK, "pcp": 1, "tokens": tokens, "shards": [{"blocks": pool_table}]}
+    (part,) = place_rows(meta, block, dest_table, 5)  # from token 5: the first rows are the decode server's own
+    assert len(runs(part.src, part.dst)[0]) > 0.9 * tokens / block  # nearly every destination block a run of its own
+    dest = [torch.zeros(100, block, WIDTH) for _ in range(LAYERS)]
+    mapper = Mapper(chunk_rows=chunk_rows)
+    mapper.copy(MappedRegion.from_dict(region.as_dict()), dest, part.src, part.dst)
+    rows = cache.view(LAYERS, -1, WIDTH)
+    for layer in range(LAYERS):
+        flat = dest[layer].view(-1, WIDTH)
+        assert torch.equal(flat[torch.from_numpy(part.dst)], rows[layer][torch.from_numpy(part.src)])
+        untouched = torch.ones(flat.shape[0], dtype=torch.bool)
+        untouched[torch.from_numpy(part.dst)] = False
+        assert not flat[untouched].any()  # no row written but the request's
+    assert mapper.in_flight_bytes == 0
+    assert mapper.peak_in_flight_bytes == min(chunk_rows, tokens - 5) * WIDTH * 4
+
+
+def test_a_region_is_mapped_once_and_a_restarted_holder_is_mapped_anew(holder):
+    cache, region = holder
+    mapper = Mapper()
+    first = mapper.open(region, torch.device("cpu"))
+    assert mapper.open(region, torch.device("cpu")) is not None and first.data_ptr() == mapper.open(region, torch.device("cpu")).data_ptr()
+    assert first.data_ptr() != cache.data_ptr()  # a mapping of its own, of the same memory
+    cache[0, 0, 0, 0] = 42.0
+    assert first[0, 0, 0] == 42.0
+
+
+@pytest.mark.parametrize(
+    "change, reason",
+    [
+        ({"host": "elsewhere/0"}, "is on host elsewhere/0, not this one"),
+        ({"path": "/etc/passwd"}, "a host region must be a file mlapool-kv-\\* in /dev/shm"),
+        ({"dtype": "int8"}, "unknown KV dtype 'int8'"),
+        ({"path": "/dev/shm/mlapool-kv-1-gone"}, "the holder's cache file /dev/shm/mlapool-kv-1-gone is gone"),
+    ],
+)
+def test_a_region_it_cannot_map_is_refused_with_the_reason(holder, change, reason):
+    _, region = holder
+    dest = [torch.zeros(10, 4, WIDTH) for _ in range(LAYERS)]
+    with pytest.raises(MappedError, match=reason):
+        Mapper().copy(dataclasses.replace(region, **change), dest, np.arange(4), np.arange(4))
+
+
+def test_a_destination_of_another_shape_and_rows_outside_the_cache_are_refused(holder):
+    _, region = holder
+    with pytest.raises(MappedError, match="the destination has 2 layers"):
+        Mapper().copy(region, [torch.zeros(10, 4, WIDTH)] * 2, np.arange(4), np.arange(4))
+    with pytest.raises(MappedError, match="outside the holder's cache of 640 rows"):
+        Mapper().copy(region, [torch.zeros(10, 4, WIDTH)] * LAYERS, np.array([0, 640]), np.arange(2))
+    with pytest.raises(MappedError, match="malformed"):
+        MappedRegion.from_dict({"host": host_identity()})
+
+
+def test_no_shared_file_where_dev_shm_lacks_the_room(monkeypatch):
+    class Full:
+        f_bavail, f_frsize = 10, 4096
+
+    monkeypatch.setattr(mapped.os, "statvfs", lambda path: Full)
+    assert shared_host_tensor((4, 1024, 1024), torch.float32) is None
+
+
+def test_files_of_holders_that_died_are_removed_at_the_next_start(tmp_path, monkeypatch):
+    monkeypatch.setattr(mapped, "SHM_DIR", tmp_path)
+    dead, alive = tmp_path / "mlapool-kv-999999999-aa", tmp_path / f"mlapool-kv-{os.getpid()}-bb"
+    dead.write_bytes(b"x")
+    alive.write_bytes(b"x")
+    cache, path = shared_host_tensor((2, 2), torch.float32)
+    assert not dead.exists() and alive.exists() and Path(path).parent == tmp_path
+    unlink_shared(path)
