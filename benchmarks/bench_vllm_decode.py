@@ -78,6 +78,8 @@ def start_vllm(args, checkpoint: Path, dtype: str, max_len: int, log: Path) -> t
         command += ["--attention-backend", "CPU_MLA", "--gpu-memory-utilization", "0.25", "--kv-cache-memory-bytes", str(1 << 30)]
     else:
         command += ["--gpu-memory-utilization", str(args.vllm_memory)]
+        if args.vllm_kv_cache_gib:  # a cache small enough that its blocks are reused, as on a busy server
+            command += ["--kv-cache-memory-bytes", str(int(args.vllm_kv_cache_gib * 2**30))]
     if not (checkpoint / "tokenizer.json").exists():
         command.append("--skip-tokenizer-init")
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "TRITON_INTERPRET")}
@@ -230,12 +232,40 @@ def _parity_summary(rows: list[dict]) -> dict:
     }  # fmt: skip
 
 
+def scatter(args, alone: str, tier: str, vocab: int) -> dict:
+    """Leave both caches as a server that has run a while leaves them: ``--scatter`` requests of 64 to
+    4,096 tokens (at most what vLLM takes) and 1 to 32 output tokens through vLLM alone, 8 at a time (its free list then hands
+    out blocks freed in other orders), and as many prefills of 64 to 2,048 tokens through the tier
+    with their KV kept, then taken by a receiver in a shuffled order (the pool's freed blocks join its
+    prefix cache's LRU in that order, and once its free blocks are used up new requests get them)."""
+    from kv.receiver import KVReceiver
+
+    rng = np.random.default_rng(args.seed + 2)
+    longest = min(4096, args.max_len - 33)  # what vLLM takes
+    bodies = [{"model": MODEL, "prompt": rng.integers(0, vocab, size=int(rng.integers(min(64, longest), longest + 1))).tolist(), "max_tokens": int(rng.integers(1, 33)),
+               "temperature": 0.0, "ignore_eos": True} for _ in range(args.scatter)]  # fmt: skip
+    with ThreadPoolExecutor(8) as pool:
+        failed = sum("error" in done for done in pool.map(lambda body: complete(alone, body), bodies))
+    tickets = []
+    for _ in range(args.scatter):
+        prompt = rng.integers(0, vocab, size=int(rng.integers(64, 2049))).tolist()
+        request = urllib.request.Request(tier + "/prefill", data=json.dumps({"token_ids": prompt, "handoff": True, "return_logits": False}).encode(),
+                                         headers={"content-type": "application/json"}, method="POST")  # fmt: skip
+        with urllib.request.urlopen(request, timeout=300) as response:
+            tickets.append(json.loads(response.read())["ticket"])
+    for i in rng.permutation(len(tickets)):
+        ticket = tickets[i]
+        KVReceiver(ticket["host"], ticket["port"], model_fingerprint=ticket["model_fingerprint"]).fetch(ticket["request_id"])
+    return {"requests": args.scatter, "vllm_failed": failed, "tier_prefills_taken": len(tickets)}
+
+
 def run_speed(args, checkpoint: Path, alone: str, tier: str, vllm_log: Path, save) -> dict:
     rng, fresh = np.random.default_rng(args.seed), np.random.default_rng(args.seed + 1)
     config = json.loads((checkpoint / "config.json").read_text())
     layers, width = config["num_hidden_layers"], config["kv_lora_rank"] + config["qk_rope_head_dim"]
     body = {"model": MODEL, "max_tokens": args.max_tokens, "temperature": 0.0, "ignore_eos": True, "return_token_ids": True}
-    out = {}
+    out = {"scatter": scatter(args, alone, tier, config["vocab_size"])} if args.scatter else {}
+    save(out)
     for spec in args.lengths:
         n, count = (int(x) for x in spec.split("x"))
         prompts = [rng.integers(0, config["vocab_size"], size=n).tolist() for _ in range(count + 2)]
@@ -356,6 +386,8 @@ def main() -> None:
     speed = parser.add_argument_group("speed")
     speed.add_argument("--checkpoint", type=Path, help="the checkpoint both sides load (speed)")
     speed.add_argument("--lengths", nargs="+", default=["32768x16", "4096x64"], help="TOKENSxCOUNT, one request at a time")
+    speed.add_argument("--scatter", type=int, default=0, help="requests through each side first, so that both caches hand out scattered blocks (scatter())")
+    speed.add_argument("--vllm-kv-cache-gib", type=float, help="vLLM's --kv-cache-memory-bytes, in GiB (a cache whose blocks are reused)")
     args = parser.parse_args()
     if args.moe_rounding is None:
         args.moe_rounding = "vllm" if args.mode == "parity" and args.weights == "bf16" else "reference"
@@ -374,6 +406,7 @@ def main() -> None:
             parser.error("speed needs --checkpoint (benchmarks/write_checkpoint.py writes one)")
         checkpoint = args.checkpoint
         max_len = max(int(s.split("x")[0]) for s in args.lengths) + args.max_tokens + 16
+    args.max_len = max_len
     report = {
         "what": f"bench_vllm_decode {args.mode}: the tier's /v1/completions (pool prefill, KV loaded by vLLM) vs vLLM alone",
         "date": datetime.date.today().isoformat(), "machine": machine(),

@@ -6,7 +6,10 @@
 # probe-moe (one bf16 MoE layer through vLLM's kernels and ours: benchmarks/probe_vllm_moe.py),
 # parity-bf16, parity-fp8 (32 prompts of 1-8K tokens through the tier's OpenAI endpoint against vLLM alone,
 # DeepSeek-width tiny MoE checkpoints), speed (the DeepSeek-V3 5-layer FP8 slice in $CKPT, default
-# /tmp/v3-5layers, written first when missing: 16 prompts of 32K and 64 of 4K, TTFT both ways).
+# /tmp/v3-5layers, written first when missing: prompts of $LENGTHS, TTFT and the second token both ways, the
+# steps between them, both caches scattered first by $SCATTER requests), speed-kv (the same on DeepSeek-V3's 61
+# layers at its MLA widths, everything else small: write_checkpoint.py --kv-shaped, in /tmp/v3-kv-shaped),
+# kv-load (benchmarks/bench_kv_load.py: the mapped transport against NIXL READs, no vLLM).
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 export PYTHONPATH=/tmp/gpu-site:$PWD VLLM_PYTHONPATH=/tmp/vllm-site
@@ -26,7 +29,13 @@ for step in "$@"; do
     parity-bf16|parity-fp8) python3 benchmarks/bench_vllm_decode.py parity --weights ${step#parity-} --out "$out/vllm-decode-parity-${step#parity-}.json" ;;
     speed) ckpt=${CKPT:-/tmp/v3-5layers}
            [ -f "$ckpt/model.safetensors.index.json" ] || python3 benchmarks/write_checkpoint.py --model deepseek-v3 --num-layers 5 --out "$ckpt" | tail -1
-           python3 benchmarks/bench_vllm_decode.py speed --checkpoint "$ckpt" --lengths ${LENGTHS:-32768x16 4096x64} --out "$out/vllm-decode-speed.json" ;;
+           python3 benchmarks/bench_vllm_decode.py speed --checkpoint "$ckpt" --lengths ${LENGTHS:-32768x16 8192x16 4096x32 2048x32 512x32} \
+             --scatter ${SCATTER:-200} --kv-cache-tokens 131072 --vllm-kv-cache-gib 2 --vllm-memory ${VLLM_MEMORY:-0.4} --out "$out/vllm-decode-speed.json" ;;
+    speed-kv) ckpt=/tmp/v3-kv-shaped
+           [ -f "$ckpt/model.safetensors.index.json" ] || python3 benchmarks/write_checkpoint.py --model deepseek-v3 --kv-shaped --out "$ckpt" | tail -1
+           python3 benchmarks/bench_vllm_decode.py speed --checkpoint "$ckpt" --lengths ${LENGTHS_KV:-32768x8 4096x8} \
+             --scatter ${SCATTER:-200} --kv-cache-tokens 131072 --vllm-kv-cache-gib 8 --vllm-memory ${VLLM_MEMORY:-0.4} --out "$out/vllm-decode-speed-kv-shaped.json" ;;
+    kv-load) python3 benchmarks/bench_kv_load.py --layers 61 5 --tokens 32768 4096 --chunk-rows 16384 65536 --out "$out/kv-load.json" ;;
     *) echo "unknown step $step"; exit 2 ;;
   esac
 done

@@ -67,6 +67,7 @@ class KVServer:
         self._listener = socket.create_server((host, port))
         self.host, self.port = self._listener.getsockname()[:2]
         self._busy: set[str] = set()
+        self._described: dict[str, tuple[str, list]] = {}  # request id -> (transport, the holders' describe_kv refs) asked ahead
         self._lock = threading.Lock()
         self._closed = False
         self.transfers = {"completed": 0, "failed": 0, "refused": 0, "expired": 0}
@@ -82,7 +83,23 @@ class KVServer:
         when it listens on all interfaces), the request, its prompt's length and digest, the model's
         fingerprint, and until when it is kept unclaimed (Unix time; None: until claimed)."""
         remaining = None if self.unclaimed_ttl_s is None else self.unclaimed_ttl_s - (time.monotonic() - result.finished)
+        self._describe_ahead(result)
         return self._ticket(result.request_id, result.num_tokens, result.prompt_digest, remaining, host)
+
+    def _describe_ahead(self, result) -> None:
+        """Ask the holders now where a prefilled request's blocks are, over the transport a receiver on
+        their host (mapped) or another (NIXL) takes: the answer is in when the receiver says hello,
+        off the time between the first token and the second (a receiver that takes another transport
+        is described anew)."""
+        try:
+            source = self.pool.kv_source(result)
+        except (ValueError, RuntimeError):
+            return  # not kept, or lost: the receiver is told so at its hello
+        transport = next((t for t in ("mapped", "nixl") if t in source.transports), None)
+        if transport is not None:
+            refs = [holder.describe_kv.options(concurrency_group=KV_GROUP).remote(result.request_id, transport) for holder in source.holders]
+            with self._lock:
+                self._described[result.request_id] = (transport, refs)
 
     def ticket_ahead(self, request_id: str, token_ids, *, host: str | None = None) -> dict:
         """The ticket of a request submitted with ``keep_kv`` and not prefilled yet, so that a decode
@@ -106,6 +123,7 @@ class KVServer:
         """Free ``result``'s kept KV now unless a receiver is taking it (then it is freed when that
         transfer ends); either way no receiver gets it after this."""
         with self._lock:
+            self._described.pop(result.request_id, None)
             if result.request_id in self._busy:
                 return
             self._busy.add(result.request_id)
@@ -166,6 +184,7 @@ class KVServer:
                 self.pool.release(result)
                 with self._lock:
                     self._busy.discard(result.request_id)
+                    self._described.pop(result.request_id, None)
 
     def _expire(self) -> None:
         """Free kept KV that no receiver claimed within ``unclaimed_ttl_s`` of its prefill."""
@@ -176,6 +195,7 @@ class KVServer:
                     if result.finished > deadline or result.request_id in self._busy:
                         continue
                     self._busy.add(result.request_id)  # a receiver arriving now is refused, not raced
+                    self._described.pop(result.request_id, None)
                 try:
                     self.pool.release(result)
                     self._count("expired")
@@ -267,11 +287,14 @@ class KVServer:
     def _begin(self, result, source, transport: str) -> dict:
         """Ask every holder where its shard's blocks are (once their KV is complete), and say it all."""
         cfg, model = self.pool.config, self.pool.model_config
+        with self._lock:
+            ahead = self._described.pop(result.request_id, None)
+        if ahead is not None and ahead[0] == transport:
+            refs = ahead[1]
+        else:
+            refs = [holder.describe_kv.options(concurrency_group=KV_GROUP).remote(result.request_id, transport) for holder in source.holders]
         try:
-            shards = ray.get(
-                [holder.describe_kv.options(concurrency_group=KV_GROUP).remote(result.request_id, transport) for holder in source.holders],
-                timeout=self.io_timeout_s,
-            )
+            shards = ray.get(refs, timeout=self.io_timeout_s)
         except (ray.exceptions.RayError, ray.exceptions.GetTimeoutError) as exc:
             raise RuntimeError(f"a worker holding request {result.request_id!r} did not say where its KV is: {cause(exc)}") from None
         return {
