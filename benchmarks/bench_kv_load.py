@@ -91,7 +91,7 @@ def measure(args, layers: int, tokens: int, device: str) -> dict:
         region = MappedRegion.from_dict(offer["mapped"])
         for chunk in args.chunk_rows:
             mapper = Mapper(chunk_rows=chunk)
-            seconds = [mapper.copy(region, dest, part.src, part.dst) for _ in range(args.repeats + 1)][1:]
+            seconds = [mapper.copy(region, dest, part.src, part.dst)[0] for _ in range(args.repeats + 1)][1:]
             row[f"mapped_chunk{chunk}"] = _rate(seconds, moved) | {"peak_temporary_bytes": mapper.peak_in_flight_bytes,
                                                                    "equal": _equal(mapper, region, dest, part)}  # fmt: skip
             for layer in dest:

@@ -314,6 +314,18 @@ STEPS_LINE = re.compile(r"request (\S+): \d+ tokens loaded over .*?(\d+) runs of
 REPORTED_LINE = re.compile(r"loads of requests \[(.*?)\] reported to vLLM at ([\d.]+)")
 
 
+def loads_in_log(text: str, layers: int, width: int) -> list[dict]:
+    """Every load the connector logged in a vLLM server's log: tokens, transport, seconds of the copy or
+    READs, the rate (bf16 rows), runs of rows per layer (how scattered both caches' blocks were) and
+    the receiver's steps."""
+    out = []
+    for m in re.finditer(r"(\d+) tokens loaded over (\w+) in ([\d.]+) s .*?(\d+) runs of rows per layer; mlapool request \S+; steps (\{.*\})", text):
+        tokens, seconds = int(m[1]), float(m[3])
+        out.append({"tokens": tokens, "transport": m[2], "seconds": seconds, "runs_per_layer": int(m[4]),
+                    "gib_per_s": round(tokens * layers * width * 2 / seconds / 2**30, 1) if seconds else None, "steps": json.loads(m[5])})  # fmt: skip
+    return out
+
+
 def _tier_timeline(tier: str) -> dict:
     with urllib.request.urlopen(tier + "/", timeout=60) as response:
         return json.loads(response.read())["handoff_timeline"]
@@ -366,7 +378,7 @@ def _loads(log: Path) -> list[tuple[int, str, float, float]]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("mode", choices=["parity", "speed"])
+    parser.add_argument("mode", choices=["parity", "speed", "loads"], help="loads: the connector's loads in a vLLM log (--log) as JSON")
     parser.add_argument("--out", type=Path, required=True, help="the results JSON")
     parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
     parser.add_argument("--vllm-pythonpath", default=os.environ.get("VLLM_PYTHONPATH"), help="vLLM's site, put first on the vLLM server's path")
@@ -388,7 +400,16 @@ def main() -> None:
     speed.add_argument("--lengths", nargs="+", default=["32768x16", "4096x64"], help="TOKENSxCOUNT, one request at a time")
     speed.add_argument("--scatter", type=int, default=0, help="requests through each side first, so that both caches hand out scattered blocks (scatter())")
     speed.add_argument("--vllm-kv-cache-gib", type=float, help="vLLM's --kv-cache-memory-bytes, in GiB (a cache whose blocks are reused)")
+    parser.add_argument("--log", type=Path, help="loads: the vLLM server's log")
     args = parser.parse_args()
+    if args.mode == "loads":
+        if args.log is None or args.checkpoint is None:
+            parser.error("loads needs --log and --checkpoint (its config.json gives the layers and the row width)")
+        config = json.loads((args.checkpoint / "config.json").read_text())
+        loads = loads_in_log(args.log.read_text(), config["num_hidden_layers"], config["kv_lora_rank"] + config["qk_rope_head_dim"])
+        args.out.write_text(json.dumps({"what": f"the connector's loads in {args.log.name}", "date": datetime.date.today().isoformat(),
+                                        "command": " ".join(sys.argv), "loads": loads}, indent=1) + "\n")  # fmt: skip
+        return
     if args.moe_rounding is None:
         args.moe_rounding = "vllm" if args.mode == "parity" and args.weights == "bf16" else "reference"
     work = Path(tempfile.mkdtemp(prefix="bench-vllm-"))

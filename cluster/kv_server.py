@@ -169,9 +169,9 @@ class KVServer:
                 begin = self._begin(result, source, transport)
                 send_frame(conn, "begin", begin)
                 conn.settimeout(self.ack_timeout_s)  # the receiver takes the blocks from the holders meanwhile
-                expect(read_frame(conn, max_payload=0)[0], "ack")
-                if transport == "mapped":  # the holders took no part: ask them whether they lived through it
-                    self._confirm_held(result, source)
+                ack = expect(read_frame(conn, max_payload=0)[0], "ack")
+                if transport == "mapped" and ack.get("holders_seen") is not True:  # the receiver could not see them:
+                    self._confirm_held(result, source)  # ask whether they lived through the copy (a Ray call)
                 send_frame(conn, "done", {"request_id": result.request_id})  # the KV was held until now
                 self._count("completed")
                 if self.pool.metrics is not None:

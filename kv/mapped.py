@@ -21,8 +21,10 @@ to 0 after every copy). The rows land in the destination only after the holder's
 load that fails is reported as a load error by the caller (vLLM recomputes those blocks).
 
 A holder that dies while mapped: its memory stays mapped in the receiver until the receiver drops it
-(:meth:`Mapper.forget`, after a failed load), as with UCX's CUDA IPC mappings under NIXL; the KV
-server's ``done`` says whether the KV was still held when the copy ended.
+(:meth:`Mapper.forget`, after a failed load), as with UCX's CUDA IPC mappings under NIXL. Whether the
+KV was still held when the copy ended is checked by the receiver where it sees the holder's process
+(its pid and start time in ``/proc``, before and after the copy: a few microseconds), else by the KV
+server, which asks the holders (a Ray call) before it says ``done``.
 
 Nothing here imports Ray or the prefill model.
 """
@@ -112,6 +114,7 @@ class MappedRegion:
     dtype: str
     path: str | None = None  # DRAM: the shared-memory file
     ipc: dict | None = field(default=None, hash=False)  # VRAM: torch's CUDA IPC handle of the cache's storage
+    process: tuple[int, int] | None = None  # the holder's pid and start time (process_identity())
 
     def as_dict(self) -> dict:
         return {key: getattr(self, key) for key in self.__dataclass_fields__}
@@ -119,7 +122,9 @@ class MappedRegion:
     @classmethod
     def from_dict(cls, raw: dict) -> MappedRegion:
         try:
-            return cls(**{key: raw[key] for key in cls.__dataclass_fields__} | {"shape": tuple(raw["shape"])})
+            fields = {key: raw[key] for key in cls.__dataclass_fields__ if key not in ("process", "shape")}
+            process = raw.get("process")
+            return cls(**fields, shape=tuple(raw["shape"]), process=None if process is None else (int(process[0]), int(process[1])))
         except (KeyError, TypeError) as exc:
             raise MappedError(f"a holder's mapped region is malformed ({exc}): {sorted(raw)}") from None
 
@@ -140,7 +145,7 @@ def share_cache(cache: torch.Tensor, path: Path | None = None) -> MappedRegion:
     if not cache.is_cuda:
         if path is None:
             raise ValueError("a host cache is mapped through its shared-memory file: give its path")
-        return MappedRegion(host_identity(), "DRAM", None, tuple(cache.shape), dtype, path=str(path))
+        return MappedRegion(host_identity(), "DRAM", None, tuple(cache.shape), dtype, path=str(path), process=process_identity())
     # torch.multiprocessing's own sharing of a CUDA tensor (what it pickles for another process): the
     # public reduce/rebuild pair, its arguments carried as plain fields instead of a pickle
     from torch.multiprocessing.reductions import reduce_tensor
@@ -153,7 +158,27 @@ def share_cache(cache: torch.Tensor, path: Path | None = None) -> MappedRegion:
         "event_sync": event_sync,
     }  # fmt: skip
     uuid = str(torch.cuda.get_device_properties(device).uuid)
-    return MappedRegion(host_identity(), "VRAM", uuid, tuple(cache.shape), dtype, ipc=ipc)
+    return MappedRegion(host_identity(), "VRAM", uuid, tuple(cache.shape), dtype, ipc=ipc, process=process_identity())
+
+
+def process_identity(pid: int | None = None) -> tuple[int, int] | None:
+    """A process as ``(pid, start time)`` (clock ticks after boot: a pid reused later has another), or
+    None where ``/proc`` does not show it (gone, or in another pid namespace)."""
+    pid = os.getpid() if pid is None else pid
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return pid, int(stat.rsplit(")", 1)[1].split()[19])  # field 22, counted after the command's parentheses
+
+
+def holder_lived(region: MappedRegion) -> bool | None:
+    """Whether the holder that shared ``region`` still runs: None where this process cannot tell (no
+    identity in the region, or its pid is not visible from here: another pid namespace)."""
+    if region.process is None:
+        return None
+    now = process_identity(region.process[0])
+    return now == region.process
 
 
 class Mapper:
@@ -233,10 +258,21 @@ class Mapper:
         with self._lock:
             self._mapped.pop(region.key, None)
 
-    def copy(self, region: MappedRegion, layers: list[torch.Tensor], src: np.ndarray, dst: np.ndarray) -> float:
+    def copy(self, region: MappedRegion, layers: list[torch.Tensor], src: np.ndarray, dst: np.ndarray) -> tuple[float, bool]:
         """Copy rows ``src`` of every layer of the holder's cache to rows ``dst`` of ``layers`` (each
         ``[num_blocks, block_size, width]``; rows counted as ``block * block_size + offset``), in
-        chunks of ``chunk_rows``. Returns the seconds it took, the copies done (synchronized)."""
+        chunks of ``chunk_rows``. Returns the seconds it took (the copies done, synchronized) and
+        whether the holder was seen running before and after it (False: this process cannot see it;
+        :class:`MappedError` when it is seen gone)."""
+        seen = holder_lived(region)
+        if seen is False:
+            raise MappedError(f"the holder (pid {region.process[0]}) is gone")
+        seconds = self._copy(region, layers, src, dst)
+        if seen and not holder_lived(region):
+            raise MappedError(f"the holder (pid {region.process[0]}) exited during the copy")
+        return seconds, bool(seen)
+
+    def _copy(self, region: MappedRegion, layers: list[torch.Tensor], src: np.ndarray, dst: np.ndarray) -> float:
         device = layers[0].device
         source = self.open(region, device)
         if source.shape[0] != len(layers) or source.shape[2] != layers[0].shape[-1] or source.dtype != layers[0].dtype:

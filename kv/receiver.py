@@ -32,7 +32,8 @@ A transfer (the frames of ``kv.frames``)::
                 GPU memory, their GPUs are among its devices), NIXL READs from every holder at once,
                 or one TCP pull per holder (``workers.kv_export``), each straight into the
                 destination rows
-    receiver -> server  ack {request_id}    (or error {message})
+    receiver -> server  ack {request_id, holders_seen}    (or error {message}; holders_seen: a mapped
+                                           copy's holders were seen running before and after it)
     server -> receiver  done {request_id}   (or error {message}: it gave up first, and the KV it freed
                                               may have been overwritten under the transfer)
 
@@ -227,13 +228,13 @@ class KVReceiver:
                     on_begin(meta)
                 placed = place_rows(meta, block_size, table, start)
                 clock.lap("place")
-                seconds, moved = self._transfer(meta, layers, placed, keep_registered=into is not None)
+                seconds, moved, seen = self._transfer(meta, layers, placed, keep_registered=into is not None)
                 clock.lap("transfer")
             except Exception as exc:
                 try_send(sock, "error", {"message": f"receiver: {exc}"})
                 raise exc if isinstance(exc, KVTransferError) else KVTransferError(str(exc)) from exc
             try:  # the server confirms it still held the KV: one that gave up first (ack_timeout_s) says so
-                send_frame(sock, "ack", {"request_id": request_id})
+                send_frame(sock, "ack", {"request_id": request_id, "holders_seen": seen})  # a mapped copy's holders, seen running
                 expect(read_frame(sock, max_payload=0)[0], "done")
             except (OSError, KVTransferError) as exc:
                 raise KVTransferError(f"the KV server did not confirm the ack ({exc}): the KV may have been freed under the transfer") from None
@@ -296,33 +297,41 @@ class KVReceiver:
         return self._nixl
 
     # ---- the data -----------------------------------------------------------------------------------
-    def _transfer(self, meta: dict, layers: list[torch.Tensor], placed: list[HolderRows], keep_registered: bool) -> tuple[float, int]:
+    def _transfer(self, meta: dict, layers: list[torch.Tensor], placed: list[HolderRows], keep_registered: bool) -> tuple[float, int, bool]:
+        """Seconds, KV bytes moved, and whether every holder was seen running through a mapped copy."""
         row_bytes = meta["width"] * DTYPES[meta["dtype"]].itemsize
         moved = sum(len(part.dst) for part in placed) * meta["layers"] * row_bytes
         if meta["transport"] == "mapped":
-            return self._copy_mapped(meta, layers, placed), moved
+            seconds, seen = self._copy_mapped(meta, layers, placed)
+            return seconds, moved, seen
         if meta["transport"] == "nixl":
-            return self._read_nixl(meta, layers, placed, row_bytes, keep_registered), moved
-        return self._pull_tcp(meta, layers, placed), moved
+            return self._read_nixl(meta, layers, placed, row_bytes, keep_registered), moved, False
+        return self._pull_tcp(meta, layers, placed), moved, False
 
-    def _copy_mapped(self, meta: dict, layers: list[torch.Tensor], placed: list[HolderRows]) -> float:
+    def _copy_mapped(self, meta: dict, layers: list[torch.Tensor], placed: list[HolderRows]) -> tuple[float, bool]:
         """Copy every holder's rows out of its cache, mapped into this process (``kv.mapped``). A
         holder this process cannot map is not offered ``mapped`` again by this receiver (NIXL or TCP
         then: a container without the host's ``/dev/shm`` or IPC namespace, say)."""
         if self._mapper is None:
             self._mapper = Mapper()
-        seconds, regions = 0.0, []
+        seconds, regions, seen = 0.0, [], True
         try:
-            for shard, part in zip(meta["shards"], placed):
+            for rank, (shard, part) in enumerate(zip(meta["shards"], placed)):
                 regions.append(MappedRegion.from_dict(shard.get("mapped") or {}))
-                seconds += self._mapper.copy(regions[-1], layers, part.src, part.dst)
+                try:
+                    took, lived = self._mapper.copy(regions[-1], layers, part.src, part.dst)
+                except MappedError as exc:
+                    raise MappedError(f"holder {rank}: {exc}") from None
+                seconds, seen = seconds + took, seen and lived
         except MappedError as exc:
             for region in regions:
                 self._mapper.forget(region)
+            if "is gone" in str(exc) or "exited" in str(exc):
+                raise KVTransferError(str(exc)) from None
             if len(self.transports) > 1:
                 self.transports = [t for t in self.transports if t != "mapped"]
             raise KVTransferError(f"{exc} (this receiver takes this server's KV over {self.transports} from now on)") from None
-        return seconds
+        return seconds, seen
 
     def _read_nixl(self, meta: dict, layers: list[torch.Tensor], placed: list[HolderRows], row_bytes: int, keep_registered: bool) -> float:
         """READ every holder's rows at once, a descriptor per layer and run of rows consecutive on

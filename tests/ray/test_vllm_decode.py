@@ -228,4 +228,4 @@ def test_a_holder_killed_mid_load_gives_vllm_a_load_error_and_its_own_rows(run):
     assert killed["first_step_tokens"] == 300  # recomputed whole: nothing decoded from the load
     assert killed["tokens"] == own["tokens"] and _relative(killed["rows"], own["rows"]) <= 1e-5
     assert run["killer_transfers"]["failed"] == 1 and run["killer_transfers"]["completed"] == 0
-    assert "died during the transfer" in run["log"] or "is gone" in run["log"]
+    assert "is gone" in run["log"] or "exited during the copy" in run["log"] or "died during the transfer" in run["log"]

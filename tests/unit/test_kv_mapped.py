@@ -42,7 +42,8 @@ def test_scattered_rows_land_where_the_tables_say_and_nothing_stays_allocated(ho
     assert len(runs(part.src, part.dst)[0]) > 0.9 * tokens / block  # nearly every destination block a run of its own
     dest = [torch.zeros(100, block, WIDTH) for _ in range(LAYERS)]
     mapper = Mapper(chunk_rows=chunk_rows)
-    mapper.copy(MappedRegion.from_dict(region.as_dict()), dest, part.src, part.dst)
+    _, seen = mapper.copy(MappedRegion.from_dict(region.as_dict()), dest, part.src, part.dst)
+    assert seen  # the holder (this process) was seen running before and after the copy
     rows = cache.view(LAYERS, -1, WIDTH)
     for layer in range(LAYERS):
         flat = dest[layer].view(-1, WIDTH)
@@ -106,3 +107,13 @@ def test_files_of_holders_that_died_are_removed_at_the_next_start(tmp_path, monk
     cache, path = shared_host_tensor((2, 2), torch.float32)
     assert not dead.exists() and alive.exists() and Path(path).parent == tmp_path
     unlink_shared(path)
+
+
+def test_a_holder_seen_gone_is_a_failed_copy_and_one_not_seen_is_left_to_the_kv_server(holder):
+    _, region = holder
+    dest = [torch.zeros(10, 4, WIDTH) for _ in range(LAYERS)]
+    gone = dataclasses.replace(region, process=(region.process[0], region.process[1] + 1))  # a pid reused by another process
+    with pytest.raises(MappedError, match=f"the holder \\(pid {region.process[0]}\\) is gone"):
+        Mapper().copy(gone, dest, np.arange(4), np.arange(4))
+    _, seen = Mapper().copy(dataclasses.replace(region, process=None), dest, np.arange(4), np.arange(4))
+    assert seen is False  # another pid namespace: the KV server asks the holders instead
