@@ -292,7 +292,7 @@ def test_bad_destinations_and_options_are_refused_before_connecting():
     ]:
         with pytest.raises(ValueError, match=match):
             receiver.fetch("r", **kwargs)
-    with pytest.raises(ValueError, match="transport must be one of auto, nixl, tcp"):
+    with pytest.raises(ValueError, match="transport must be one of auto, mapped, nixl, tcp"):
         KVReceiver("h", 1, transport="rdma")
     with pytest.raises(ValueError, match="dtype 'fp8' is not one of"):
         KVReceiver("h", 1, dtype="fp8")
