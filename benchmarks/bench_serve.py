@@ -57,6 +57,8 @@ ENV = {
     # the local head, the serve CLI and this driver share a token (token authentication, as a cluster should run)
     "RAY_AUTH_MODE": "token",
     "RAY_AUTH_TOKEN": secrets.token_hex(16),
+    # the KV server's token of deploy/serve-gpu-bench.yaml ({env: MLAPOOL_KV_TOKEN}): one drawn for the run unless given
+    "MLAPOOL_KV_TOKEN": os.environ.get("MLAPOOL_KV_TOKEN") or secrets.token_hex(16),
 }
 os.environ.update(ENV)  # before Ray is imported: it reads its settings then
 
@@ -169,7 +171,7 @@ async def run_stage(session, url, prompts, concurrency, label, t0, records, tick
 
 
 def fetch_ticket(ticket: dict):
-    receiver = KVReceiver(ticket["host"], ticket["port"], model_fingerprint=ticket["model_fingerprint"], transport="tcp")
+    receiver = KVReceiver(ticket["host"], ticket["port"], token=os.environ["MLAPOOL_KV_TOKEN"], model_fingerprint=ticket["model_fingerprint"], transport="tcp")
     started = time.monotonic()
     try:
         kv = receiver.fetch(ticket["request_id"])

@@ -10,8 +10,11 @@ answered beside a running prefill batch), and tells the receiver, who takes the 
 holders themselves: by copying them out of the holders' caches mapped into its process (a receiver on
 their host), by NIXL READs, or by TCP pulls from each holder (``workers.kv_export``).
 
-Binds to 127.0.0.1 unless ``host`` says otherwise; with ``token`` set, a receiver must present it
-(compared in constant time) before anything is said. A request's KV is freed on the workers once
+Binds to 127.0.0.1 unless ``host`` says otherwise, and refuses to start on another address without
+a ``token``; with ``token`` set, a receiver must present it (compared in constant time) before
+anything is said. The token is what admits a receiver: one that holds it is trusted with the
+holders' memory (NIXL READs and mapped copies are one-sided), so decode servers are inside the trust
+boundary and clients are not. A request's KV is freed on the workers once
 the receiver acknowledges it, and also when a started transfer fails (an error from the receiver,
 a holder that died, a lost connection, no acknowledgement within ``ack_timeout_s``), so a failed
 receiver never pins GPU memory; the request then has to be prefilled again. A receiver that is
@@ -42,6 +45,7 @@ import ray
 from cluster.pool import PrefillPool
 from cluster.replica import KV_GROUP, cause
 from configs.model import DTYPES
+from configs.secrets import loopback
 from workers.kv_cache import blocks_for
 from kv.frames import KVTransferError, expect, prompt_digest, read_frame, send_frame, try_send
 
@@ -61,6 +65,11 @@ class KVServer:
         unclaimed_ttl_s: float | None = None,
         prefill_wait_s: float = 600.0,
     ) -> None:
+        if token is None and not loopback(host):
+            raise ValueError(
+                f"a KV server on {host!r} without a token would hand the KV of users' prompts to anyone who reaches it: "
+                "give it a token (the decode servers' connectors present the same one) or bind 127.0.0.1"
+            )
         self.pool, self.token = pool, token
         self.ack_timeout_s, self.io_timeout_s, self.prefill_wait_s = ack_timeout_s, io_timeout_s, prefill_wait_s
         self.unclaimed_ttl_s = unclaimed_ttl_s

@@ -149,9 +149,11 @@ class Tokenizer:
 @dataclass
 class DecodeServer:
     url: str
+    api_key: str | None = field(default=None, repr=False)  # sent as Authorization: Bearer (vLLM's --api-key)
     outstanding: int = 0
     requests: int = 0
     failures: int = 0
+    refused_key: bool = False  # its last answer was 401/403: the tier's configuration, not the server, is wrong
 
 
 @dataclass
@@ -161,15 +163,17 @@ class DecodeServers:
     servers: list[DecodeServer] = field(default_factory=list)
 
     @classmethod
-    def of(cls, urls: list[str]) -> DecodeServers:
-        return cls([DecodeServer(url.rstrip("/")) for url in urls])
+    def of(cls, servers: list[tuple[str, str | None]]) -> DecodeServers:
+        """From (base URL, API key or None) pairs."""
+        return cls([DecodeServer(url.rstrip("/"), key) for url, key in servers])
 
     def by_load(self) -> list[DecodeServer]:
         """Least outstanding requests first (ties: the order configured)."""
         return sorted(self.servers, key=lambda s: s.outstanding)
 
     def report(self) -> list[dict[str, Any]]:
-        return [{"url": s.url, "outstanding": s.outstanding, "requests": s.requests, "failures": s.failures} for s in self.servers]
+        return [{"url": s.url, "outstanding": s.outstanding, "requests": s.requests, "failures": s.failures,
+                 "refuses_the_tiers_key": s.refused_key} for s in self.servers]  # fmt: skip
 
 
 class Timeline:
@@ -211,8 +215,9 @@ async def open_upstream(servers: DecodeServers, body: dict[str, Any], timeout_s:
         server.outstanding += 1
         server.requests += 1
         session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None, sock_connect=10, sock_read=timeout_s))
+        headers = {"Authorization": f"Bearer {server.api_key}"} if server.api_key else None
         try:
-            response = await session.post(server.url + COMPLETIONS, json=body)
+            response = await session.post(server.url + COMPLETIONS, json=body, headers=headers)
         except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
             reasons.append(f"{server.url}: {type(exc).__name__}: {exc}")
         except BaseException:  # cancelled (the prefill failed, the client left): the server is given back
@@ -220,9 +225,14 @@ async def open_upstream(servers: DecodeServers, body: dict[str, Any], timeout_s:
             await session.close()
             raise
         else:
-            if response.status not in RETRY_STATUSES:
+            server.refused_key = response.status in (401, 403)
+            if response.status not in RETRY_STATUSES and not server.refused_key:
                 return Upstream(server, session, response)
-            reasons.append(f"{server.url}: HTTP {response.status} {(await response.text())[:200]}")
+            if server.refused_key:  # its answer may quote what it was sent: not relayed
+                reasons.append(f"{server.url}: configuration error: it refuses the tier's API key (HTTP {response.status}; "
+                               "set decode_api_key or decode_api_keys to the key of its --api-key)")  # fmt: skip
+            else:
+                reasons.append(f"{server.url}: HTTP {response.status} {(await response.text())[:200]}")
             response.release()
         server.failures += 1
         server.outstanding -= 1

