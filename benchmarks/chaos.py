@@ -71,12 +71,14 @@ def chaos_config(device: str = "cpu", worker_gpus: float = 1.0, **overrides) -> 
 
 
 def plan(requests: int, seed: int, max_len: int, vocab: int, nixl: bool = False) -> dict:
-    """The seeded workload and fault schedule (``nixl``: some external receivers READ over NIXL)."""
+    """The seeded workload and fault schedule: of the kept requests, half go to decode actors, the others
+to receivers outside the cluster over TCP, mapped (the holders' caches mapped into the receiver) and,
+with ``nixl``, NIXL READs."""
     rng = random.Random(seed)
     lengths = [rng.randint(1, max_len) for _ in range(requests)]
     prompts = [np.array([rng.randrange(vocab) for _ in range(n)], dtype=np.int32) for n in lengths]
     kept = sorted(rng.sample(range(requests), requests * 3 // 10))
-    kinds = ("actor", "tcp", "actor", "nixl") if nixl else ("actor", "tcp")  # half to decode actors, half outside
+    kinds = ("actor", "tcp", "actor", "mapped") + (("actor", "nixl") if nixl else ())
     handoff = {i: kinds[k % len(kinds)] for k, i in enumerate(kept)}
     outside, actor = [i for i in kept if handoff[i] != "actor"], [i for i in kept if handoff[i] == "actor"]
     drops = set(rng.sample(outside, min(3, len(outside))))  # these receivers pull over TCP and drop mid-frame
@@ -160,7 +162,7 @@ def run_chaos(config: PoolConfig, *, requests: int = 200, seed: int = 0, in_flig
         def hand_off(i: int, result) -> None:
             rid = result.request_id
             try:
-                if handoff[i] in ("tcp", "nixl"):
+                if handoff[i] in ("tcp", "mapped", "nixl"):
                     if i in work["drops"]:
                         _drop_mid_frame(server, rid)
                         deadline = time.monotonic() + 30  # the server frees it: the transfer failed
@@ -267,7 +269,7 @@ def run_chaos(config: PoolConfig, *, requests: int = 200, seed: int = 0, in_flig
         delta = {k: pool_counts[k] - base[k] for k in ("completed", "failed", "cancelled")}
         if delta != counts:
             violations.append(f"the pool counted {delta}, the clients saw {counts}")
-        fine = ("tcp", "nixl", "actor", "actor after a kill", "dropped, freed", "lost with its replica")
+        fine = ("tcp", "mapped", "nixl", "actor", "actor after a kill", "dropped, freed", "lost with its replica")
         bad_handoffs = {i: h for i, h in handoffs.items() if h not in fine}
         expected_handoffs = {i for i in handoff if outcomes.get(i, ("",))[0] == "completed"}
         if set(handoffs) != expected_handoffs:

@@ -1,5 +1,5 @@
 """The chaos test: two replicas of TP=2 (gloo) under a stream of 200 requests of mixed lengths,
-with kept KV handed off to receivers outside the cluster (TCP and NIXL) and to decode actors, while a seeded schedule kills and breaks
+with kept KV handed off to receivers outside the cluster (TCP, mapped and NIXL) and to decode actors, while a seeded schedule kills and breaks
 workers mid-batch, kills decode actors mid-pull, drops KV receivers mid-frame and cancels
 requests. ``benchmarks/chaos.py`` holds the run and its checks; see its docstring."""
 
@@ -26,7 +26,7 @@ def test_every_request_is_accounted_for_once_and_nothing_leaks_under_chaos(ray_c
     assert summary["cancelled"] >= 1 and summary["retried"] >= 1
     # receivers dropped mid-frame and decode actors killed mid-pull (a few may find the KV lost with a replica first)
     assert summary["handoffs"].get("dropped, freed", 0) >= 1 and summary["handoffs"].get("actor after a kill", 0) >= 1
-    # receivers outside the cluster took KV from the holders over both transports (the suite installs NIXL)
-    assert summary["handoffs"].get("tcp", 0) >= 1 and summary["handoffs"].get("nixl", 0) >= 1
+    # receivers outside the cluster took KV from the holders over every transport (the suite installs NIXL)
+    assert summary["handoffs"].get("tcp", 0) >= 1 and summary["handoffs"].get("nixl", 0) >= 1 and summary["handoffs"].get("mapped", 0) >= 1
     assert summary["leaked_blocks"] == 0 and summary["leaked_actors"] == 0 and summary["leaked_threads"] == []
     assert summary["max_fault_to_serving_s"] < 10.0
