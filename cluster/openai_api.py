@@ -40,7 +40,7 @@ import aiohttp
 
 from cluster.first_token import shift
 
-COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"
+COMPLETIONS, CHAT, MODELS = "/v1/completions", "/v1/chat/completions", "/v1/models"
 RETRY_STATUSES = {429, 500, 502, 503, 504}
 OWN_KEYS = {"model", "prompt", "messages", "stream", "stream_options", "n", "kv_transfer_params", "echo"}
 
@@ -238,6 +238,12 @@ async def open_upstream(servers: DecodeServers, body: dict[str, Any], timeout_s:
         server.outstanding -= 1
         await session.close()
     raise OpenAIError(503, "no decode server took the request: " + ("; ".join(reasons) or "none configured"))
+
+
+def model_card(name: str, root: str, max_model_len: int, created: int) -> dict[str, Any]:
+    """The served model as ``GET /v1/models`` lists it, in vLLM's form (``root``: the checkpoint)."""
+    return {"id": name, "object": "model", "created": created, "owned_by": "mlapool", "root": root, "parent": None,
+            "max_model_len": max_model_len, "permission": []}  # fmt: skip
 
 
 def chat_answer(completion: dict[str, Any], model: str) -> dict[str, Any]:

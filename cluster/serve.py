@@ -24,6 +24,8 @@ HTTP API (JSON, or msgpack with ``content-type: application/msgpack``; the answe
     its KV is freed.
 ``POST /v1/completions``, ``POST /v1/chat/completions`` OpenAI's API, decoded by the configured vLLM
     servers from this replica's KV (``cluster.openai_api``, ``cluster.first_token``).
+``GET /v1/models``, ``GET /v1/models/{id}`` the served model, as vLLM lists its own (``max_model_len``:
+    the longest prompt the pool takes).
 ``GET /`` the model, layout, backend and limits of this replica, and its request counters.
 
 With ``api_keys`` set, every endpoint here asks for ``Authorization: Bearer KEY`` (one of the keys,
@@ -61,8 +63,8 @@ from cluster.kv_server import KVServer
 from cluster.metrics import PoolMetrics
 from cluster.first_token import FirstToken, first_chunk, generation_defaults, shift, token_text, usage
 from cluster.openai_api import (
-    CHAT, COMPLETIONS, DecodeServers, OpenAIError, Parsed, Tokenizer, Upstream, chat_answer, client_chunk, open_upstream, parse_request,
-    Timeline, relay_stream, sse, with_cached_tokens,
+    CHAT, COMPLETIONS, MODELS, DecodeServers, OpenAIError, Parsed, Tokenizer, Upstream, chat_answer, client_chunk, open_upstream, parse_request,
+    Timeline, model_card, relay_stream, sse, with_cached_tokens,
 )  # fmt: skip
 from cluster.pool import PrefillPool
 from cluster.results import PromptTooLong
@@ -130,6 +132,7 @@ class PrefillServer:
         self.fingerprint = self.pool.model_config.fingerprint()
         self.decoders = DecodeServers.of([(url, key.reveal() if (key := config.decode_key(url)) else None) for url in config.decode_servers])
         self.timeline = Timeline()  # the steps of recent requests handed to decode servers
+        self.started = int(time.time())  # the served model's "created" in /v1/models
         self.tokenizer = Tokenizer(config.tokenizer or config.pool.checkpoint)
         self.generation = generation_defaults(config.pool.checkpoint)  # vLLM's sampling defaults for the first token
 
@@ -139,8 +142,10 @@ class PrefillServer:
         path = "/" + (path[len(prefix) :] if prefix and path.startswith(prefix) else path).strip("/")
         if self.api_keys and not matches(_bearer(request), self.api_keys):  # before anything reaches the pool
             return _unauthorized(path)
-        if path in (COMPLETIONS, CHAT):
+        if path in (COMPLETIONS, CHAT) or path == MODELS or path.startswith(MODELS + "/"):
             try:
+                if path.startswith(MODELS):
+                    return self._models(request.method, path)
                 if request.method != "POST":
                     raise OpenAIError(405, f"{request.method} {path}: use POST")
                 return await self._openai(request, chat=path == CHAT)
@@ -158,10 +163,23 @@ class PrefillServer:
                     raise HTTPError(405, f"{request.method} /: use GET")
                 answer = self.info()
             else:
-                raise HTTPError(404, f"no endpoint {request.url.path!r}; valid: POST /prefill, POST {COMPLETIONS}, POST {CHAT}, GET /")
+                raise HTTPError(404, f"no endpoint {request.url.path!r}; valid: POST /prefill, POST {COMPLETIONS}, POST {CHAT}, GET {MODELS}, GET /")
             return _response(200, answer, reply)
         except HTTPError as exc:
             return _response(exc.status, {"error": str(exc)}, reply)
+
+    def _models(self, method: str, path: str) -> Response:
+        """``GET /v1/models`` (the served model, as vLLM lists it) and ``GET /v1/models/{id}``."""
+        if method != "GET":
+            raise OpenAIError(405, f"{method} {path}: use GET")
+        name = self.config.model_name
+        card = model_card(name, self.config.pool.checkpoint or self.config.pool.model, self.pool.max_prompt_tokens, self.started)
+        wanted = path[len(MODELS) + 1 :]
+        if not wanted:
+            return Response(json.dumps({"object": "list", "data": [card]}), media_type="application/json")
+        if wanted != name:
+            raise OpenAIError(404, f"model {wanted!r} is not served here; this endpoint serves {name!r}")
+        return Response(json.dumps(card), media_type="application/json")
 
     def info(self) -> dict[str, Any]:
         cfg, info = self.config.pool, self.pool.worker_infos[0][0]

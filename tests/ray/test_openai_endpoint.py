@@ -349,3 +349,28 @@ def test_secrets_appear_nowhere(tier):
     for name, value in SECRETS.items():
         assert not any(value in text for text in texts), name
     assert "not-vllms-key" not in "".join(texts)
+
+
+def test_models_are_listed_as_vllm_lists_them_for_the_openai_client(tier, vllm_url):
+    """What OpenAI clients, UIs and routers call first, through the ``openai`` SDK (vLLM's own
+    requirement), behind the tier's key."""
+    import asyncio
+
+    import openai
+
+    client = openai.OpenAI(base_url=tier + "/v1", api_key=TIER_KEY)
+    (card,) = client.models.list().data
+    own = openai.OpenAI(base_url=vllm_url + "/v1", api_key=VLLM_KEY).models.list().data[0]
+    assert card.id == own.id == MODEL and card.object == "model" and card.owned_by == "mlapool"
+    assert card.max_model_len == info(tier)["max_prompt_tokens"] and card.root
+    assert client.models.retrieve(MODEL).id == MODEL
+    with pytest.raises(openai.NotFoundError, match="model 'gpt-4' is not served here"):
+        client.models.retrieve("gpt-4")
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=tier + "/v1", api_key="apikey-wrong").models.list()
+
+    async def listed() -> list[str]:
+        async with openai.AsyncOpenAI(base_url=tier + "/v1", api_key=TIER_KEY) as aclient:
+            return [model.id async for model in aclient.models.list()]
+
+    assert asyncio.run(listed()) == [MODEL]
