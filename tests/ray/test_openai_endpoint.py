@@ -374,3 +374,43 @@ def test_models_are_listed_as_vllm_lists_them_for_the_openai_client(tier, vllm_u
             return [model.id async for model in aclient.models.list()]
 
     assert asyncio.run(listed()) == [MODEL]
+
+
+def test_the_openai_sdk_completes_chats_and_streams_with_usage(tier, vllm_url):
+    """The real client, sync and async, plain and streamed with include_usage, equal to vLLM's own answer."""
+    import asyncio
+
+    import openai
+
+    client, own = openai.OpenAI(base_url=tier + "/v1", api_key=TIER_KEY), openai.OpenAI(base_url=vllm_url + "/v1", api_key=VLLM_KEY)
+    sampling = {"max_tokens": 8, "temperature": 0.0, "extra_body": {"ignore_eos": True}}
+    want = own.completions.create(model=MODEL, prompt=PROMPT, **sampling).choices[0].text
+    assert client.completions.create(model=MODEL, prompt=PROMPT, **sampling).choices[0].text == want
+    chat = client.chat.completions.create(model=MODEL, messages=MESSAGES, **sampling)
+    assert chat.choices[0].message.content == own.chat.completions.create(model=MODEL, messages=MESSAGES, **sampling).choices[0].message.content
+    chunks = list(client.completions.create(model=MODEL, prompt=PROMPT, stream=True, stream_options={"include_usage": True}, **sampling))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == want
+    assert chunks[-1].usage.completion_tokens == 8 and not chunks[-1].choices
+
+    async def streamed_chat() -> str:
+        async with openai.AsyncOpenAI(base_url=tier + "/v1", api_key=TIER_KEY) as aclient:
+            stream = await aclient.chat.completions.create(model=MODEL, messages=MESSAGES, stream=True, **sampling)
+            return "".join([c.choices[0].delta.content or "" async for c in stream if c.choices])
+
+    assert asyncio.run(streamed_chat()) == chat.choices[0].message.content
+    assert info(tier)["kv_kept_requests"] == 0
+
+
+def test_vllms_serving_benchmark_runs_against_the_tier_with_no_failed_request(tier, checkpoint, tmp_path):
+    """vLLM's own serving benchmark (its ``vllm.benchmarks.serve`` module, backend openai), a small run."""
+    script = ("import sys\nfrom vllm.utils.argparse_utils import FlexibleArgumentParser\nfrom vllm.benchmarks.serve import add_cli_args, main\n"
+              "parser = FlexibleArgumentParser()\nadd_cli_args(parser)\nmain(parser.parse_args(sys.argv[1:]))\n")  # fmt: skip
+    args = ["--backend", "openai", "--base-url", tier, "--endpoint", "/v1/completions", "--model", MODEL, "--tokenizer", str(checkpoint),
+            "--dataset-name", "random", "--random-input-len", "64", "--random-output-len", "8", "--num-prompts", "16", "--seed", "0",
+            "--save-result", "--result-dir", str(tmp_path), "--result-filename", "bench.json"]  # fmt: skip
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"} | {"OPENAI_API_KEY": TIER_KEY, "OMP_NUM_THREADS": "1"}
+    done = subprocess.run([sys.executable, "-c", script, *args], env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads((tmp_path / "bench.json").read_text())
+    assert result["completed"] == 16 and result["failed"] == 0 and result["total_output_tokens"] > 0
+    assert info(tier)["kv_kept_requests"] == 0
