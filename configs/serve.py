@@ -143,13 +143,19 @@ class ServeConfig:
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> ServeConfig:
-        """From the ``args`` of a Serve config file: these fields, with ``pool`` a dict of PoolConfig fields."""
+        """From the ``args`` of a Serve config file: these fields, with ``pool`` a dict of PoolConfig fields;
+        its secrets named ({env: VARIABLE}, {file: PATH}), never written inline."""
         if not isinstance(raw, dict):
             raise TypeError(f"serve config: expected a mapping, got {type(raw).__name__}")
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = set(raw) - known
         if unknown:
             raise ValueError(f"serve config: unknown keys {sorted(unknown)}; valid: {sorted(known)}")
+        inline = [key for key in ("kv_token", "decode_api_key") if isinstance(raw.get(key), str)]
+        inline += [f"api_keys[{i}]" for i, key in enumerate(raw.get("api_keys") or []) if isinstance(key, str)]
+        inline += [f"decode_api_keys[{url}]" for url, key in (raw.get("decode_api_keys") or {}).items() if isinstance(key, str)]
+        if inline:  # a config file gets committed, shown, logged: it names its secrets, never holds them
+            raise ValueError(f"serve config: {', '.join(inline)} written inline; name each secret as {{env: VARIABLE}} or {{file: PATH}}")
         pool = raw.get("pool", {})
         pool_fields = {f.name for f in dataclasses.fields(PoolConfig)}
         if not isinstance(pool, dict) or set(pool) - pool_fields:

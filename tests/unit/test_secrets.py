@@ -63,3 +63,9 @@ def test_decode_keys_per_server_and_for_all():
     assert config.decode_key("http://a:1").reveal() == "all" and config.decode_key("http://b:2").reveal() == "mine"
     with pytest.raises(ValueError, match=r"decode_api_keys must map URLs of decode_servers to secrets; not among them: \['http://c:3'\]"):
         ServeConfig(decode_servers=("http://a:1",), decode_api_keys={"http://c:3": "x"})
+
+
+def test_a_config_file_names_its_secrets_and_never_holds_them():
+    with pytest.raises(ValueError, match=r"serve config: kv_token, api_keys\[1\] written inline; name each secret as \{env: VARIABLE\} or \{file: PATH\}"):
+        ServeConfig.from_dict({"kv_token": "s3cret", "api_keys": [{"env": "K"}, "inline-key"]})
+    assert ServeConfig.from_dict({"kv_token": {"file": "/run/secrets/kv"}}).kv_token.file == "/run/secrets/kv"
