@@ -106,7 +106,7 @@ class KVServer:
             return  # not kept, or lost: the receiver is told so at its hello
         transport = next((t for t in ("mapped", "nixl") if t in source.transports), None)
         if transport is not None:
-            refs = [holder.describe_kv.options(concurrency_group=KV_GROUP).remote(result.request_id, transport) for holder in source.holders]
+            refs = _describe(result, source, transport)
             with self._lock:
                 self._described[result.request_id] = (transport, refs)
 
@@ -298,10 +298,7 @@ class KVServer:
         cfg, model = self.pool.config, self.pool.model_config
         with self._lock:
             ahead = self._described.pop(result.request_id, None)
-        if ahead is not None and ahead[0] == transport:
-            refs = ahead[1]
-        else:
-            refs = [holder.describe_kv.options(concurrency_group=KV_GROUP).remote(result.request_id, transport) for holder in source.holders]
+        refs = ahead[1] if ahead is not None and ahead[0] == transport else _describe(result, source, transport)
         try:
             shards = ray.get(refs, timeout=self.io_timeout_s)
         except (ray.exceptions.RayError, ray.exceptions.GetTimeoutError) as exc:
@@ -335,6 +332,11 @@ class KVServer:
     def _count(self, outcome: str) -> None:
         with self._lock:
             self.transfers[outcome] += 1
+
+
+def _describe(result, source, transport: str) -> list:
+    """Ask every holder where its shard of ``result`` is, for ``transport`` (refs of their offers)."""
+    return [holder.describe_kv.options(concurrency_group=KV_GROUP).remote(result.request_id, transport) for holder in source.holders]
 
 
 def _can_map(hello: dict, source) -> bool:

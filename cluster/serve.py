@@ -352,12 +352,12 @@ class PrefillServer:
                 yield sse(OpenAIError(upstream.response.status, f"the decode server refused the rest of the answer: {text}").body())
                 yield b"data: [DONE]\n\n"
                 return
-            relayed = 0
+            second = True
             async for event in relay_stream(upstream, parsed.chat, model, result.cached_tokens, head):
                 yield event
-                relayed += 1
-                if relayed == 1:
+                if second:  # vLLM's first event is the answer's second token
                     self.timeline.mark(result.request_id, "second_token_sent")
+                    second = False
         finally:
             if upstream is not None:
                 await upstream.close()

@@ -50,6 +50,10 @@ class MappedError(RuntimeError):
     """A holder's cache could not be mapped or read (the message says which and why)."""
 
 
+class HolderGone(MappedError):
+    """The holder's process was seen gone, before or after the copy: its KV is lost, not unmappable."""
+
+
 def host_identity() -> str:
     """This host as both ends of a mapped transfer see it: the host name and the kernel's boot id
     (two machines can share a name; two processes of one boot of one kernel are on one host)."""
@@ -263,13 +267,13 @@ class Mapper:
         ``[num_blocks, block_size, width]``; rows counted as ``block * block_size + offset``), in
         chunks of ``chunk_rows``. Returns the seconds it took (the copies done, synchronized) and
         whether the holder was seen running before and after it (False: this process cannot see it;
-        :class:`MappedError` when it is seen gone)."""
+        :class:`HolderGone` when it is seen gone)."""
         seen = holder_lived(region)
         if seen is False:
-            raise MappedError(f"the holder (pid {region.process[0]}) is gone")
+            raise HolderGone(f"the holder (pid {region.process[0]}) is gone")
         seconds = self._copy(region, layers, src, dst)
         if seen and not holder_lived(region):
-            raise MappedError(f"the holder (pid {region.process[0]}) exited during the copy")
+            raise HolderGone(f"the holder (pid {region.process[0]}) exited during the copy")
         return seconds, bool(seen)
 
     def _copy(self, region: MappedRegion, layers: list[torch.Tensor], src: np.ndarray, dst: np.ndarray) -> float:
@@ -296,9 +300,10 @@ class Mapper:
                 temporary = (rows.stop - rows.start) * width * itemsize  # one piece at a time (stream-ordered reuse)
                 self._count(temporary)
                 try:
+                    src_rows, dst_rows = src_index[rows], dst_index[rows]
                     for layer in range(len(layers)):
-                        piece = source[layer].index_select(0, src_index[rows])
-                        flats[layer].index_copy_(0, dst_index[rows], piece.to(device, non_blocking=True))
+                        piece = source[layer].index_select(0, src_rows)
+                        flats[layer].index_copy_(0, dst_rows, piece.to(device, non_blocking=True))
                     if cuda:
                         stream.synchronize()
                 finally:

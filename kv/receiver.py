@@ -51,14 +51,15 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 import torch
 
 from kv.frames import DTYPES, KVTransferError, expect, read_frame, read_head, read_payload_into, send_frame, try_send
-from kv.mapped import MappedError, MappedRegion, Mapper, host_identity, reachable_devices
+from kv.laps import Laps
+from kv.mapped import HolderGone, MappedError, MappedRegion, Mapper, host_identity, reachable_devices
 from kv.nixl import NixlEndpoint, NixlError, Region, descriptors, nixl_unavailable, runs
 
 TRANSPORTS = ("auto", "mapped", "nixl", "tcp")
@@ -76,8 +77,13 @@ class ReceivedKV:
     transport: str
     transfer_s: float  # from the first byte asked of a holder to the last one in the destination
     bytes: int  # KV bytes moved into the destination
-    runs: int = 0  # runs of rows consecutive on both sides, per layer (all holders): how scattered the blocks were
+    placed: list[HolderRows] = field(default_factory=list, repr=False)  # where each holder's rows went
     steps_s: dict[str, float] | None = None  # connect, begin (hello to begin: the prefill's wait), place, transfer, done (ack to done)
+
+    @property
+    def runs(self) -> int:
+        """Runs of rows consecutive on both sides, per layer, over all holders: how scattered the blocks were."""
+        return sum(len(runs(part.src, part.dst)[0]) for part in self.placed)
 
     @property
     def tokens(self) -> int:
@@ -201,7 +207,7 @@ class KVReceiver:
         freeing nothing, KV prefilled for another prompt. ``on_begin(meta)`` is called once the
         server committed, before any data moves. The prefill side frees the KV once this returns."""
         layers = _check_destination(into, block_ids, start)
-        clock = _Steps()
+        clock = Laps()
         try:
             sock = socket.create_connection(self.address, timeout=self.timeout_s)
         except OSError as exc:
@@ -240,8 +246,7 @@ class KVReceiver:
                 raise KVTransferError(f"the KV server did not confirm the ack ({exc}): the KV may have been freed under the transfer") from None
             clock.lap("done")
             cache = into if into is not None else new
-            scatter = sum(len(runs(part.src, part.dst)[0]) for part in placed)
-            return ReceivedKV(meta, cache, table, block_size, start, meta["transport"], seconds, moved, scatter, clock.steps)
+            return ReceivedKV(meta, cache, table, block_size, start, meta["transport"], seconds, moved, placed, clock.phases)
 
     # ---- the control connection -------------------------------------------------------------------
     def _hello(self, request_id: str, layers: list[torch.Tensor] | None, block_ids, digest: str | None) -> dict:
@@ -314,23 +319,19 @@ class KVReceiver:
         then: a container without the host's ``/dev/shm`` or IPC namespace, say)."""
         if self._mapper is None:
             self._mapper = Mapper()
-        seconds, regions, seen = 0.0, [], True
-        try:
-            for rank, (shard, part) in enumerate(zip(meta["shards"], placed)):
+        seconds, seen, regions = 0.0, True, []
+        for rank, (shard, part) in enumerate(zip(meta["shards"], placed)):
+            try:
                 regions.append(MappedRegion.from_dict(shard.get("mapped") or {}))
-                try:
-                    took, lived = self._mapper.copy(regions[-1], layers, part.src, part.dst)
-                except MappedError as exc:
-                    raise MappedError(f"holder {rank}: {exc}") from None
-                seconds, seen = seconds + took, seen and lived
-        except MappedError as exc:
-            for region in regions:
-                self._mapper.forget(region)
-            if "is gone" in str(exc) or "exited" in str(exc):
-                raise KVTransferError(str(exc)) from None
-            if len(self.transports) > 1:
-                self.transports = [t for t in self.transports if t != "mapped"]
-            raise KVTransferError(f"{exc} (this receiver takes this server's KV over {self.transports} from now on)") from None
+                took, lived = self._mapper.copy(regions[-1], layers, part.src, part.dst)
+            except MappedError as exc:
+                for region in regions:
+                    self._mapper.forget(region)
+                if not isinstance(exc, HolderGone) and len(self.transports) > 1:  # this process cannot map it
+                    self.transports = [t for t in self.transports if t != "mapped"]
+                    exc = MappedError(f"{exc} (this receiver takes this server's KV over {self.transports} from now on)")
+                raise KVTransferError(f"holder {rank}: {exc}") from None
+            seconds, seen = seconds + took, seen and lived
         return seconds, seen
 
     def _read_nixl(self, meta: dict, layers: list[torch.Tensor], placed: list[HolderRows], row_bytes: int, keep_registered: bool) -> float:
@@ -461,18 +462,6 @@ class _Staging:
         for event in self.copied:
             if event is not None:
                 event.synchronize()
-
-
-class _Steps:
-    """Seconds of a fetch's steps, each from the end of the one before."""
-
-    def __init__(self) -> None:
-        self.steps: dict[str, float] = {}
-        self._last = time.perf_counter()
-
-    def lap(self, name: str) -> None:
-        now = time.perf_counter()
-        self.steps[name], self._last = now - self._last, now
 
 
 def _bytes(tensor: torch.Tensor) -> memoryview:

@@ -287,19 +287,14 @@ class _LoadWorker:
         self.pool.submit(self._load, load)
 
     def _load(self, load: Load) -> None:
-        ticket = load.ticket
+        ticket, kv, failed = load.ticket, None, set()
         try:
             receiver = self._receiver(ticket.host, ticket.port)
             began: list[float] = []  # when the KV server said go: the prefill is done (a ticket issued ahead waits for it)
             started = time.time()
             kv = receiver.fetch(ticket.request_id, into=self.layers, block_ids=load.block_ids, start=load.start,
                                 prompt_digest=ticket.prompt_digest, on_begin=lambda _: began.append(time.perf_counter()))  # fmt: skip
-            steps = {name: round(seconds, 5) for name, seconds in (kv.steps_s or {}).items()}
-            steps.update(queued_at=round(load.queued_at, 6), started_at=round(started, 6), done_at=round(time.time(), 6))
-            logger.info("request %s: %d tokens loaded over %s in %.5f s (%.5f s from the KV server's go-ahead to the ack); "
-                        "%d runs of rows per layer; mlapool request %s; steps %s", load.request_id, kv.tokens - load.start, kv.transport,
-                        kv.transfer_s, time.perf_counter() - began[0], kv.runs, ticket.request_id, json.dumps(steps))  # fmt: skip
-            failed: set[int] = set()
+            done_at, after_begin = time.time(), time.perf_counter() - began[0]
         except Exception as exc:  # noqa: BLE001 -- any failure becomes vLLM's load error: it recomputes
             logger.warning("request %s: KV load of mlapool request %r failed, vLLM recomputes it: %s", load.request_id, ticket.request_id, exc)
             failed = set(load.block_ids[load.start // self.block_size : -(-ticket.tokens // self.block_size)])
@@ -307,6 +302,12 @@ class _LoadWorker:
             self.done.add(load.request_id)
             if failed:
                 self.errors[load.request_id] = failed
+        if kv is not None:  # said once vLLM can take the request: the line is off its path
+            steps = {name: round(seconds, 5) for name, seconds in (kv.steps_s or {}).items()}
+            steps.update(queued_at=round(load.queued_at, 6), started_at=round(started, 6), done_at=round(done_at, 6))
+            logger.info("request %s: %d tokens loaded over %s in %.5f s (%.5f s from the KV server's go-ahead to the ack); "
+                        "%d runs of rows per layer; mlapool request %s; steps %s", load.request_id, kv.tokens - load.start, kv.transport,
+                        kv.transfer_s, after_begin, kv.runs, ticket.request_id, json.dumps(steps))  # fmt: skip
 
     def _receiver(self, host: str, port: int) -> KVReceiver:
         if (host, port) not in self.receivers:

@@ -48,6 +48,7 @@ from attention.backends.torch_sdpa import TorchSDPAPrefillBackend
 from attention.mla import plan_prefill_batch
 from configs.model import ModelConfig
 from configs.pool import PoolConfig
+from kv.laps import Laps
 from kv.mapped import host_identity
 from workers.collectives import expert_parallel_group, grid_groups
 from workers.fp8 import fp8_gemm_supported
@@ -201,7 +202,7 @@ class PrefillWorker(KVHolder):
         """Join the process group, build this rank's shard, load (or draw) its weights, size the
         paged KV cache and run the warm-up prefill (kernel JIT happens here, not in a request).
         ``WorkerInfo.start_phases_s`` says how long each step took."""
-        config, laps = self.config, _Laps()
+        config, laps = self.config, Laps(digits=3)
         model_config = config.model_config()
         index = self._device_index if self._device_index is not None else (self.rank if config.worker_gpus < 1 else None)
         device = resolve_device(config.device, index)
@@ -494,16 +495,3 @@ class _PackedContext(Sequence):
     def __getitem__(self, layer: int) -> torch.Tensor:
         views = [self.kv.rows(request_id, layer, n) for request_id, n in self.parts]
         return views[0] if len(views) == 1 else torch.cat(views)
-
-
-class _Laps:
-    """Seconds between successive ``lap(name)`` calls."""
-
-    def __init__(self) -> None:
-        self.phases: dict[str, float] = {}
-        self._last = time.perf_counter()
-
-    def lap(self, name: str) -> None:
-        now = time.perf_counter()
-        self.phases[name] = round(now - self._last, 3)
-        self._last = now
