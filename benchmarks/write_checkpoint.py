@@ -31,11 +31,13 @@ from workers.model import DeepseekPrefillModel
 from workers.weights import SCALE, RandomWeights, load_plan
 
 # ``--kv-shaped``: the model's layers and MLA widths (kv_lora_rank + qk_rope_head_dim: its KV per token),
-# everything else small, so that a pool and a vLLM server both load DeepSeek-V3's 61 layers on one GPU
+# everything else small, so that a pool and a vLLM server both load DeepSeek-V3's 61 layers on one GPU. Its
+# weights are bf16 (no quantization_config): FP8 linears 1,024 wide measure nothing about moving KV, and
+# vLLM's DeepGEMM compiles a kernel for each new batch shape it meets (minutes of a run, in eager mode).
 KV_SHAPED = {
     "hidden_size": 1024, "intermediate_size": 2048, "moe_intermediate_size": 256, "num_attention_heads": 16,
     "num_key_value_heads": 16, "q_lora_rank": 512, "n_routed_experts": 16, "num_experts_per_tok": 4, "n_group": 4,
-    "topk_group": 2,
+    "topk_group": 2, "quantization_config": None,
 }  # fmt: skip
 
 
@@ -82,7 +84,7 @@ def write_checkpoint(
     (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=1) + "\n")
     builtin, given = MODELS_DIR / f"{model}.json", Path(model)
     config_file = builtin if builtin.is_file() else given / "config.json" if given.is_dir() else given
-    config = {**json.loads(config_file.read_text()), **overrides}
+    config = {key: value for key, value in {**json.loads(config_file.read_text()), **overrides}.items() if value is not None}
     (out / "config.json").write_text(json.dumps(config, indent=1) + "\n")
     write_tokenizer(out, config)
     return {"files": len(files), "tensors": len(weight_map), "bytes": total, "seconds": round(time.perf_counter() - started, 1)}
@@ -113,7 +115,7 @@ def main() -> None:
                         help="of the unquantized tensors: that of the workers that draw the same weights")
     parser.add_argument("--file-gib", type=float, default=4.0, help="the largest file, GiB")
     parser.add_argument("--kv-shaped", action="store_true",
-                        help="the model's layers and MLA widths (its KV per token), everything else small (KV_SHAPED): the KV load benchmarks' checkpoint")  # fmt: skip
+                        help="the model's layers and MLA widths (its KV per token), everything else small and bf16 (KV_SHAPED): the KV load benchmarks' checkpoint")  # fmt: skip
     args = parser.parse_args()
     if args.file_gib <= 0:
         parser.error(f"--file-gib must be > 0, got {args.file_gib}")
