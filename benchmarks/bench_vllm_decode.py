@@ -71,9 +71,11 @@ def start_vllm(args, checkpoint: Path, dtype: str, max_len: int, log: Path) -> t
     transfer = {"kv_connector": "MlapoolConnector", "kv_connector_module_path": "kv.vllm_connector", "kv_role": "kv_consumer",
                 "kv_load_failure_policy": "recompute", "kv_connector_extra_config": {"timeout_s": 120, "transport": args.transport}}  # fmt: skip
     command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(checkpoint), "--port", str(port),
-               "--served-model-name", MODEL, "--dtype", dtype, "--max-model-len", str(max_len), "--enforce-eager",
+               "--served-model-name", MODEL, "--dtype", dtype, "--max-model-len", str(max_len),
                "--no-enable-prefix-caching", "--seed", "0", "--kv-transfer-config", json.dumps(transfer),
                "--max-num-batched-tokens", str(max(max_len, 8192))]  # fmt: skip
+    if args.device == "cpu" or args.vllm_eager:
+        command.append("--enforce-eager")
     if args.device == "cpu":
         command += ["--attention-backend", "CPU_MLA", "--gpu-memory-utilization", "0.25", "--kv-cache-memory-bytes", str(1 << 30)]
     else:
@@ -234,29 +236,22 @@ def _parity_summary(rows: list[dict]) -> dict:
 
 def scatter(args, alone: str, tier: str, vocab: int) -> dict:
     """Leave both caches as a server that has run a while leaves them: ``--scatter`` requests of 64 to
-    4,096 tokens (at most what vLLM takes) and 1 to 32 output tokens through vLLM alone, 8 at a time (its free list then hands
-    out blocks freed in other orders), and as many prefills of 64 to 2,048 tokens through the tier
-    with their KV kept, then taken by a receiver in a shuffled order (the pool's freed blocks join its
-    prefix cache's LRU in that order, and once its free blocks are used up new requests get them)."""
-    from kv.receiver import KVReceiver
-
+    4,096 tokens (at most what vLLM takes) and 1 to 32 output tokens through vLLM alone, then as many
+    (64 to 2,048 tokens) through the tier's endpoint, 8 at a time each: vLLM's free list then hands out
+    blocks freed in other orders, and the pool's blocks, freed as vLLM takes their KV in whatever order
+    the requests finish, join its prefix cache's LRU in that order."""
     rng = np.random.default_rng(args.seed + 2)
     longest = min(4096, args.max_len - 33)  # what vLLM takes
-    bodies = [{"model": MODEL, "prompt": rng.integers(0, vocab, size=int(rng.integers(min(64, longest), longest + 1))).tolist(), "max_tokens": int(rng.integers(1, 33)),
-               "temperature": 0.0, "ignore_eos": True} for _ in range(args.scatter)]  # fmt: skip
-    with ThreadPoolExecutor(8) as pool:
-        failed = sum("error" in done for done in pool.map(lambda body: complete(alone, body), bodies))
-    tickets = []
-    for _ in range(args.scatter):
-        prompt = rng.integers(0, vocab, size=int(rng.integers(64, 2049))).tolist()
-        request = urllib.request.Request(tier + "/prefill", data=json.dumps({"token_ids": prompt, "handoff": True, "return_logits": False}).encode(),
-                                         headers={"content-type": "application/json"}, method="POST")  # fmt: skip
-        with urllib.request.urlopen(request, timeout=300) as response:
-            tickets.append(json.loads(response.read())["ticket"])
-    for i in rng.permutation(len(tickets)):
-        ticket = tickets[i]
-        KVReceiver(ticket["host"], ticket["port"], model_fingerprint=ticket["model_fingerprint"]).fetch(ticket["request_id"])
-    return {"requests": args.scatter, "vllm_failed": failed, "tier_prefills_taken": len(tickets)}
+
+    def bodies(shortest: int, longest: int) -> list[dict]:
+        return [{"model": MODEL, "prompt": rng.integers(0, vocab, size=int(rng.integers(shortest, longest + 1))).tolist(),
+                 "max_tokens": int(rng.integers(1, 33)), "temperature": 0.0, "ignore_eos": True} for _ in range(args.scatter)]  # fmt: skip
+
+    failed = {}
+    for side, url, requests in (("vllm", alone, bodies(min(64, longest), longest)), ("tier", tier, bodies(64, min(2048, longest)))):
+        with ThreadPoolExecutor(8) as pool:
+            failed[side] = sum("error" in done for done in pool.map(lambda body: complete(url, body), requests))
+    return {"requests_each": args.scatter, "vllm_failed": failed["vllm"], "tier_failed": failed["tier"]}
 
 
 def run_speed(args, checkpoint: Path, alone: str, tier: str, vllm_log: Path, save) -> dict:
@@ -312,6 +307,8 @@ LOAD_LINE = re.compile(r"(\d+) tokens loaded over (\w+) in ([\d.]+) s \(([\d.]+)
 TICKET_LINE = re.compile(r"request (\S+): the ticket of mlapool request (\S+) accepted at ([\d.]+)")
 STEPS_LINE = re.compile(r"request (\S+): \d+ tokens loaded over .*?(\d+) runs of rows per layer; mlapool request (\S+); steps (\{.*\})")
 REPORTED_LINE = re.compile(r"loads of requests \[(.*?)\] reported to vLLM at ([\d.]+)")
+SCHEDULED_LINE = re.compile(r"requests \[(.*?)\]: first scheduled after their loads at ([\d.]+)")
+FIRST_STEP_LINE = re.compile(r"requests \[(.*?)\]: first step after their loads from ([\d.]+), forward launched by ([\d.]+)")
 
 
 def loads_in_log(text: str, layers: int, width: int) -> list[dict]:
@@ -337,10 +334,14 @@ def handoff_steps(completions: list[dict], timeline: dict, log: str) -> dict[str
     times of one host, matched by the tier's request id (the completion's id less ``cmpl-``)."""
     tickets = {m[2]: (m[1], float(m[3])) for m in TICKET_LINE.finditer(log)}  # mlapool id -> (vLLM id, accepted at)
     loads = {m[3]: (m[1], int(m[2]), json.loads(m[4])) for m in STEPS_LINE.finditer(log)}
-    reported: dict[str, float] = {}
-    for m in REPORTED_LINE.finditer(log):
-        for vllm_id in re.findall(r"'([^']+)'", m[1]):
-            reported.setdefault(vllm_id, float(m[2]))
+    def first_times(pattern: re.Pattern) -> dict[str, tuple[float, ...]]:  # vLLM request id -> the line's times
+        times: dict[str, tuple[float, ...]] = {}
+        for m in pattern.finditer(log):
+            for vllm_id in re.findall(r"'([^']+)'", m[1]):
+                times.setdefault(vllm_id, tuple(float(t) for t in m.groups()[1:]))
+        return times
+
+    reported, scheduled, stepped = first_times(REPORTED_LINE), first_times(SCHEDULED_LINE), first_times(FIRST_STEP_LINE)
     out: dict[str, list[float]] = {}
 
     def add(name: str, value: float) -> None:
@@ -361,8 +362,15 @@ def handoff_steps(completions: list[dict], timeline: dict, log: str) -> dict[str
         add("load_queued_to_started", steps["started_at"] - steps["queued_at"])
         for step in ("connect", "begin", "place", "transfer", "done"):
             add(f"load_{step}", steps.get(step, 0.0))
-        add("load_done_to_reported_to_vllm", reported[load[0]] - steps["done_at"])
-        add("reported_to_second_token_at_client", second - reported[load[0]])
+        vllm_id, told = load[0], reported[load[0]][0]
+        add("load_done_to_reported_to_vllm", told - steps["done_at"])
+        add("reported_to_second_token_at_client", second - told)
+        if vllm_id in scheduled and vllm_id in stepped:  # vLLM's step that computes the first token's row
+            began, launched = stepped[vllm_id]
+            add("reported_to_scheduled", scheduled[vllm_id][0] - told)
+            add("scheduled_to_step_began", began - scheduled[vllm_id][0])
+            add("step_began_to_forward_launched", launched - began)
+            add("forward_launched_to_second_token_at_client", second - launched)
         add("first_token_at_client_to_second", second - first)
         add("runs_per_layer", load[1])
     return out
@@ -382,6 +390,8 @@ def main() -> None:
     parser.add_argument("--out", type=Path, required=True, help="the results JSON")
     parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
     parser.add_argument("--vllm-pythonpath", default=os.environ.get("VLLM_PYTHONPATH"), help="vLLM's site, put first on the vLLM server's path")
+    parser.add_argument("--vllm-eager", action="store_true",
+                        help="vLLM with --enforce-eager (no torch.compile, no CUDA graphs: starts in a minute less); by default as vLLM deploys, compiled with CUDA graphs")  # fmt: skip
     parser.add_argument("--vllm-memory", type=float, default=0.4, help="vLLM's --gpu-memory-utilization (default 0.4)")
     parser.add_argument("--pool-memory", type=float, default=0.9, help="the pool's gpu_memory_utilization: the share of the GPU in use once it is up, vLLM's included (default 0.9)")
     parser.add_argument("--kv-cache-tokens", type=int, default=1 << 18, help="the pool's KV cache per worker (default 262144)")
@@ -433,7 +443,8 @@ def main() -> None:
         "date": datetime.date.today().isoformat(), "machine": machine(),
         "command": " ".join(sys.argv), "checkpoint": str(checkpoint), "weights": args.weights if args.mode == "parity" else None,
         "moe_rounding": args.moe_rounding,
-        "vllm_version": _vllm_version(args), "max_tokens": args.max_tokens, "complete": False, "results": {},
+        "vllm_version": _vllm_version(args), "vllm_mode": "eager" if args.device == "cpu" or args.vllm_eager else "compiled, CUDA graphs",
+        "max_tokens": args.max_tokens, "complete": False, "results": {},
     }  # fmt: skip
     args.out.parent.mkdir(parents=True, exist_ok=True)
 

@@ -9,7 +9,11 @@
 # /tmp/v3-5layers, written first when missing: prompts of $LENGTHS, TTFT and the second token both ways, the
 # steps between them, both caches scattered first by $SCATTER requests), speed-kv (the same on DeepSeek-V3's 61
 # layers at its MLA widths, everything else small: write_checkpoint.py --kv-shaped, in /tmp/v3-kv-shaped),
-# kv-load (benchmarks/bench_kv_load.py: the mapped transport against NIXL READs, no vLLM).
+# kv-load (benchmarks/bench_kv_load.py: the mapped transport against NIXL READs, no vLLM), truth (benchmarks/
+# bench_vllm_truth.py: vLLM alone and the tier + vLLM against float32, tokens and KV rows; CHECKPOINTS picks the
+# seeds, default all three). vLLM runs as it deploys
+# (compiled, CUDA graphs); VLLM_EAGER=1 gives it --enforce-eager. speed needs an H200: the slice's 26.5 GiB of
+# weights twice, and vLLM's 32K prefill, do not fit an H100 (vLLM held 57 GiB there at VLLM_MEMORY=0.45).
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 export PYTHONPATH=/tmp/gpu-site:$PWD VLLM_PYTHONPATH=/tmp/vllm-site
@@ -30,11 +34,12 @@ for step in "$@"; do
     speed) ckpt=${CKPT:-/tmp/v3-5layers}
            [ -f "$ckpt/model.safetensors.index.json" ] || python3 benchmarks/write_checkpoint.py --model deepseek-v3 --num-layers 5 --out "$ckpt" | tail -1
            python3 benchmarks/bench_vllm_decode.py speed --checkpoint "$ckpt" --lengths ${LENGTHS:-32768x16 8192x16 4096x32 2048x32 512x32} \
-             --scatter ${SCATTER:-200} --kv-cache-tokens 131072 --vllm-kv-cache-gib 2 --vllm-memory ${VLLM_MEMORY:-0.4} --out "$out/vllm-decode-speed.json" ;;
+             --scatter ${SCATTER:-200} --kv-cache-tokens 131072 --vllm-kv-cache-gib 2 --vllm-memory ${VLLM_MEMORY:-0.4} ${VLLM_EAGER:+--vllm-eager} --out "$out/vllm-decode-speed.json" ;;
     speed-kv) ckpt=/tmp/v3-kv-shaped
            [ -f "$ckpt/model.safetensors.index.json" ] || python3 benchmarks/write_checkpoint.py --model deepseek-v3 --kv-shaped --out "$ckpt" | tail -1
            python3 benchmarks/bench_vllm_decode.py speed --checkpoint "$ckpt" --lengths ${LENGTHS_KV:-32768x8 4096x8} \
-             --scatter ${SCATTER:-200} --kv-cache-tokens 131072 --vllm-kv-cache-gib 8 --vllm-memory ${VLLM_MEMORY:-0.4} --out "$out/vllm-decode-speed-kv-shaped.json" ;;
+             --scatter ${SCATTER:-200} --kv-cache-tokens 131072 --vllm-kv-cache-gib 8 --vllm-memory ${VLLM_MEMORY:-0.4} ${VLLM_EAGER:+--vllm-eager} --out "$out/vllm-decode-speed-kv-shaped.json" ;;
+    truth) python3 benchmarks/bench_vllm_truth.py --checkpoints ${CHECKPOINTS:-1 2:one-scale 3:one-scale} --out "$out/vllm-decode-truth.json" ;;
     kv-load) python3 benchmarks/bench_kv_load.py --layers 61 5 --tokens 32768 4096 --chunk-rows 16384 65536 --out "$out/kv-load.json" ;;
     *) echo "unknown step $step"; exit 2 ;;
   esac

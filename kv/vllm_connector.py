@@ -139,6 +139,7 @@ class Load:
 @dataclass
 class MlapoolConnectorMetadata(KVConnectorMetadata):
     loads: list[Load] = field(default_factory=list)
+    first_steps: list[str] = field(default_factory=list)  # loaded requests this step runs for the first time
 
 
 class MlapoolConnector(KVConnectorBase_V1):
@@ -163,6 +164,7 @@ class MlapoolConnector(KVConnectorBase_V1):
             self._pending: dict[str, Load] = {}
             self._consumed: set[str] = set()  # vLLM requests whose ticket was used (or refused): never again
             self._checked: dict[str, Ticket] = {}  # tickets that passed their checks, until used
+            self._loading: set[str] = set()  # loads asked of the workers, until their request's first step
             if getattr(transfer, "kv_load_failure_policy", "fail") != "recompute":
                 logger.warning("MlapoolConnector: a failed KV load fails its request; set kv_load_failure_policy 'recompute' to have vLLM prefill it instead")
         else:
@@ -183,17 +185,26 @@ class MlapoolConnector(KVConnectorBase_V1):
         block_ids = list(blocks.get_block_ids()[0])
         self._pending[request.request_id] = Load(request.request_id, ticket, block_ids, ticket.tokens - num_external_tokens)
         self._consumed.add(request.request_id)
+        self._loading.add(request.request_id)
         self._checked.pop(request.request_id, None)
 
     def build_connector_meta(self, scheduler_output) -> MlapoolConnectorMetadata:
         meta = MlapoolConnectorMetadata(list(self._pending.values()))
         self._pending.clear()
+        if self._loading:  # the step that first runs a loaded request: the second token's step, timed by the worker
+            scheduled = [new.req_id for new in scheduler_output.scheduled_new_reqs]
+            scheduled += list(getattr(scheduler_output.scheduled_cached_reqs, "req_ids", ()))
+            meta.first_steps = [request_id for request_id in scheduled if request_id in self._loading]
+            if meta.first_steps:
+                self._loading.difference_update(meta.first_steps)
+                logger.info("requests %s: first scheduled after their loads at %.6f", meta.first_steps, time.time())
         return meta
 
     def request_finished(self, request, block_ids) -> tuple[bool, dict[str, Any] | None]:
         self._consumed.discard(request.request_id)
         self._checked.pop(request.request_id, None)
         self._pending.pop(request.request_id, None)
+        self._loading.discard(request.request_id)
         return False, None
 
     def _ticket(self, request) -> Ticket | None:
@@ -222,8 +233,11 @@ class MlapoolConnector(KVConnectorBase_V1):
         self.worker.register(kv_caches)
 
     def start_load_kv(self, forward_context, **kwargs: Any) -> None:
-        for load in self._get_connector_metadata().loads:
+        meta = self._get_connector_metadata()
+        for load in meta.loads:
             self.worker.start(load)
+        if meta.first_steps:
+            self.worker.first_step = (meta.first_steps, time.time())
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return  # loads are asynchronous: a request runs only once its load is reported done
@@ -235,6 +249,9 @@ class MlapoolConnector(KVConnectorBase_V1):
         return
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        if self.worker.first_step:  # vLLM asks once the step's forward is launched (its kernels may still run)
+            (request_ids, began), self.worker.first_step = self.worker.first_step, None
+            logger.info("requests %s: first step after their loads from %.6f, forward launched by %.6f", request_ids, began, time.time())
         return None, self.worker.finished() or None
 
     def get_block_ids_with_load_errors(self) -> set[int]:
@@ -267,6 +284,7 @@ class _LoadWorker:
         self.done: set[str] = set()
         self.errors: dict[str, set[int]] = {}
         self.to_report: set[int] = set()
+        self.first_step: tuple[list[str], float] | None = None  # the loaded requests the step in progress runs first
 
     def register(self, kv_caches: dict[str, torch.Tensor]) -> None:
         """vLLM's caches in layer order, each seen as ``[num_blocks, block_size, width]`` (vLLM's CPU

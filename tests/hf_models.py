@@ -123,7 +123,7 @@ CHAT_TEMPLATE = (  # roles as words of the vocabulary: w500 system, w501 user, w
 )
 
 
-def write_vllm_checkpoint(path, *, seed=0, dtype=torch.float32, fp8=False, max_positions=4096):
+def write_vllm_checkpoint(path, *, seed=0, dtype=torch.float32, fp8=False, max_positions=4096, one_scale=False):
     """A DeepSeek-V3-architecture MoE checkpoint that vLLM runs: DeepSeek's MLA widths (kv_lora_rank 512,
     rope 64, qk_nope 128, v 128; vLLM's MLA refuses others), everything else tiny and a multiple of 128
     (hidden 256, 4 heads, q LoRA 128, 3 layers: 1 dense + 2 MoE of 16 routed experts of 128, top-4 in 2
@@ -131,7 +131,8 @@ def write_vllm_checkpoint(path, *, seed=0, dtype=torch.float32, fp8=False, max_p
     the 512 ids ("w0" ... "w507" and 4 special tokens) and a chat template. ``config.json`` carries
     ``topk_method`` and ``scoring_func``, which transformers does not write and vLLM needs for the
     bias. YaRN stretches ``max_positions // 4`` to ``max_positions``. ``fp8``: the linear layers in DeepSeek's FP8 format (:func:`save_fp8`; the dequantized
-    weights beside it, in ``<path>-dequantized``)."""
+    weights beside it, in ``<path>-dequantized``). ``one_scale``: ``lm_head`` and the routing bias drawn at the
+    scale of every other weight, not widened (near-ties in the logits and the routing, as users meet them)."""
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
@@ -150,10 +151,11 @@ def write_vllm_checkpoint(path, *, seed=0, dtype=torch.float32, fp8=False, max_p
     with torch.no_grad():
         for param in model.parameters():
             param.normal_(0, 0.05)
-        model.lm_head.weight.normal_(0, 0.3)  # logits spread as a trained model's: greedy choices are rarely near-ties
+        if not one_scale:
+            model.lm_head.weight.normal_(0, 0.3)  # logits spread as a trained model's: greedy choices are rarely near-ties
         for name, buffer in model.named_buffers():
             if name.endswith("e_score_correction_bias"):
-                buffer.normal_(0, 0.5)
+                buffer.normal_(0, 0.05 if one_scale else 0.5)
     if fp8:
         model = save_fp8(model, path, Path(str(path) + "-dequantized"))
     else:

