@@ -308,7 +308,7 @@ TICKET_LINE = re.compile(r"request (\S+): the ticket of mlapool request (\S+) ac
 STEPS_LINE = re.compile(r"request (\S+): \d+ tokens loaded over .*?(\d+) runs of rows per layer; mlapool request (\S+); steps (\{.*\})")
 REPORTED_LINE = re.compile(r"loads of requests \[(.*?)\] reported to vLLM at ([\d.]+)")
 SCHEDULED_LINE = re.compile(r"requests \[(.*?)\]: first scheduled after their loads at ([\d.]+)")
-FIRST_STEP_LINE = re.compile(r"requests \[(.*?)\]: first step after their loads from ([\d.]+), forward launched by ([\d.]+)")
+FIRST_STEP_LINE = re.compile(r"requests \[(.*?)\]: the first step after their loads launched its forward by ([\d.]+)")
 
 
 def loads_in_log(text: str, layers: int, width: int) -> list[dict]:
@@ -356,6 +356,11 @@ def handoff_steps(completions: list[dict], timeline: dict, log: str) -> dict[str
         steps = load[2]
         add("client_ttft", first - sent)
         add("pool_ttft", tier["pool_ttft_s"])
+        if "received" in tier:  # the tier's fixed cost (client_ttft - pool_ttft), step by step
+            add("client_sent_to_tier_received", tier["received"] - sent)
+            add("tier_received_to_prefilled_less_pool_ttft", tier["prefilled"] - tier["received"] - tier["pool_ttft_s"])
+            add("tier_prefilled_to_first_token_sent", tier["first_token_sent"] - tier["prefilled"])
+            add("first_token_sent_to_client", first - tier["first_token_sent"])
         add("tier_prefilled_to_forwarded", tier["forwarded"] - tier["prefilled"])
         add("forwarded_to_vllm_ticket_check", ticket[1] - tier["forwarded"])
         add("ticket_check_to_load_queued", steps["queued_at"] - ticket[1])
@@ -366,11 +371,12 @@ def handoff_steps(completions: list[dict], timeline: dict, log: str) -> dict[str
         add("load_done_to_reported_to_vllm", told - steps["done_at"])
         add("reported_to_second_token_at_client", second - told)
         if vllm_id in scheduled and vllm_id in stepped:  # vLLM's step that computes the first token's row
-            began, launched = stepped[vllm_id]
+            launched = stepped[vllm_id][0]
             add("reported_to_scheduled", scheduled[vllm_id][0] - told)
-            add("scheduled_to_step_began", began - scheduled[vllm_id][0])
-            add("step_began_to_forward_launched", launched - began)
-            add("forward_launched_to_second_token_at_client", second - launched)
+            add("scheduled_to_forward_launched", launched - scheduled[vllm_id][0])
+            if "second_token_sent" in tier:  # vLLM's sampling and answer, then the tier's relay
+                add("forward_launched_to_tier_relayed", tier["second_token_sent"] - launched)
+                add("tier_relayed_to_second_token_at_client", second - tier["second_token_sent"])
         add("first_token_at_client_to_second", second - first)
         add("runs_per_layer", load[1])
     return out

@@ -186,7 +186,7 @@ class Timeline:
         self._steps: OrderedDict[str, dict[str, float]] = OrderedDict()
 
     def mark(self, request_id: str, step: str, value: float | None = None) -> None:
-        """``step`` happened now (or ``value``: a duration the request took, in seconds)."""
+        """``step`` happened now, or ``value``: a Unix time taken before, or a duration in seconds."""
         self._steps.setdefault(request_id, {})[step] = round(time.time() if value is None else value, 6)
         self._steps.move_to_end(request_id)
         while len(self._steps) > self.keep:

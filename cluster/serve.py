@@ -279,6 +279,7 @@ class PrefillServer:
         goes to the decode server with a ticket issued ahead (``KVServer.ticket_ahead``) as soon as the
         prefill is submitted: vLLM takes it in, allocates its blocks and asks for the KV while the pool
         prefills, and computes the first token itself."""
+        received = time.time()
         if not self.decoders.servers:
             raise OpenAIError(503, "this tier has no decode servers (ServeConfig.decode_servers)")
         try:
@@ -291,7 +292,7 @@ class PrefillServer:
         token_ids = self.tokenizer.encode(parsed)
         first = FirstToken.plan(parsed.passthrough, self.generation, self._eos_id()) if self.tokenizer.available else "no tokenizer"
         if isinstance(first, FirstToken):
-            return await self._openai_first_token(parsed, token_ids, first)
+            return await self._openai_first_token(parsed, token_ids, first, received)
         try:
             request_id, future = self._submit(token_ids, None, keep_kv=True)
         except HTTPError as exc:
@@ -301,12 +302,13 @@ class PrefillServer:
         logger.info("decoding", extra={"mlapool_request_id": request_id, "decode_server": upstream.server.url, "first_token": first})
         return await self._answer(upstream, result, parsed)
 
-    async def _openai_first_token(self, parsed: Parsed, token_ids: list[int], first: FirstToken) -> Response:
+    async def _openai_first_token(self, parsed: Parsed, token_ids: list[int], first: FirstToken, received: float) -> Response:
         """Prefill, sample the first token here, and send the rest to a decode server (or end here)."""
         try:
             result = await self._run(token_ids, None, keep_kv=True)
         except HTTPError as exc:
             raise OpenAIError(exc.status, str(exc)) from None
+        self.timeline.mark(result.request_id, "received", received)
         self.timeline.mark(result.request_id, "prefilled")
         self.timeline.mark(result.request_id, "pool_ttft_s", result.ttft_s)  # the pool's part of the TTFT
         try:

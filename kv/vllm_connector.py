@@ -237,7 +237,7 @@ class MlapoolConnector(KVConnectorBase_V1):
         for load in meta.loads:
             self.worker.start(load)
         if meta.first_steps:
-            self.worker.first_step = (meta.first_steps, time.time())
+            self.worker.first_step = meta.first_steps
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return  # loads are asynchronous: a request runs only once its load is reported done
@@ -250,8 +250,8 @@ class MlapoolConnector(KVConnectorBase_V1):
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         if self.worker.first_step:  # vLLM asks once the step's forward is launched (its kernels may still run)
-            (request_ids, began), self.worker.first_step = self.worker.first_step, None
-            logger.info("requests %s: first step after their loads from %.6f, forward launched by %.6f", request_ids, began, time.time())
+            request_ids, self.worker.first_step = self.worker.first_step, None
+            logger.info("requests %s: the first step after their loads launched its forward by %.6f", request_ids, time.time())
         return None, self.worker.finished() or None
 
     def get_block_ids_with_load_errors(self) -> set[int]:
@@ -284,7 +284,7 @@ class _LoadWorker:
         self.done: set[str] = set()
         self.errors: dict[str, set[int]] = {}
         self.to_report: set[int] = set()
-        self.first_step: tuple[list[str], float] | None = None  # the loaded requests the step in progress runs first
+        self.first_step: list[str] | None = None  # the loaded requests the step in progress runs first
 
     def register(self, kv_caches: dict[str, torch.Tensor]) -> None:
         """vLLM's caches in layer order, each seen as ``[num_blocks, block_size, width]`` (vLLM's CPU

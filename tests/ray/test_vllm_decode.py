@@ -212,7 +212,7 @@ def test_the_rows_came_over_the_mapped_transport_with_the_blocks_scattered_on_bo
 @pytest.mark.slow
 def test_the_step_after_each_load_is_timed_in_order(run):
     """Each loaded request's path to its second token, as the speed benchmark reads it from the log:
-    the load reported to vLLM, its request scheduled, its first step begun and its forward launched."""
+    the load reported to vLLM, its request scheduled, and the forward of that step launched."""
     log = run["log"]
 
     def times(pattern: str) -> dict[str, list[float]]:
@@ -224,12 +224,12 @@ def test_the_step_after_each_load_is_timed_in_order(run):
 
     reported = times(r"loads of requests \[(.*?)\] reported to vLLM at ([\d.]+)")
     scheduled = times(r"requests \[(.*?)\]: first scheduled after their loads at ([\d.]+)")
-    stepped = times(r"requests \[(.*?)\]: first step after their loads from ([\d.]+), forward launched by ([\d.]+)")
+    stepped = times(r"requests \[(.*?)\]: the first step after their loads launched its forward by ([\d.]+)")
     loaded = set(re.findall(r"request (\S+): \d+ tokens loaded over", log))
     assert len(loaded) >= len(LENGTHS) + len(BATCH) and loaded <= set(reported)
     for request_id in loaded:
-        (told,), (chosen,), (began, launched) = reported[request_id], scheduled[request_id], stepped[request_id]
-        assert told <= chosen <= began <= launched, (request_id, told, chosen, began, launched)
+        (told,), (chosen,), (launched,) = reported[request_id], scheduled[request_id], stepped[request_id]
+        assert told <= chosen <= launched, (request_id, told, chosen, launched)
 
 
 @pytest.mark.slow
