@@ -250,7 +250,7 @@ def scatter(args, alone: str, tier: str, vocab: int) -> dict:
     failed = {}
     for side, url, requests in (("vllm", alone, bodies(min(64, longest), longest)), ("tier", tier, bodies(64, min(2048, longest)))):
         with ThreadPoolExecutor(8) as pool:
-            failed[side] = sum("error" in done for done in pool.map(lambda body: complete(url, body), requests))
+            failed[side] = sum("error" in done for done in pool.map(complete, [url] * len(requests), requests))
     return {"requests_each": args.scatter, "vllm_failed": failed["vllm"], "tier_failed": failed["tier"]}
 
 
