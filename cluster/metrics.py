@@ -14,6 +14,9 @@ the Prometheus and Grafana set-up of a Ray cluster picks them up as they are:
                                                          (hit rate = rate(hit) / rate(query))
     ray_mlapool_prefix_cache_evictions_total     counter  cached blocks evicted for room
     ray_mlapool_backend_info            gauge      1, tagged with the backend, device and dtype in use
+    ray_mlapool_decode_server_events_total  counter  a decode server ``ejected`` (it failed), ``readmitted``
+                                                     (it answers /health again), or an answer ``resumed`` on
+                                                     it after another broke it off; tagged ``server``
 
 Every series carries the ``pool`` tag (the pool's name: a Serve deployment, a job, ...).
 """
@@ -44,6 +47,8 @@ class PoolMetrics:
         self.prefix_hits = metrics.Counter("mlapool_prefix_cache_hit_tokens", "Prompt tokens taken from the prefix cache", keys)
         self.evictions = metrics.Counter("mlapool_prefix_cache_evictions", "Cached KV blocks evicted for room", keys)
         self.backend = metrics.Gauge("mlapool_backend_info", "The MLA prefill backend in use (value 1)", (*keys, "backend", "device", "dtype"))
+        self.decode_events = metrics.Counter("mlapool_decode_server_events", "Decode servers ejected, readmitted, answers resumed on them",
+                                             (*keys, "event", "server"))  # fmt: skip
         self.window_s = window_s
         self._recent: deque[tuple[float, int]] = deque()
         self._lock = threading.Lock()
@@ -99,6 +104,9 @@ class PoolMetrics:
 
     def evicted(self, blocks: int) -> None:
         self.evictions.inc(blocks, tags=self.tags)
+
+    def decode_event(self, event: str, server: str) -> None:
+        self.decode_events.inc(1, tags={**self.tags, "event": event, "server": server})
 
     def shipped(self, nbytes: int, transport: str) -> None:
         self.kv_bytes.inc(nbytes, tags={**self.tags, "transport": transport})

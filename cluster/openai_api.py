@@ -14,10 +14,13 @@ is vLLM's, which then gets the request (and its ticket, issued ahead) as the pre
 computes the prompt's last token itself over our KV.
 
 The decode server with the fewest requests in flight from this replica is tried first; one that
-cannot be reached, or answers 5xx or 429, is skipped for the next; when none is left the client gets
-503 with each server's reason. Other 4xx answers are vLLM judging the request: passed through. The
-KV is released when the answer ends however it ends (vLLM acknowledges it once loaded; a ticket
-vLLM refused or never used would otherwise wait for ``kv_ttl_s``).
+answers 429 is skipped for the next; one that cannot be reached, answers 5xx or breaks an answer off
+is ejected: no request goes to it until it answers ``/health`` again, probed every
+``probe_interval_s`` in the background. When none is left the client gets 503 with each server's
+reason. Other 4xx answers are vLLM judging the request: passed through. An answer a server breaks off
+goes on on another one (``cluster.decode_answer``). The KV is released when the answer ends however
+it ends (vLLM acknowledges it once loaded; a ticket vLLM refused or never used would otherwise wait
+for ``kv_ttl_s``).
 
 Usage counts as OpenAI's: ``prompt_tokens`` the prompt's length, ``completion_tokens`` the tokens
 generated (the tier's first token included), ``prompt_tokens_details.cached_tokens`` the prompt tokens
@@ -32,16 +35,16 @@ import json
 import time
 import uuid
 from collections import OrderedDict
-from collections.abc import AsyncIterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
 
-from cluster.first_token import shift
 
 COMPLETIONS, CHAT, MODELS = "/v1/completions", "/v1/chat/completions", "/v1/models"
 RETRY_STATUSES = {429, 500, 502, 503, 504}
+EJECT_STATUSES = RETRY_STATUSES - {429}  # a busy server is tried again at once; a failing one once it is healthy
 OWN_KEYS = {"model", "prompt", "messages", "stream", "stream_options", "n", "kv_transfer_params", "echo"}
 
 
@@ -154,6 +157,9 @@ class DecodeServer:
     requests: int = 0
     failures: int = 0
     refused_key: bool = False  # its last answer was 401/403: the tier's configuration, not the server, is wrong
+    ejected: str | None = None  # why it is out of service (None: in service), until it answers /health
+    ejections: int = 0
+    readmissions: int = 0
 
 
 @dataclass
@@ -161,19 +167,57 @@ class DecodeServers:
     """The vLLM decode servers and what this replica has in flight on each."""
 
     servers: list[DecodeServer] = field(default_factory=list)
+    probe_interval_s: float = 1.0
+    on_event: Callable[[str, str], None] | None = None  # (event: ejected, readmitted or resumed; the server's URL)
+    resumptions: int = 0  # answers that went on on another server after theirs broke off
+    _probes: set[asyncio.Task] = field(default_factory=set, repr=False)
 
     @classmethod
-    def of(cls, servers: list[tuple[str, str | None]]) -> DecodeServers:
+    def of(cls, servers: list[tuple[str, str | None]], **kwargs: Any) -> DecodeServers:
         """From (base URL, API key or None) pairs."""
-        return cls([DecodeServer(url.rstrip("/"), key) for url, key in servers])
+        return cls([DecodeServer(url.rstrip("/"), key) for url, key in servers], **kwargs)
 
     def by_load(self) -> list[DecodeServer]:
-        """Least outstanding requests first (ties: the order configured)."""
-        return sorted(self.servers, key=lambda s: s.outstanding)
+        """The servers in service, least outstanding requests first (ties: the order configured)."""
+        return sorted((s for s in self.servers if s.ejected is None), key=lambda s: s.outstanding)
+
+    def eject(self, server: DecodeServer, reason: str) -> None:
+        """Take ``server`` out of service until it answers ``/health`` (probed in the background)."""
+        if server.ejected is not None:
+            return
+        server.ejected, server.ejections = reason, server.ejections + 1
+        self._event("ejected", server)
+        probe = asyncio.get_running_loop().create_task(self._probe(server))
+        self._probes.add(probe)  # held: the loop keeps only weak references to its tasks
+        probe.add_done_callback(self._probes.discard)
+
+    def resumed(self, server: DecodeServer) -> None:
+        self.resumptions += 1
+        self._event("resumed", server)
+
+    async def _probe(self, server: DecodeServer) -> None:
+        headers = {"Authorization": f"Bearer {server.api_key}"} if server.api_key else None
+        timeout = aiohttp.ClientTimeout(total=max(1.0, self.probe_interval_s))
+        async with aiohttp.ClientSession(timeout=timeout) as session:
+            while True:
+                await asyncio.sleep(self.probe_interval_s)
+                try:
+                    async with session.get(server.url + "/health", headers=headers) as response:
+                        if response.status == 200:
+                            break
+                except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
+                    continue
+        server.ejected, server.readmissions = None, server.readmissions + 1
+        self._event("readmitted", server)
+
+    def _event(self, event: str, server: DecodeServer) -> None:
+        if self.on_event is not None:
+            self.on_event(event, server.url)
 
     def report(self) -> list[dict[str, Any]]:
         return [{"url": s.url, "outstanding": s.outstanding, "requests": s.requests, "failures": s.failures,
-                 "refuses_the_tiers_key": s.refused_key} for s in self.servers]  # fmt: skip
+                 "refuses_the_tiers_key": s.refused_key, "ejected": s.ejected, "ejections": s.ejections,
+                 "readmissions": s.readmissions} for s in self.servers]  # fmt: skip
 
 
 class Timeline:
@@ -201,16 +245,22 @@ class Upstream:
 
     def __init__(self, server: DecodeServer, session: aiohttp.ClientSession, response: aiohttp.ClientResponse) -> None:
         self.server, self.session, self.response = server, session, response
+        self.closed = False
 
     async def close(self) -> None:
-        self.response.release()
-        await self.session.close()
+        """Close the connection: a decode server whose answer is not read to its end aborts the request.
+        The server is given back first (a close cancelled while it awaits the session still counts)."""
+        if self.closed:
+            return
+        self.closed = True
         self.server.outstanding -= 1
+        self.response.close()
+        await self.session.close()
 
 
 async def open_upstream(servers: DecodeServers, body: dict[str, Any], timeout_s: float) -> Upstream:
-    """POST ``body`` to ``/v1/completions`` of the least loaded decode server that takes it."""
-    reasons = []
+    """POST ``body`` to ``/v1/completions`` of the least loaded decode server in service that takes it."""
+    reasons = [f"{s.url}: out of service until it answers /health ({s.ejected})" for s in servers.servers if s.ejected is not None]
     for server in servers.by_load():
         server.outstanding += 1
         server.requests += 1
@@ -220,6 +270,7 @@ async def open_upstream(servers: DecodeServers, body: dict[str, Any], timeout_s:
             response = await session.post(server.url + COMPLETIONS, json=body, headers=headers)
         except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
             reasons.append(f"{server.url}: {type(exc).__name__}: {exc}")
+            servers.eject(server, reasons[-1])
         except BaseException:  # cancelled (the prefill failed, the client left): the server is given back
             server.outstanding -= 1
             await session.close()
@@ -233,6 +284,8 @@ async def open_upstream(servers: DecodeServers, body: dict[str, Any], timeout_s:
                                "set decode_api_key or decode_api_keys to the key of its --api-key)")  # fmt: skip
             else:
                 reasons.append(f"{server.url}: HTTP {response.status} {(await response.text())[:200]}")
+                if response.status in EJECT_STATUSES:
+                    servers.eject(server, reasons[-1])
             response.release()
         server.failures += 1
         server.outstanding -= 1
@@ -287,28 +340,3 @@ def sse(chunk: dict[str, Any]) -> bytes:
 
 def client_chunk(chunk: dict[str, Any], chat: bool, model: str, first: bool) -> dict[str, Any]:
     return chat_chunk(chunk, model, first) if chat else {**chunk, "model": model}
-
-
-async def relay_stream(upstream: Upstream, chat: bool, model: str, cached_tokens: int, head: dict[str, Any] | None = None) -> AsyncIterator[bytes]:
-    """vLLM's server-sent events, each rewritten for the client (its model name; chat chunks for a chat;
-    ``cached_tokens`` in the usage chunk). ``head``: the first token's chunk, sampled by the tier
-    (``cluster.first_token``) and already sent: vLLM's chunks, which go on from the second token, get
-    its id and usage counting it."""
-    first = head is None
-    async for raw in upstream.response.content:
-        line = raw.decode().strip()
-        if not line.startswith("data:"):
-            continue
-        data = line[len("data:") :].strip()
-        if data == "[DONE]":
-            yield b"data: [DONE]\n\n"
-            continue
-        chunk = json.loads(data)
-        if "error" in chunk:
-            yield sse(chunk)
-            continue
-        if head is not None:
-            chunk = shift(chunk, head["id"])
-        chunk = client_chunk(with_cached_tokens(chunk, cached_tokens), chat, model, first)
-        first = first and not chunk.get("choices")
-        yield sse(chunk)

@@ -59,12 +59,13 @@ from ray.util import get_current_placement_group
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
+from cluster.decode_answer import DecodeAnswer
 from cluster.kv_server import KVServer
 from cluster.metrics import PoolMetrics
 from cluster.first_token import FirstToken, first_chunk, generation_defaults, shift, token_text, usage
 from cluster.openai_api import (
     CHAT, COMPLETIONS, MODELS, DecodeServers, OpenAIError, Parsed, Tokenizer, Upstream, chat_answer, client_chunk, open_upstream, parse_request,
-    Timeline, model_card, relay_stream, sse, with_cached_tokens,
+    Timeline, model_card, sse, with_cached_tokens,
 )  # fmt: skip
 from cluster.pool import PrefillPool
 from cluster.results import PromptTooLong
@@ -123,14 +124,16 @@ class PrefillServer:
 
     def __init__(self, config: ServeConfig) -> None:
         self.config = config
-        self.pool = PrefillPool(config.pool, placement_group=get_current_placement_group(), bundle_offset=1, metrics=PoolMetrics(config.name))
+        self.metrics = PoolMetrics(config.name)
+        self.pool = PrefillPool(config.pool, placement_group=get_current_placement_group(), bundle_offset=1, metrics=self.metrics)
         self.pool.start()
         token = config.kv_token.reveal() if config.kv_token is not None else None
         self.kv = KVServer(self.pool, host=config.kv_host, port=config.kv_port, token=token, unclaimed_ttl_s=config.kv_ttl_s)
         self.api_keys = [key.reveal() for key in config.api_keys]  # ValueError names a variable or file that lacks one
         self.ticket_host = ray.util.get_node_ip_address() if config.kv_host in ("0.0.0.0", "::") else self.kv.host
         self.fingerprint = self.pool.model_config.fingerprint()
-        self.decoders = DecodeServers.of([(url, key.reveal() if (key := config.decode_key(url)) else None) for url in config.decode_servers])
+        self.decoders = DecodeServers.of([(url, key.reveal() if (key := config.decode_key(url)) else None) for url in config.decode_servers],
+                                         probe_interval_s=config.decode_probe_interval_s, on_event=self.metrics.decode_event)  # fmt: skip
         self.timeline = Timeline()  # the steps of recent requests handed to decode servers
         self.started = int(time.time())  # the served model's "created" in /v1/models
         self.tokenizer = Tokenizer(config.tokenizer or config.pool.checkpoint)
@@ -201,6 +204,7 @@ class PrefillServer:
             "kv_kept_requests": len(self.pool.kept_results()),
             "kv_transfers": dict(self.kv.transfers),
             "decode_servers": self.decoders.report(),
+            "decode_resumptions": self.decoders.resumptions,
             "handoff_timeline": self.timeline.recent(),
         }
 
@@ -299,8 +303,9 @@ class PrefillServer:
             raise OpenAIError(exc.status, str(exc)) from None
         forward = self._forward(parsed, parsed.passthrough, token_ids, {"mlapool": self.kv.ticket_ahead(request_id, token_ids, host=self.ticket_host)})
         result, upstream = await self._prefill_and_forward(request_id, future, forward)
+        answer = self._decode_answer(parsed, forward, len(token_ids), result.cached_tokens, None)
         logger.info("decoding", extra={"mlapool_request_id": request_id, "decode_server": upstream.server.url, "first_token": first})
-        return await self._answer(upstream, result, parsed)
+        return await self._answer(upstream, result, parsed, answer)
 
     async def _openai_first_token(self, parsed: Parsed, token_ids: list[int], first: FirstToken, received: float) -> Response:
         """Prefill, sample the first token here, and send the rest to a decode server (or end here)."""
@@ -317,8 +322,9 @@ class PrefillServer:
             text = "" if finish == "stop" else token_text(self.tokenizer.tokenizer, token_ids, token)
             ticket = {"mlapool": self.kv.ticket(result, host=self.ticket_host)}
             if text is None:  # not whole on its own: vLLM samples the first token after all
-                upstream = await open_upstream(self.decoders, self._forward(parsed, parsed.passthrough, token_ids, ticket), self.config.decode_timeout_s)
-                return await self._answer(upstream, result, parsed)
+                forward = self._forward(parsed, parsed.passthrough, token_ids, ticket)
+                upstream = await open_upstream(self.decoders, forward, self.config.decode_timeout_s)
+                return await self._answer(upstream, result, parsed, self._decode_answer(parsed, forward, len(token_ids), result.cached_tokens, None))
             head = first_chunk("cmpl-" + result.request_id, self.config.model_name, int(time.time()), text, token, finish,
                                token_ids if first.return_token_ids else None)  # fmt: skip
             if finish is not None:
@@ -327,24 +333,26 @@ class PrefillServer:
             forward = self._forward(parsed, first.forwarded(parsed.passthrough), token_ids + [token], ticket)
             self.timeline.mark(result.request_id, "forwarded")
             opening = asyncio.ensure_future(open_upstream(self.decoders, forward, self.config.decode_timeout_s))
+            answer = self._decode_answer(parsed, forward, len(token_ids), result.cached_tokens, head)
             if parsed.stream:  # the first token goes out now, not once a decode server answers (vLLM answers with its first token)
-                return StreamingResponse(self._head_then_relay(head, opening, result, parsed), media_type="text/event-stream")
+                return StreamingResponse(self._head_then_relay(head, opening, result, parsed, answer), media_type="text/event-stream")
             upstream = await opening
         except BaseException:  # no decode server took it, or the client left
             await asyncio.to_thread(self.kv.discard, result)
             raise
-        return await self._answer(upstream, result, parsed, head)
+        return await self._answer(upstream, result, parsed, answer, head)
 
-    async def _head_then_relay(self, head: dict[str, Any], opening: asyncio.Future, result, parsed: Parsed):
+    async def _head_then_relay(self, head: dict[str, Any], opening: asyncio.Future, result, parsed: Parsed, answer: DecodeAnswer):
         """A streamed answer whose first token is the tier's: that token at once, then the decode
-        server's tokens. A failure to reach one comes as an error event (the answer has begun)."""
-        model, upstream = self.config.model_name, None
+        server's tokens (``answer``: going on on another server if one breaks off). A failure to
+        reach one comes as an error event (the answer has begun)."""
+        model, upstream, request_id = self.config.model_name, None, result.request_id
         try:
             yield sse(client_chunk(head, parsed.chat, model, True))
-            self.timeline.mark(result.request_id, "first_token_sent")
+            self.timeline.mark(request_id, "first_token_sent")
             try:
                 upstream = await opening
-                self.timeline.mark(result.request_id, "upstream_answered")
+                self.timeline.mark(request_id, "upstream_answered")
             except OpenAIError as exc:
                 yield sse(exc.body())
                 yield b"data: [DONE]\n\n"
@@ -354,12 +362,14 @@ class PrefillServer:
                 yield sse(OpenAIError(upstream.response.status, f"the decode server refused the rest of the answer: {text}").body())
                 yield b"data: [DONE]\n\n"
                 return
-            second = True
-            async for event in relay_stream(upstream, parsed.chat, model, result.cached_tokens, head):
-                yield event
-                if second:  # vLLM's first event is the answer's second token
-                    self.timeline.mark(result.request_id, "second_token_sent")
-                    second = False
+            second, relay = True, answer.stream(upstream, result)
+            upstream = result = None  # the answer's own from here: it closes and releases them however it ends
+            async with contextlib.aclosing(relay):
+                async for event in relay:
+                    yield event
+                    if second:  # vLLM's first event is the answer's second token
+                        self.timeline.mark(request_id, "second_token_sent")
+                        second = False
         finally:
             if upstream is not None:
                 await upstream.close()
@@ -367,17 +377,37 @@ class PrefillServer:
                 opening.cancel()  # the client left first: open_upstream gives the server back
             elif not opening.cancelled():
                 opening.exception()  # retrieved: it was answered as an error event
-            await asyncio.to_thread(self.kv.discard, result)
+            if result is not None:
+                await asyncio.to_thread(self.kv.discard, result)
 
     def _forward(self, parsed: Parsed, params: dict[str, Any], prompt: list[int], ticket: dict[str, Any]) -> dict[str, Any]:
-        """The completion request for a decode server."""
+        """The completion request for a decode server (a stream's with its tokens' ids: where it goes on
+        if the server breaks it off, ``cluster.decode_answer``)."""
         forward = {**params, "model": self.config.decode_model_name or self.config.model_name, "prompt": prompt, "stream": parsed.stream,
                    "kv_transfer_params": ticket}  # fmt: skip
         if "max_completion_tokens" in forward:  # a chat's name for it; vLLM's completions take max_tokens
             forward.setdefault("max_tokens", forward.pop("max_completion_tokens"))
         if parsed.stream:
-            forward["stream_options"] = {"include_usage": parsed.include_usage}
+            forward.update(stream_options={"include_usage": parsed.include_usage}, return_token_ids=True)
         return forward
+
+    def _decode_answer(self, parsed: Parsed, forward: dict[str, Any], prompt_tokens: int, cached_tokens: int, head: dict[str, Any] | None) -> DecodeAnswer:
+        return DecodeAnswer(
+            self.decoders, forward, prompt_tokens=prompt_tokens, cached_tokens=cached_tokens, chat=parsed.chat, model=self.config.model_name,
+            head=head, token_ids_asked=parsed.passthrough.get("return_token_ids") is True, resumptions=self.config.decode_resumptions,
+            timeout_s=self.config.decode_timeout_s, prefill=self._prefill_kept, discard=self._discard,
+        )  # fmt: skip
+
+    async def _prefill_kept(self, token_ids: list[int]) -> tuple[Any, dict[str, Any]]:
+        """A prefill whose KV is kept for a decode server, and its ticket (an answer going on elsewhere)."""
+        try:
+            result = await self._run(token_ids, None, keep_kv=True)
+        except HTTPError as exc:
+            raise OpenAIError(exc.status, f"the prefill to go on failed: {exc}") from None
+        return result, {"mlapool": self.kv.ticket(result, host=self.ticket_host)}
+
+    async def _discard(self, result) -> None:
+        await asyncio.to_thread(self.kv.discard, result)
 
     def _eos_id(self) -> int | None:
         eos = self.tokenizer.tokenizer.eos_token_id
@@ -394,33 +424,27 @@ class PrefillServer:
             events.append(sse(client_chunk({**head, "choices": [], "usage": counts}, parsed.chat, model, False)))
         return StreamingResponse(iter([*events, b"data: [DONE]\n\n"]), media_type="text/event-stream")
 
-    async def _answer(self, upstream: Upstream, result, parsed: Parsed, head: dict[str, Any] | None = None) -> Response:
-        """The decode server's answer, as the client's (``head``: the first token's chunk of an answer
+    async def _answer(self, upstream: Upstream, result, parsed: Parsed, answer: DecodeAnswer, head: dict[str, Any] | None = None) -> Response:
+        """The decode servers' answer, as the client's (``head``: the first token's chunk of an answer
         not streamed, when it was the tier's); the KV is released when it ends however it ends."""
-        model = self.config.model_name
-        if upstream.response.status != 200 or not parsed.stream:
+        model, cached = self.config.model_name, result.cached_tokens
+        if upstream.response.status == 200 and parsed.stream:
+            return StreamingResponse(answer.stream(upstream, result), media_type="text/event-stream")
+        if upstream.response.status != 200:  # vLLM judging the request (open_upstream passed over failing servers)
             try:
-                status, answer = upstream.response.status, await upstream.response.read()
+                status, body = upstream.response.status, await upstream.response.read()
             finally:
                 await upstream.close()
                 await asyncio.to_thread(self.kv.discard, result)
-            if status == 200:
-                completion = json.loads(answer)
-                if head is not None:
-                    completion = shift(completion, head["id"], head)
-                completion = with_cached_tokens(completion, result.cached_tokens)
-                answer = json.dumps(chat_answer(completion, model) if parsed.chat else {**completion, "model": model}).encode()
-            return Response(answer, status_code=status, media_type="application/json")
-
-        async def events():
-            try:
-                async for event in relay_stream(upstream, parsed.chat, model, result.cached_tokens):
-                    yield event
-            finally:
-                await upstream.close()
-                await asyncio.to_thread(self.kv.discard, result)
-
-        return StreamingResponse(events(), media_type="text/event-stream")
+            return Response(body, status_code=status, media_type="application/json")
+        status, body = await answer.whole(upstream, result)
+        if status == 200:
+            completion = json.loads(body)
+            if head is not None:
+                completion = shift(completion, head["id"], head)
+            completion = with_cached_tokens(completion, cached)
+            body = json.dumps(chat_answer(completion, model) if parsed.chat else {**completion, "model": model}).encode()
+        return Response(body, status_code=status, media_type="application/json")
 
     async def _prefill_and_forward(self, request_id: str, future, forward: dict[str, Any]):
         """The prefill and the decode server's answer (its headers), run at once. The prefill failing

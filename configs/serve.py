@@ -59,6 +59,9 @@ class ServeConfig:
     tokenizer                where the OpenAI endpoints' tokenizer and chat template are (default:
                              the pool's checkpoint; without one, prompts must be token ids)
     decode_timeout_s         longest wait for the next bytes of a decode server's answer
+    decode_resumptions       times one answer goes on on another decode server after its server broke
+                             it off (``cluster.decode_answer``; 0: the client gets an error event)
+    decode_probe_interval_s  how often an ejected decode server's ``/health`` is asked, to take it back
     """
 
     pool: PoolConfig = field(default_factory=PoolConfig)
@@ -84,6 +87,8 @@ class ServeConfig:
     decode_model_name: str | None = None
     tokenizer: str | None = None
     decode_timeout_s: float = 600.0
+    decode_resumptions: int = 2
+    decode_probe_interval_s: float = 1.0
 
     def __post_init__(self) -> None:
         if not isinstance(self.pool, PoolConfig):
@@ -92,10 +97,13 @@ class ServeConfig:
             raise ValueError(f"serve config: pool.replicas must be 1 (Serve scales replicas), got {self.pool.replicas}")
         if not 0 <= self.min_replicas <= self.max_replicas or self.max_replicas < 1:
             raise ValueError(f"serve config: need 0 <= min_replicas <= max_replicas >= 1, got {self.min_replicas}, {self.max_replicas}")
-        positive = ("target_ongoing_requests", "look_back_period_s", "max_ongoing_requests", "max_body_bytes", "replica_cpus", "kv_ttl_s", "decode_timeout_s")
+        positive = ("target_ongoing_requests", "look_back_period_s", "max_ongoing_requests", "max_body_bytes", "replica_cpus", "kv_ttl_s", "decode_timeout_s",
+                    "decode_probe_interval_s")  # fmt: skip
         for name in positive:
             if not getattr(self, name) > 0:
                 raise ValueError(f"serve config: {name} must be positive, got {getattr(self, name)!r}")
+        if type(self.decode_resumptions) is not int or self.decode_resumptions < 0:
+            raise ValueError(f"serve config: decode_resumptions must be an integer >= 0, got {self.decode_resumptions!r}")
         for name in ("upscale_delay_s", "downscale_delay_s"):
             if getattr(self, name) < 0:
                 raise ValueError(f"serve config: {name} must be >= 0, got {getattr(self, name)!r}")

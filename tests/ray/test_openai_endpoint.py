@@ -4,7 +4,7 @@ own process, mlapool's KV connector) decodes from the KV it loads. Plain and str
 chat completions equal what the same vLLM server answers for the same request on its own, with the
 first token sampled by the tier (vLLM then computes only that token's KV) or by vLLM (it computes the
 prompt's last token), and answers that end at their first token need no decode server; the
-first decode server in the list is dead, so every request is taken by the next one; a tier whose
+first decode server in the list is dead: tried once, it is ejected and every request is taken by the next one; a tier whose
 decode servers are all dead answers 503 with their reasons; bad requests get OpenAI-style errors;
 no KV is left held afterwards.
 
@@ -183,7 +183,8 @@ def test_token_ids_as_the_prompt_and_the_dead_decode_server_is_passed_over(tier,
     status, answer = call(tier, "/v1/completions", body)
     assert status == 200 and answer["choices"][0]["text"] == own["choices"][0]["text"]
     dead, live = info(tier)["decode_servers"]
-    assert dead["failures"] == dead["requests"] >= 5 and live["failures"] == 0 and live["requests"] >= 5
+    assert dead["failures"] == dead["requests"] == 1 and dead["ejected"]  # tried once, then out until it answers /health
+    assert live["failures"] == 0 and live["requests"] >= 5
     assert live["outstanding"] == dead["outstanding"] == 0
 
 

@@ -64,6 +64,40 @@ def test_the_least_loaded_server_goes_first_and_unreachable_ones_give_503_with_e
     assert [(s.requests, s.failures, s.outstanding) for s in dead.servers] == [(1, 1, 0), (1, 1, 0)]
 
 
+def test_a_failed_server_is_out_of_service_until_it_answers_health():
+    """Ejected at its first failure, the server is not tried again (no connection attempt) until its
+    /health answers; then it is taken back."""
+    from aiohttp import web
+
+    async def scenario():
+        with socket.create_server(("127.0.0.1", 0)) as sock:
+            port = sock.getsockname()[1]
+        events = []
+        servers = DecodeServers.of([(f"http://127.0.0.1:{port}", None)], probe_interval_s=0.05, on_event=lambda e, url: events.append(e))
+        with pytest.raises(OpenAIError, match="ClientConnectorError"):
+            await open_upstream(servers, {"prompt": [1]}, 5.0)
+        server = servers.servers[0]
+        assert server.ejected and servers.by_load() == [] and events == ["ejected"]
+        with pytest.raises(OpenAIError, match="out of service until it answers /health"):
+            await open_upstream(servers, {"prompt": [1]}, 5.0)
+        assert server.requests == 1  # not tried while out
+        app = web.Application()
+        app.router.add_get("/health", lambda request: web.Response(text=""))
+        runner = web.AppRunner(app)
+        await runner.setup()
+        await web.TCPSite(runner, "127.0.0.1", port).start()
+        try:
+            for _ in range(100):
+                if server.ejected is None:
+                    break
+                await asyncio.sleep(0.02)
+        finally:
+            await runner.cleanup()
+        assert server.ejected is None and server.readmissions == 1 and events == ["ejected", "readmitted"] and servers.by_load() == [server]
+
+    asyncio.run(scenario())
+
+
 def test_serve_config_checks_its_decode_servers():
     assert ServeConfig(decode_servers=["http://h:8000"]).decode_servers == ("http://h:8000",)
     with pytest.raises(ValueError, match="decode_servers must be a list of http"):

