@@ -244,73 +244,6 @@ def test_an_answer_that_ends_at_its_first_token_needs_no_decode_server(tier, vll
     assert info(tier)["kv_kept_requests"] == 0
 
 
-def _forwarded_samples(own_tokens: list[int]) -> dict[str, dict]:
-    """A value for each parameter the tier forwards to vLLM (``cluster.openai_params.FORWARDED``),
-    chosen to change the answer where it can (the stops from vLLM's own greedy answer)."""
-    # sampled: the tier samples the first token with its own generator (cluster.first_token), so only values that
-    # make the sampling deterministic compare with vLLM alone; each would be random if it were dropped
-    sampled = {"temperature": 1.0, "seed": 7, "top_k": 1}
-    return {
-        "max_tokens": {"max_tokens": 5}, "max_completion_tokens": None,  # a chat's name (tested there)
-        "temperature": sampled, "seed": sampled, "top_p": {"temperature": 1.0, "top_p": 1e-6}, "top_k": {"temperature": 1.0, "top_k": 1},
-        "min_p": {"temperature": 1.0, "min_p": 1.0}, "stop": {"stop": [f"w{own_tokens[3]}"]},
-        "include_stop_str_in_output": {"stop": [f"w{own_tokens[3]}"], "include_stop_str_in_output": True},
-        "stop_token_ids": {"stop_token_ids": [own_tokens[4]]}, "ignore_eos": {"ignore_eos": False},
-        "presence_penalty": {"presence_penalty": 1.5}, "frequency_penalty": {"frequency_penalty": 1.5},
-        "repetition_penalty": {"repetition_penalty": 1.5}, "length_penalty": {"length_penalty": 1.0},
-        "logit_bias": {"logit_bias": {"7": 100}}, "allowed_token_ids": {"allowed_token_ids": [5, 6, 7]}, "bad_words": {"bad_words": [f"w{own_tokens[1]}"]},
-        "min_tokens": {"min_tokens": 4, "stop_token_ids": [own_tokens[1]]}, "logprobs": {"logprobs": 2},
-        "return_tokens_as_token_ids": {"logprobs": 1, "return_tokens_as_token_ids": True}, "return_token_ids": {"return_token_ids": True},
-        "return_token_offsets": {"return_token_offsets": True}, "skip_special_tokens": {"skip_special_tokens": False},
-        "spaces_between_special_tokens": {"spaces_between_special_tokens": False}, "user": {"user": "walker"},
-        "response_format": {"response_format": {"type": "text"}}, "structured_outputs": {"structured_outputs": {"choice": ["w1 w2", "w3"]}},
-        "priority": {"priority": 0}, "request_id": {"request_id": "walk-request"}, "stream_interval": {"stream_interval": 2},
-        "thinking_token_budget": {"thinking_token_budget": 4}, "vllm_xargs": {"vllm_xargs": {}}, "cache_salt": {"cache_salt": "walk"},
-    }  # fmt: skip
-
-
-def test_every_forwarded_parameter_acts_as_on_vllm_alone(tier, vllm_url):
-    """Each parameter the tier forwards, sent to the tier and to vLLM alone: the same status, text,
-    finish reason, token ids and log-probabilities' tokens (a parameter dropped on the way would show)."""
-    from cluster.openai_params import FORWARDED
-
-    base = {"model": MODEL, "prompt": PROMPT, "max_tokens": 12, "temperature": 0.0, "ignore_eos": True}
-    status, own = call(vllm_url, "/v1/completions", {**base, "return_token_ids": True})
-    samples = _forwarded_samples(own["choices"][0]["token_ids"])
-    assert set(samples) == FORWARDED  # the walk covers the list
-    changed = 0
-    for name, extra in samples.items():
-        if extra is None:
-            continue
-        body = {**base, **extra}
-        got_alone, alone = call(vllm_url, "/v1/completions", body)
-        got, answer = call(tier, "/v1/completions", body)
-        assert got == got_alone, (name, answer, alone)
-        if got != 200:
-            continue
-        a, b = answer["choices"][0], alone["choices"][0]
-        for key in ("text", "finish_reason", "token_ids", "stop_reason"):
-            assert a.get(key) == b.get(key), (name, key, a.get(key), b.get(key))
-        if b.get("logprobs"):
-            assert a["logprobs"]["tokens"] == b["logprobs"]["tokens"], name
-        changed += b["text"] != own["choices"][0]["text"]
-    assert changed >= 8  # many of the values change vLLM's answer: the comparisons are not all of one answer
-    assert info(tier)["kv_kept_requests"] == 0
-
-
-def test_a_chats_template_parameters_are_applied_as_vllm_applies_them(tier, vllm_url):
-    base = {"model": MODEL, "messages": MESSAGES, "max_completion_tokens": 8, "temperature": 0.0, "ignore_eos": True}
-    continued = [*MESSAGES, {"role": "assistant", "content": "w7 w8"}]
-    for extra in ({}, {"add_generation_prompt": False}, {"messages": continued, "add_generation_prompt": False, "continue_final_message": True},
-                  {"add_special_tokens": True}, {"chat_template_kwargs": {"unused_flag": True}}):
-        body = {**base, **extra}
-        got_alone, alone = call(vllm_url, "/v1/chat/completions", body)
-        got, answer = call(tier, "/v1/chat/completions", body)
-        assert got == got_alone == 200, (extra, answer)
-        assert answer["choices"][0]["message"]["content"] == alone["choices"][0]["message"]["content"], extra
-        assert answer["usage"]["prompt_tokens"] == alone["usage"]["prompt_tokens"], extra
-
-
 def test_every_other_parameter_is_refused_by_name(tier):
     """What the tier cannot honour is a 400 that names it, before anything is prefilled; so is a
     parameter it does not know."""
@@ -502,3 +435,70 @@ def test_vllms_serving_benchmark_runs_against_the_tier_with_no_failed_request(ti
     result = json.loads((tmp_path / "bench.json").read_text())
     assert result["completed"] == 16 and result["failed"] == 0 and result["total_output_tokens"] > 0
     assert info(tier)["kv_kept_requests"] == 0
+
+
+def _forwarded_samples(own_tokens: list[int]) -> dict[str, dict]:
+    """A value for each parameter the tier forwards to vLLM (``cluster.openai_params.FORWARDED``),
+    chosen to change the answer where it can (the stops from vLLM's own greedy answer)."""
+    # sampled: the tier samples the first token with its own generator (cluster.first_token), so only values that
+    # make the sampling deterministic compare with vLLM alone; each would be random if it were dropped
+    sampled = {"temperature": 1.0, "seed": 7, "top_k": 1}
+    return {
+        "max_tokens": {"max_tokens": 5}, "max_completion_tokens": None,  # a chat's name (tested there)
+        "temperature": sampled, "seed": sampled, "top_p": {"temperature": 1.0, "top_p": 1e-6}, "top_k": {"temperature": 1.0, "top_k": 1},
+        "min_p": {"temperature": 1.0, "min_p": 1.0}, "stop": {"stop": [f"w{own_tokens[3]}"]},
+        "include_stop_str_in_output": {"stop": [f"w{own_tokens[3]}"], "include_stop_str_in_output": True},
+        "stop_token_ids": {"stop_token_ids": [own_tokens[4]]}, "ignore_eos": {"ignore_eos": False},
+        "presence_penalty": {"presence_penalty": 1.5}, "frequency_penalty": {"frequency_penalty": 1.5},
+        "repetition_penalty": {"repetition_penalty": 1.5}, "length_penalty": {"length_penalty": 1.0},
+        "logit_bias": {"logit_bias": {"7": 100}}, "allowed_token_ids": {"allowed_token_ids": [5, 6, 7]}, "bad_words": {"bad_words": [f"w{own_tokens[1]}"]},
+        "min_tokens": {"min_tokens": 4, "stop_token_ids": [own_tokens[1]]}, "logprobs": {"logprobs": 2},
+        "return_tokens_as_token_ids": {"logprobs": 1, "return_tokens_as_token_ids": True}, "return_token_ids": {"return_token_ids": True},
+        "return_token_offsets": {"return_token_offsets": True}, "skip_special_tokens": {"skip_special_tokens": False},
+        "spaces_between_special_tokens": {"spaces_between_special_tokens": False}, "user": {"user": "walker"},
+        "response_format": {"response_format": {"type": "text"}}, "structured_outputs": {"structured_outputs": {"choice": ["w1 w2", "w3"]}},
+        "priority": {"priority": 0}, "request_id": {"request_id": "walk-request"}, "stream_interval": {"stream_interval": 2},
+        "thinking_token_budget": {"thinking_token_budget": 4}, "vllm_xargs": {"vllm_xargs": {}}, "cache_salt": {"cache_salt": "walk"},
+    }  # fmt: skip
+
+
+def test_every_forwarded_parameter_acts_as_on_vllm_alone(tier, vllm_url):
+    """Each parameter the tier forwards, sent to the tier and to vLLM alone: the same status, text,
+    finish reason, token ids and log-probabilities' tokens (a parameter dropped on the way would show)."""
+    from cluster.openai_params import FORWARDED
+
+    base = {"model": MODEL, "prompt": PROMPT, "max_tokens": 12, "temperature": 0.0, "ignore_eos": True}
+    status, own = call(vllm_url, "/v1/completions", {**base, "return_token_ids": True})
+    samples = _forwarded_samples(own["choices"][0]["token_ids"])
+    assert set(samples) == FORWARDED  # the walk covers the list
+    changed = 0
+    for name, extra in samples.items():
+        if extra is None:
+            continue
+        body = {**base, **extra}
+        got_alone, alone = call(vllm_url, "/v1/completions", body)
+        got, answer = call(tier, "/v1/completions", body)
+        assert got == got_alone, (name, answer, alone)
+        if got != 200:
+            continue
+        a, b = answer["choices"][0], alone["choices"][0]
+        for key in ("text", "finish_reason", "token_ids", "stop_reason"):
+            assert a.get(key) == b.get(key), (name, key, a.get(key), b.get(key))
+        if b.get("logprobs"):
+            assert a["logprobs"]["tokens"] == b["logprobs"]["tokens"], name
+        changed += b["text"] != own["choices"][0]["text"]
+    assert changed >= 8  # many of the values change vLLM's answer: the comparisons are not all of one answer
+    assert info(tier)["kv_kept_requests"] == 0
+
+
+def test_a_chats_template_parameters_are_applied_as_vllm_applies_them(tier, vllm_url):
+    base = {"model": MODEL, "messages": MESSAGES, "max_completion_tokens": 8, "temperature": 0.0, "ignore_eos": True}
+    continued = [*MESSAGES, {"role": "assistant", "content": "w7 w8"}]
+    for extra in ({}, {"add_generation_prompt": False}, {"messages": continued, "add_generation_prompt": False, "continue_final_message": True},
+                  {"add_special_tokens": True}, {"chat_template_kwargs": {"unused_flag": True}}):
+        body = {**base, **extra}
+        got_alone, alone = call(vllm_url, "/v1/chat/completions", body)
+        got, answer = call(tier, "/v1/chat/completions", body)
+        assert got == got_alone == 200, (extra, answer)
+        assert answer["choices"][0]["message"]["content"] == alone["choices"][0]["message"]["content"], extra
+        assert answer["usage"]["prompt_tokens"] == alone["usage"]["prompt_tokens"], extra
