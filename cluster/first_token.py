@@ -15,7 +15,8 @@ token that is the end of sequence or in ``stop_token_ids`` end the answer here, 
 server; ``ignore_eos``, ``return_token_ids`` and ``user``. Any other parameter (log-probabilities,
 penalties, logit biases, stop strings, ``min_tokens``, structured output, anything vLLM adds), a
 value of an unexpected type, or a first token whose text is not whole on its own (part of a
-multi-byte character) leaves the first token to vLLM: the prompt goes to it unchanged and it
+multi-byte character) leaves the first token to vLLM (a parameter that is null, or at a value that
+changes no token, such as ``repetition_penalty`` 1 or a penalty of 0, does not): the prompt goes to it unchanged and it
 recomputes the prompt's last token over the loaded KV (``kv.vllm_connector``).
 """
 
@@ -33,6 +34,7 @@ REPRODUCED = {"max_tokens", "max_completion_tokens", "temperature", "top_p", "to
               "return_token_ids", "user", "stop"}  # fmt: skip
 KINDS = {"temperature": float, "top_p": float, "top_k": int, "min_p": float, "seed": int, "max_tokens": int, "max_completion_tokens": int,
          "ignore_eos": bool, "return_token_ids": bool}  # fmt: skip
+NO_OPS = {"repetition_penalty": 1.0, "presence_penalty": 0.0, "frequency_penalty": 0.0, "min_tokens": 0}  # values that change no token
 GENERATION_KEYS = {"temperature", "top_p", "top_k", "min_p"}  # generation_config.json defaults vLLM applies that this reproduces
 
 
@@ -66,7 +68,7 @@ class FirstToken:
     def plan(cls, params: dict[str, Any], defaults: dict[str, Any], eos_id: int | None) -> FirstToken | str:
         """The sampling of a request's parameters (``params``: what the endpoint forwards), or why the
         tier does not reproduce it (the first token is then vLLM's)."""
-        other = sorted(set(params) - REPRODUCED)
+        other = sorted(k for k, v in params.items() if k not in REPRODUCED and v is not None and not (k in NO_OPS and v == NO_OPS[k]))
         if other:
             return f"vLLM samples with {other}"
         if params.get("stop"):

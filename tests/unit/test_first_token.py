@@ -28,6 +28,12 @@ def test_what_the_tier_does_not_reproduce_is_left_to_vllm_with_the_reason(params
     assert re.search(reason, plan), plan
 
 
+def test_parameters_at_values_that_change_no_token_keep_the_first_token_the_tiers():
+    """vLLM's serving benchmark sends repetition_penalty 1.0 and logprobs null with every request."""
+    assert isinstance(FirstToken.plan({"repetition_penalty": 1.0, "logprobs": None, "presence_penalty": 0, "min_tokens": 0, "max_tokens": 8}, {}, EOS), FirstToken)
+    assert FirstToken.plan({"repetition_penalty": 1.1}, {}, EOS) == "vLLM samples with ['repetition_penalty']"
+
+
 def test_a_plan_takes_the_request_then_the_checkpoints_defaults_then_vllms():
     plan = FirstToken.plan({"top_k": 5, "seed": 3, "max_tokens": 8, "stop": [], "user": "u"}, {"temperature": 0.6, "top_p": 0.9, "top_k": 50}, EOS)
     assert (plan.temperature, plan.top_p, plan.top_k, plan.min_p, plan.seed, plan.max_tokens) == (0.6, 0.9, 5, 0.0, 3, 8)
