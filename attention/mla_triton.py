@@ -17,7 +17,7 @@ each ``k_pe`` row read once for all its heads. torch builds it in two strided co
 every ``k_pe`` row once per head: for 64K rows x 128 heads on H200, this kernel 1.48 ms, the two
 copies 3.44 ms, ``torch.cat`` of the strided parts 5.30 ms.
 
-(Measured by ``benchmarks/probe_mla_ops.py``.)
+(Measured by ``benchmarks/probes/probe_mla_ops.py``.)
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ works). Offsets are 64-bit.
 Why a kernel: torch's fused ``rms_norm`` multiplies by the weight before its one rounding, which is
 not the reference's result (a quarter of the bf16 values differ by a rounding; it flipped a
 near-tied greedy token of the tests' FP8 model); applying the weight after it is a second pass.
-Measured on H200 for 64K tokens x 7168 (``benchmarks/probe_mla_ops.py``): this kernel 0.45 ms, all
+Measured on H200 for 64K tokens x 7168 (``benchmarks/probes/probe_mla_ops.py``): this kernel 0.45 ms, all
 but 4 in a million values equal to the reference's float32 ops (5.7 ms); torch's op then the weight
 1.75 ms; torch's op with the weight inside 0.65 ms.
 """

@@ -45,7 +45,7 @@ PROBE_NEW_TOKENS = [1823, 1138, 1670, 1438, 1807, 1892]
 
 def one_gpu_config(checkpoint: Path, device: str, **overrides) -> "PoolConfig":
     """Start Ray for a pool of one GPU (``device`` cuda) or of the CPU (2 cores), and return that pool's
-    config (``overrides`` on top); ``benchmarks/probe_cached_turn.py`` shares it."""
+    config (``overrides`` on top); ``benchmarks/probes/probe_cached_turn.py`` shares it."""
     import ray
 
     from configs.pool import PoolConfig

@@ -3,7 +3,7 @@
 #   bash benchmarks/run_vllm_gpu.sh OUT_DIR STEP...
 # Steps: install (the two offline bundles staged in /tmp/stage/{gpu,vllm}-NN: deploy/offline_bundle.py build
 # --sets ray,serve,flash-attn-4 and --sets vllm, into /tmp/gpu-site and /tmp/vllm-site, NIXL shared by both),
-# probe-moe (one bf16 MoE layer through vLLM's kernels and ours: benchmarks/probe_vllm_moe.py),
+# probe-moe (one bf16 MoE layer through vLLM's kernels and ours: benchmarks/probes/probe_vllm_moe.py),
 # parity-bf16, parity-fp8 (32 prompts of 1-8K tokens through the tier's OpenAI endpoint against vLLM alone,
 # DeepSeek-width tiny MoE checkpoints), speed (the DeepSeek-V3 5-layer FP8 slice in $CKPT, default
 # /tmp/v3-5layers, written first when missing: prompts of $LENGTHS, TTFT and the second token both ways, the
@@ -11,7 +11,7 @@
 # layers at its MLA widths, everything else small: write_checkpoint.py --kv-shaped, in /tmp/v3-kv-shaped),
 # kv-load (benchmarks/bench_kv_load.py: the mapped transport against NIXL READs, no vLLM), truth (benchmarks/
 # bench_vllm_truth.py: vLLM alone and the tier + vLLM against float32, tokens and KV rows; CHECKPOINTS picks the
-# seeds, default all three), probe-cg (benchmarks/probe_compiled_graph.py on the slice: the pool's per-batch
+# seeds, default all three), probe-cg (benchmarks/probes/probe_compiled_graph.py on the slice: the pool's per-batch
 # call as Ray tasks against a Ray Compiled Graph). vLLM runs as it deploys
 # (compiled, CUDA graphs); VLLM_EAGER=1 gives it --enforce-eager. speed needs an H200: the slice's 26.5 GiB of
 # weights twice, and vLLM's 32K prefill, do not fit an H100 (vLLM held 57 GiB there at VLLM_MEMORY=0.45).
@@ -30,7 +30,7 @@ for step in "$@"; do
              python3 -m compileall -q -j 16 /tmp/vllm-site /tmp/gpu-site > /dev/null  # else every process of a first start compiles vLLM
              python3 -c "import ray, flash_attn.cute, nixl_cu13; print('gpu site ok', ray.__version__)"
              PYTHONPATH=/tmp/vllm-site:$PWD python3 -c "import vllm, kv.vllm_connector; print('vllm site ok', vllm.__version__)" ;;
-    probe-moe) PYTHONPATH=/tmp/vllm-site:$PWD python3 benchmarks/probe_vllm_moe.py --out "$out/vllm-moe-rounding.json" ;;
+    probe-moe) PYTHONPATH=/tmp/vllm-site:$PWD python3 benchmarks/probes/probe_vllm_moe.py --out "$out/vllm-moe-rounding.json" ;;
     parity-bf16|parity-fp8) python3 benchmarks/bench_vllm_decode.py parity --weights ${step#parity-} --out "$out/vllm-decode-parity-${step#parity-}.json" ;;
     speed) ckpt=${CKPT:-/tmp/v3-5layers}
            [ -f "$ckpt/model.safetensors.index.json" ] || python3 benchmarks/write_checkpoint.py --model deepseek-v3 --num-layers 5 --out "$ckpt" | tail -1
@@ -41,7 +41,7 @@ for step in "$@"; do
            python3 benchmarks/bench_vllm_decode.py speed --checkpoint "$ckpt" --lengths ${LENGTHS_KV:-32768x8 4096x8} \
              --scatter ${SCATTER:-200} --kv-cache-tokens 131072 --vllm-kv-cache-gib 8 --vllm-memory ${VLLM_MEMORY:-0.4} ${VLLM_EAGER:+--vllm-eager} --out "$out/vllm-decode-speed-kv-shaped.json" ;;
     truth) python3 benchmarks/bench_vllm_truth.py --checkpoints ${CHECKPOINTS:-1 2:one-scale 3:one-scale} --out "$out/vllm-decode-truth.json" ;;
-    probe-cg) python3 benchmarks/probe_compiled_graph.py --device cuda --tp 1 --checkpoint ${CKPT:-/tmp/v3-5layers} --tokens 16 512 4096 \
+    probe-cg) python3 benchmarks/probes/probe_compiled_graph.py --device cuda --tp 1 --checkpoint ${CKPT:-/tmp/v3-5layers} --tokens 16 512 4096 \
                --out "$out/probe-compiled-graph.json" ;;
     kv-load) python3 benchmarks/bench_kv_load.py --layers 61 5 --tokens 32768 4096 --chunk-rows 16384 65536 --out "$out/kv-load.json" ;;
     *) echo "unknown step $step"; exit 2 ;;

@@ -19,7 +19,7 @@ DeepSeek-V3 (``noaux_tc``, sigmoid) MoE layer of a bf16 model:
 5. ``moe_sum``: a token's pair rows added in float32, rounded once (``workers.moe.gather_sum``);
 6. the sum times ``routed_scaling_factor``, rounded; then plus the shared experts, rounded.
 
-Against vLLM's own kernels on an H200 (``benchmarks/probe_vllm_moe.py``): the same experts in the
+Against vLLM's own kernels on an H200 (``benchmarks/probes/probe_vllm_moe.py``): the same experts in the
 same order for every token, and 99.999% of the layer's output values equal bit for bit (the rest a
 rounding apart: the GEMMs' float32 sums run in other orders). The cost against the reference: step 4
 runs one float32-output GEMM per local expert after one host sync for their row counts, as torch's

@@ -109,7 +109,7 @@ def test_bad_quantization_groups_are_refused():
 
 def test_fp8_linear_refuses_shapes_torchs_gemm_gets_wrong():
     """K/128 not a multiple of 4 with N over one block: torch refuses the padded scale layout and computes
-    wrong results with the exact one (benchmarks/probe_fp8_scale_layout.py); such layers stay bf16."""
+    wrong results with the exact one (benchmarks/probes/probe_fp8_scale_layout.py); such layers stay bf16."""
     from workers.model import fp8_shard_aligned
 
     assert block_gemm_shape_ok(7168, 2304) and block_gemm_shape_ok(256, 48) and not block_gemm_shape_ok(2304, 7168)

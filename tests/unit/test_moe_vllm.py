@@ -1,6 +1,6 @@
 """``moe_rounding="vllm"`` (``workers.moe_vllm``): a bf16 MoE layer rounded as vLLM's CUDA path rounds
 it, checked on the CPU against a token-by-token loop written from the steps in the module's
-docstring (vLLM's own kernels are compared on a GPU: ``benchmarks/probe_vllm_moe.py``), and the
+docstring (vLLM's own kernels are compared on a GPU: ``benchmarks/probes/probe_vllm_moe.py``), and the
 refusals of what it does not cover."""
 
 import pytest

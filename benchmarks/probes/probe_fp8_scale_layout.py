@@ -7,7 +7,7 @@ padded to a multiple of 4 (16 bytes). Each result is the relative L2 error again
 weights in float32 (an FP8 GEMM lands near 0.026 here), or torch's refusal. What it found decides
 ``workers.fp8.block_gemm_shape_ok``.
 
-    python benchmarks/probe_fp8_scale_layout.py --out FILE.json
+    python benchmarks/probes/probe_fp8_scale_layout.py --out FILE.json
 """
 
 from __future__ import annotations
@@ -18,11 +18,12 @@ import sys
 from datetime import datetime, timezone
 from pathlib import Path
 
+sys.path[:0] = [str(Path(__file__).resolve().parents[1]), str(Path(__file__).resolve().parents[2])]  # benchmarks/ (machine.py, timing.py, ...), the repository
+
 import torch
 
 from machine import machine  # benchmarks/machine.py
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from workers.fp8 import block_dequantize, block_gemm_shape_ok, block_quantize, quantize_activations  # noqa: E402
 

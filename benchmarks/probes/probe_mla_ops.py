@@ -9,7 +9,7 @@ buffer and ``torch.cat`` of the strided parts); the RMSNorm of the hidden rows
 and torch's op with the weight inside, which rounds once), with the fraction of values equal to the
 reference's. Milliseconds per call (median of 20 back-to-back calls).
 
-    python benchmarks/probe_mla_ops.py --out FILE.json
+    python benchmarks/probes/probe_mla_ops.py --out FILE.json
 """
 
 from __future__ import annotations
@@ -20,13 +20,14 @@ import sys
 from datetime import datetime, timezone
 from pathlib import Path
 
+sys.path[:0] = [str(Path(__file__).resolve().parents[1]), str(Path(__file__).resolve().parents[2])]  # benchmarks/ (machine.py, timing.py, ...), the repository
+
 import torch
 import torch.nn.functional as F
 
 from machine import machine  # benchmarks/machine.py
 from timing import seconds_per_call  # benchmarks/timing.py
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from attention.mla_triton import build_keys  # noqa: E402
 from attention.mla import RMSNorm  # noqa: E402

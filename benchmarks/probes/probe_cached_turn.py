@@ -1,7 +1,7 @@
 """Where a cached turn's fixed costs go: Ray's timeline of the worker's calls during single requests on
 one GPU, a turn whose 12K history is cached (1,138 new tokens) and a cold prompt of the same length.
 
-    PYTHONPATH=<gpu site>:. python benchmarks/probe_cached_turn.py --checkpoint /tmp/v3-5layers
+    PYTHONPATH=<gpu site>:. python benchmarks/probes/probe_cached_turn.py --checkpoint /tmp/v3-5layers
 
 Prints, per request, its TTFT and queueing; the pool's steps in this process (``name>`` entering,
 ``name<`` leaving, in ms after the submission): admission (validation and block hashes), the batch,
@@ -16,11 +16,12 @@ import sys
 import time
 from pathlib import Path
 
+sys.path[:0] = [str(Path(__file__).resolve().parents[1]), str(Path(__file__).resolve().parents[2])]  # benchmarks/ (machine.py, timing.py, ...), the repository
+
 import numpy as np
 
 from bench_prefix_cache import one_gpu_config  # benchmarks/bench_prefix_cache.py: Ray, the GPU environment
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
 def main() -> None:

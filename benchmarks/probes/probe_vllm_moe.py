@@ -1,7 +1,7 @@
 """One MoE layer through vLLM's own kernels and through ours (both roundings), on one GPU: how many
 output values agree bit for bit, and how long each takes (wall time, the GPU synchronized around each call).
 
-    PYTHONPATH=/tmp/vllm-site:. python benchmarks/probe_vllm_moe.py --out moe.json
+    PYTHONPATH=/tmp/vllm-site:. python benchmarks/probes/probe_vllm_moe.py --out moe.json
 
 vLLM's path is its CUDA path for a bf16 DeepSeek-V3 MoE layer (``workers.moe_vllm`` lists the steps):
 the gate as a bf16 linear layer, its fused ``grouped_topk`` kernel (``routed_scaling_factor`` 1), its
@@ -20,13 +20,14 @@ import json
 import sys
 from pathlib import Path
 
+sys.path[:0] = [str(Path(__file__).resolve().parents[1]), str(Path(__file__).resolve().parents[2])]  # benchmarks/ (machine.py, timing.py, ...), the repository
+
 import torch
 import torch.nn.functional as F
 
 from machine import machine  # benchmarks/machine.py
 from timing import seconds_per_call  # benchmarks/timing.py
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from configs.model import MoEConfig  # noqa: E402
 from workers.model import DenseMLP  # noqa: E402
@@ -106,7 +107,7 @@ def main() -> None:
     args.out.write_text(json.dumps({
         "what": "one bf16 DeepSeek-V3 MoE layer: vLLM's kernels against workers.moe.MoE (reference and vllm rounding)",
         "date": datetime.date.today().isoformat(), "machine": machine(), "vllm_version": vllm.__version__,
-        "command": "benchmarks/probe_vllm_moe.py " + " ".join(sys.argv[1:]), "results": results,
+        "command": "benchmarks/probes/probe_vllm_moe.py " + " ".join(sys.argv[1:]), "results": results,
     }, indent=1))  # fmt: skip
 
 

@@ -7,7 +7,7 @@ twice with new request ids, and records per batch the time and the files that ap
 Triton's and the CuTe DSL's kernel caches meanwhile (a compile). Run it in a fresh process on a
 node whose caches are empty to see what a new node's first requests pay. Writes one JSON file.
 
-    python benchmarks/probe_first_batches.py --model deepseek-v3 --num-layers 3 --out first-batches.json
+    python benchmarks/probes/probe_first_batches.py --model deepseek-v3 --num-layers 3 --out first-batches.json
 """
 
 from __future__ import annotations
@@ -20,6 +20,8 @@ import sys
 import time
 from datetime import datetime, timezone
 from pathlib import Path
+
+sys.path[:0] = [str(Path(__file__).resolve().parents[1]), str(Path(__file__).resolve().parents[2])]  # benchmarks/ (machine.py, timing.py, ...), the repository
 
 import numpy as np
 import torch

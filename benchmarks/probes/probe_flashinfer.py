@@ -22,8 +22,8 @@ of the same inputs, merge inputs against the calls that made them (the Triton me
 
 ``merge``: the Triton merge alone, LSE layouts x in place or not (``--unpatched``: as before the fix).
 
-    python benchmarks/probe_flashinfer.py record --out FILE.json
-    python benchmarks/probe_flashinfer.py merge --unpatched --out FILE.json
+    python benchmarks/probes/probe_flashinfer.py record --out FILE.json
+    python benchmarks/probes/probe_flashinfer.py merge --unpatched --out FILE.json
 """
 
 from __future__ import annotations
@@ -31,7 +31,10 @@ from __future__ import annotations
 import argparse
 import json
 from datetime import datetime, timezone
+import sys
 from pathlib import Path
+
+sys.path[:0] = [str(Path(__file__).resolve().parents[1]), str(Path(__file__).resolve().parents[2])]  # benchmarks/ (machine.py, timing.py, ...), the repository
 
 import torch
 

@@ -2,7 +2,7 @@
 against the same call through a Ray Compiled Graph (``ray.dag`` with ``experimental_compile``, as
 vLLM's Ray executor runs its workers), on a replica of a running pool.
 
-    python benchmarks/probe_compiled_graph.py --device cuda --checkpoint /tmp/v3-5layers --tokens 16 512 --out probe.json
+    python benchmarks/probes/probe_compiled_graph.py --device cuda --checkpoint /tmp/v3-5layers --tokens 16 512 --out probe.json
 
 Each way runs ``--batches`` batches of one new prompt of each ``--tokens`` length (its KV released
 after each batch, outside the timing) and reports the wall time per batch (p50, p10, p90); the
@@ -19,7 +19,10 @@ import json
 import os
 import statistics
 import time
+import sys
 from pathlib import Path
+
+sys.path[:0] = [str(Path(__file__).resolve().parents[1]), str(Path(__file__).resolve().parents[2])]  # benchmarks/ (machine.py, timing.py, ...), the repository
 
 import numpy as np
 import ray
