@@ -203,7 +203,7 @@ def prompt_tokens_by_source(url: str) -> dict[str, float]:
     ({}, 151, 150),  # the tier's first token: vLLM gets the prompt and that token, loads the prompt's KV, computes that token's
     # vLLM samples the first token: it gets the prompt and counts it all as loaded, though it computes the last prompt
     # token again (its first step over a loaded prompt computes one token: tests/ray/test_vllm_decode.py)
-    ({"presence_penalty": 0.0}, 150, 150),
+    ({"presence_penalty": 0.5}, 150, 150),  # a penalty the tier leaves to vLLM (0 would change no token: the tier samples)
 ], ids=["tier-first-token", "vllm-first-token"])  # fmt: skip
 def test_who_computes_the_first_token(tier, vllm_url, extra, prompt_tokens, loaded):
     """vLLM's own counters say what prompt it got and how much of it it loaded."""

@@ -141,3 +141,23 @@ def test_the_kuberay_service_fills_every_secret_variable_from_a_kubernetes_secre
     for pod in pods:  # a Serve replica may run on any of them
         env = {e["name"]: e for e in pod["spec"]["containers"][0].get("env", [])}
         assert wanted <= set(env) and all("secretKeyRef" in env[name]["valueFrom"] for name in wanted)
+
+
+AUTOSCALING = ("min_replicas", "max_replicas", "target_ongoing_requests", "upscale_delay_s", "downscale_delay_s", "look_back_period_s",
+               "max_ongoing_requests")  # fmt: skip
+
+
+def test_the_kuberay_service_autoscales_as_the_tested_configs_say():
+    """The RayService's tier and node autoscaling are those of deploy/serve.yaml and deploy/cluster.yaml,
+    which tests/ray/test_autoscaling.py runs (scaled down) on Ray's autoscaler."""
+    def prefill(config):
+        return next(a for a in config["applications"] if a["name"] == "prefill")["args"]
+
+    service = _load(KUBERAY / "rayservice.yaml")["spec"]
+    tier, tested = prefill(yaml.safe_load(service["serveConfigV2"])), prefill(_load(DEPLOY / "serve.yaml"))
+    assert {k: tier.get(k) for k in AUTOSCALING} == {k: tested.get(k) for k in AUTOSCALING}
+    launcher, cluster = _load(DEPLOY / "cluster.yaml"), service["rayClusterConfig"]
+    assert cluster["enableInTreeAutoscaling"] and cluster["autoscalerOptions"]["idleTimeoutSeconds"] == launcher["idle_timeout_minutes"] * 60
+    group = cluster["workerGroupSpecs"][0]
+    assert group["maxReplicas"] >= tier["max_replicas"]  # room for every replica: one node each (tp x pcp GPUs, STRICT_PACK)
+
