@@ -127,12 +127,16 @@ class Watch:
         while not self._stop.wait(interval_s):
             self.samples.append(self.now())
 
-    def wait_for(self, what: str, check, timeout_s: float) -> float:
-        """Seconds until ``check(sample)`` holds; ``TimeoutError`` naming ``what``."""
-        started = time.monotonic()
+    def wait_for(self, what: str, check, timeout_s: float, hold_s: float = 0.0) -> float:
+        """Seconds until ``check(sample)`` holds (for ``hold_s`` on end); ``TimeoutError`` naming ``what``."""
+        started, held = time.monotonic(), None
         while time.monotonic() - started < timeout_s:
             if check(self.now()):
-                return time.monotonic() - started
+                held = held or time.monotonic()
+                if time.monotonic() - held >= hold_s:
+                    return held - started
+            else:
+                held = None
             time.sleep(0.5)
         raise TimeoutError(f"{what}: not within {timeout_s:.0f} s (last: {self.now()})")
 
@@ -183,11 +187,15 @@ class Load:
         return self.outcomes
 
 
+def replica_actors() -> dict[str, str]:
+    """The tier's replica actors alive: actor id -> node id."""
+    return {a.actor_id: a.node_id for a in list_actors(filters=[("state", "=", "ALIVE")], limit=10_000) if "ServeReplica" in a.class_name}
+
+
 def kill_node_of_a_replica() -> str:
     """SIGKILL the raylet of a worker node that runs a replica of the tier (its workers die with it);
     returns the node id."""
-    actors = [a for a in list_actors(filters=[("state", "=", "ALIVE")], limit=10_000) if "ServeReplica" in a.class_name]
-    node_id = actors[0].node_id
+    node_id = next(iter(replica_actors().values()))
     for pid in os.listdir("/proc"):
         if not pid.isdigit():
             continue
@@ -221,22 +229,30 @@ def run_autoscaling(*, max_nodes: int = 3, clients: int = 6, time_scale: float =
         serve.run(build_app(ServeConfig.from_dict(args)), name=APP, route_prefix="/")
         report["phases"]["deployed_s"] = round(time.monotonic() - started, 1)
         url = f"http://127.0.0.1:{port}"
+        report["phases"]["load_started"] = watch.now()["t"]
         load = Load(url, clients, watch.started)
         report["phases"]["scaled_up_s"] = round(watch.wait_for("replicas >= 2 on >= 2 nodes", lambda s: (s["replicas"] or 0) >= 2 and s["worker_nodes"] >= 2, timeout_s), 1)
         if kill_node:
             time.sleep(5)
-            killed_at = watch.now()["t"]
-            report["phases"]["killed_node"] = {"node": kill_node_of_a_replica(), "t": killed_at}
-            report["phases"]["replaced_s"] = round(watch.wait_for("a replica again on each of >= 2 nodes", lambda s: s["t"] > killed_at + 2 and (s["replicas"] or 0) >= 2, timeout_s), 1)
-        time.sleep(5)
+            serving, before = watch.now(), set(replica_actors())
+            report["phases"]["killed_node"] = {"node": kill_node_of_a_replica(), "t": serving["t"]}
+            seen = watch.wait_for("the lost node seen gone", lambda s: s["worker_nodes"] < serving["worker_nodes"], timeout_s)
+            report["phases"]["node_seen_gone_s"] = round(seen, 1)
+            back = watch.wait_for("the lost replica replaced (a new replica actor, as many running as before)",
+                                  lambda s: (s["replicas"] or 0) >= serving["replicas"] and set(replica_actors()) - before, timeout_s)  # fmt: skip
+            report["phases"]["replaced_s"] = round(seen + back, 1)
+        time.sleep(5)  # the load on the tier as it is now
         outcomes = load.stop()
-        report["phases"]["scaled_down_s"] = round(watch.wait_for(f"replicas back to {args['min_replicas']}, one node",
-                                                                 lambda s: s["replicas"] == args["min_replicas"] and s["worker_nodes"] <= 1, timeout_s), 1)  # fmt: skip
+        report["phases"]["load_stopped"] = watch.now()["t"]
+        report["phases"]["scaled_down_s"] = round(watch.wait_for(f"replicas back to {args['min_replicas']} on one node", lambda s: s["replicas"] == args["min_replicas"]
+                                                                 and s["worker_nodes"] == 1, timeout_s, hold_s=3.0), 1)  # fmt: skip
         with urllib.request.urlopen(url + "/", timeout=60) as response:
             report["kv_kept_at_the_end"] = json.loads(response.read())["kv_kept_requests"]
+        report["phases"]["deleted"] = watch.now()["t"]
         serve.delete(APP)
-        report["phases"]["emptied_s"] = round(watch.wait_for("no worker node", lambda s: s["worker_nodes"] == 0, timeout_s), 1)
+        report["phases"]["emptied_s"] = round(watch.wait_for("no worker node", lambda s: s["worker_nodes"] == 0, timeout_s, hold_s=3.0), 1)
         watch.stop()
+        report["phases"]["after"] = watch.now()
         report["trajectory"] = watch.samples
         failed = [o for o in outcomes if o["status"] != 200]
         report["outcomes"] = outcomes
@@ -277,8 +293,12 @@ def plot(report: dict, path: Path) -> None:
     ax.step(t, [s["replicas"] or 0 for s in report["trajectory"]], where="post", label="replicas running")
     ax.step(t, [s["worker_nodes"] for s in report["trajectory"]], where="post", label="worker nodes alive")
     ax.step(t, [s["pending_placement_groups"] for s in report["trajectory"]], where="post", label="placement groups waiting", linestyle=":")
-    if "killed_node" in report["phases"]:
-        ax.axvline(report["phases"]["killed_node"]["t"], color="red", linewidth=0.8, label="a node killed")
+    phases = report["phases"]
+    ax.axvspan(phases["load_started"], phases["load_stopped"], color="grey", alpha=0.12, label="load on")
+    if "killed_node" in phases:
+        ax.axvline(phases["killed_node"]["t"], color="red", linewidth=0.8, label="a node killed")
+    ax.axvline(phases["deleted"], color="black", linewidth=0.8, linestyle="--", label="the tier deleted")
+    ax.yaxis.get_major_locator().set_params(integer=True)
     ax.set_xlabel("seconds")
     ax.set_ylabel("count")
     ax.set_title("The tier on Ray's node autoscaler (fake nodes, CPU): load on, then off")
@@ -298,10 +318,11 @@ def main() -> None:
     args = parser.parse_args()
     report = run_autoscaling(max_nodes=args.max_nodes, clients=args.clients, time_scale=args.time_scale, kill_node=not args.no_kill_node)
     report["command"] = "python benchmarks/autoscaling.py " + " ".join(f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items() if v not in (None, False))
+    report["failed_requests"] = [o for o in report.pop("outcomes") if o["status"] != 200]  # the answered ones are counted in "requests"
     args.out.write_text(json.dumps(report, indent=1) + "\n")
     if args.plot:
         plot(report, args.plot)
-    print(json.dumps({k: v for k, v in report.items() if k != "trajectory"}, indent=1))
+    print(json.dumps({k: v for k, v in report.items() if k not in ("trajectory", "failed_requests")}, indent=1))
 
 
 if __name__ == "__main__":
