@@ -214,7 +214,8 @@ def run_autoscaling(*, max_nodes: int = 3, clients: int = 6, time_scale: float =
     cluster_settings, args = shipped_configs(max_nodes, time_scale)
     interval = min(0.5, args["look_back_period_s"] / 2)
     env = {REPORT_INTERVAL_ENV: str(interval), "OMP_NUM_THREADS": "1", "RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S": "30"}
-    os.environ.update(env)
+    saved = {key: os.environ.get(key) for key in env}
+    os.environ.update(env)  # this process's (Serve's controller reads its interval): given back at the end
     fake = FakeNodesCluster(head_resources={"CPU": 0}, **cluster_settings)
     fake.start(override_env=env)
     report: dict = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "settings": {"cluster": cluster_settings, "tier": args,
@@ -266,6 +267,11 @@ def run_autoscaling(*, max_nodes: int = 3, clients: int = 6, time_scale: float =
             serve.shutdown()
             ray.shutdown()
         fake.shutdown()
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
     return report
 
 

@@ -82,7 +82,7 @@ with ``nixl``, NIXL READs."""
     handoff = {i: kinds[k % len(kinds)] for k, i in enumerate(kept)}
     outside, actor = [i for i in kept if handoff[i] != "actor"], [i for i in kept if handoff[i] == "actor"]
     drops = set(rng.sample(outside, min(3, len(outside))))  # these receivers pull over TCP and drop mid-frame
-    decode_kills = set(rng.sample(actor, min(2, len(actor))))
+    decode_kills = set(rng.sample(actor, min(4, len(actor))))  # four: a kill whose KV a worker fault took first has none to pull again
     others = [i for i in range(requests) if i not in drops and i not in decode_kills]
     cancels = {i: rng.uniform(0.0, 0.3) for i in rng.sample(others, requests // 10)}
     faults = []  # (submission index, replica, rank, kind, layer)
