@@ -13,6 +13,7 @@ again on the same port)."""
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -65,7 +66,8 @@ class VLLMServer:
         log = open(self.logs / f"{self.name}-{self.starts}.log", "w")  # noqa: SIM115 -- the server's, for as long as it runs
         command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(self.checkpoint), "--port", str(self.port),
                    "--kv-transfer-config", json.dumps(transfer), *VLLM_ARGS]  # fmt: skip
-        self.process = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT)
+        # a session of its own: a kill takes the server down whole (its engine core and workers too), as a dead host would
+        self.process = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
 
     def wait_up(self, timeout_s: float = 300) -> None:
         deadline = time.monotonic() + timeout_s
@@ -79,7 +81,7 @@ class VLLMServer:
         pytest.fail(f"vLLM did not start within {timeout_s} s: see {self.logs}")
 
     def kill(self) -> None:
-        self.process.kill()
+        os.killpg(self.process.pid, signal.SIGKILL)
         self.process.wait(timeout=60)
 
     def running_requests(self) -> float:

@@ -293,7 +293,7 @@ def test_not_json_and_wrong_method(tier):
 
 def test_no_decode_server_left_gives_503_with_each_reason_and_frees_the_kv(tier):
     status, answer = call(tier + "/dead", "/v1/completions", {"model": MODEL, "prompt": PROMPT, **SAMPLING})
-    assert status == 503
+    assert status == 503, answer
     message = answer["error"]["message"]
     assert message.startswith("no decode server took the request") and message.count("ClientConnectorError") == 2
     deadline = time.monotonic() + 30  # its prefill is cancelled (or, had it finished first, its KV discarded)
