@@ -45,10 +45,11 @@ import numpy as np
 import torch
 from machine import machine  # benchmarks/machine.py
 
+from workers.worker import SAFE_NCCL_ENV
+
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "tests"))
-GPU_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
-os.environ.update(GPU_ENV)  # this process's, and so the Ray workers', environment too
+os.environ.update(SAFE_NCCL_ENV)  # this process's, and so the Ray workers', environment too
 TOKEN = "bench-truth"
 VOCAB = 508  # write_vllm_checkpoint's words; its special ids are left out of the prompts
 
@@ -172,7 +173,7 @@ def main() -> None:
 
     gpu = args.device == "cuda"
     ray.init(num_cpus=os.cpu_count() if gpu else 2, num_gpus=1 if gpu else 0, include_dashboard=False, log_to_driver=False,
-             runtime_env={"env_vars": GPU_ENV})  # fmt: skip
+             runtime_env={"env_vars": SAFE_NCCL_ENV})  # fmt: skip
     work = Path(tempfile.mkdtemp(prefix="bench-truth-"))
     report = {"what": "greedy tokens and latent KV rows of vLLM alone and of the tier + vLLM, each against the float32 truth",
               "date": datetime.date.today().isoformat(), "machine": machine(), "command": " ".join(sys.argv), "engines_dtype": args.dtype,

@@ -320,7 +320,7 @@ class PrefillServer:
             token = first.sample(result.logits) if first.greedy else await asyncio.to_thread(first.sample, result.logits)
             finish = first.finish(token)
             text = "" if finish == "stop" else token_text(self.tokenizer.tokenizer, token_ids, token)
-            ticket = {"mlapool": self.kv.ticket(result, host=self.ticket_host)}
+            ticket = self._ticket(result)
             if text is None:  # not whole on its own: vLLM samples the first token after all
                 forward = self._forward(parsed, parsed.passthrough, token_ids, ticket)
                 upstream = await open_upstream(self.decoders, forward, self.config.decode_timeout_s)
@@ -328,7 +328,7 @@ class PrefillServer:
             head = first_chunk("cmpl-" + result.request_id, self.config.model_name, int(time.time()), text, token, finish,
                                token_ids if first.return_token_ids else None)  # fmt: skip
             if finish is not None:
-                await asyncio.to_thread(self.kv.discard, result)
+                await self._discard(result)
                 return self._local_answer(parsed, head, len(token_ids), result.cached_tokens)
             forward = self._forward(parsed, first.forwarded(parsed.passthrough), token_ids + [token], ticket)
             self.timeline.mark(result.request_id, "forwarded")
@@ -338,9 +338,9 @@ class PrefillServer:
                 return StreamingResponse(self._head_then_relay(head, opening, result, parsed, answer), media_type="text/event-stream")
             upstream = await opening
         except BaseException:  # no decode server took it, or the client left
-            await asyncio.to_thread(self.kv.discard, result)
+            await self._discard(result)
             raise
-        return await self._answer(upstream, result, parsed, answer, head)
+        return await self._answer(upstream, result, parsed, answer)
 
     async def _head_then_relay(self, head: dict[str, Any], opening: asyncio.Future, result, parsed: Parsed, answer: DecodeAnswer):
         """A streamed answer whose first token is the tier's: that token at once, then the decode
@@ -378,7 +378,7 @@ class PrefillServer:
             elif not opening.cancelled():
                 opening.exception()  # retrieved: it was answered as an error event
             if result is not None:
-                await asyncio.to_thread(self.kv.discard, result)
+                await self._discard(result)
 
     def _forward(self, parsed: Parsed, params: dict[str, Any], prompt: list[int], ticket: dict[str, Any]) -> dict[str, Any]:
         """The completion request for a decode server (a stream's with its tokens' ids: where it goes on
@@ -404,9 +404,14 @@ class PrefillServer:
             result = await self._run(token_ids, None, keep_kv=True)
         except HTTPError as exc:
             raise OpenAIError(exc.status, f"the prefill to go on failed: {exc}") from None
-        return result, {"mlapool": self.kv.ticket(result, host=self.ticket_host)}
+        return result, self._ticket(result)
+
+    def _ticket(self, result) -> dict[str, Any]:
+        """``kv_transfer_params`` of a decode request that takes ``result``'s KV."""
+        return {"mlapool": self.kv.ticket(result, host=self.ticket_host)}
 
     async def _discard(self, result) -> None:
+        """Release a prefill's kept KV (the KV server's lock and the pool's call, off the event loop)."""
         await asyncio.to_thread(self.kv.discard, result)
 
     def _eos_id(self) -> int | None:
@@ -424,9 +429,9 @@ class PrefillServer:
             events.append(sse(client_chunk({**head, "choices": [], "usage": counts}, parsed.chat, model, False)))
         return StreamingResponse(iter([*events, b"data: [DONE]\n\n"]), media_type="text/event-stream")
 
-    async def _answer(self, upstream: Upstream, result, parsed: Parsed, answer: DecodeAnswer, head: dict[str, Any] | None = None) -> Response:
-        """The decode servers' answer, as the client's (``head``: the first token's chunk of an answer
-        not streamed, when it was the tier's); the KV is released when it ends however it ends."""
+    async def _answer(self, upstream: Upstream, result, parsed: Parsed, answer: DecodeAnswer) -> Response:
+        """The decode servers' answer, as the client's (behind ``answer.head``, the first token's chunk,
+        when it was the tier's); the KV is released when it ends however it ends."""
         model, cached = self.config.model_name, result.cached_tokens
         if upstream.response.status == 200 and parsed.stream:
             return StreamingResponse(answer.stream(upstream, result), media_type="text/event-stream")
@@ -435,13 +440,13 @@ class PrefillServer:
                 status, body = upstream.response.status, await upstream.response.read()
             finally:
                 await upstream.close()
-                await asyncio.to_thread(self.kv.discard, result)
+                await self._discard(result)
             return Response(body, status_code=status, media_type="application/json")
         status, body = await answer.whole(upstream, result)
         if status == 200:
             completion = json.loads(body)
-            if head is not None:
-                completion = shift(completion, head["id"], head)
+            if answer.head is not None:
+                completion = shift(completion, answer.head["id"], answer.head)
             completion = with_cached_tokens(completion, cached)
             body = json.dumps(chat_answer(completion, model) if parsed.chat else {**completion, "model": model}).encode()
         return Response(body, status_code=status, media_type="application/json")
@@ -466,14 +471,14 @@ class PrefillServer:
                 await prefill  # a cancelled prefill leaves the pool before its next chunk, its KV freed
             kept = self.pool.kept_result(request_id)
             if kept is not None:  # prefilled just before the decode request failed
-                await asyncio.to_thread(self.kv.discard, kept)
+                await self._discard(kept)
             if isinstance(exc, HTTPError):
                 raise OpenAIError(exc.status, str(exc)) from None
             raise
         try:
             return result, await decode
         except BaseException:  # no decode server took it, or the client left
-            await asyncio.to_thread(self.kv.discard, result)
+            await self._discard(result)
             raise
 
 

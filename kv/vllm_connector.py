@@ -192,9 +192,8 @@ class MlapoolConnector(KVConnectorBase_V1):
         meta = MlapoolConnectorMetadata(list(self._pending.values()))
         self._pending.clear()
         if self._loading:  # the step that first runs a loaded request: the second token's step, timed by the worker
-            scheduled = [new.req_id for new in scheduler_output.scheduled_new_reqs]
-            scheduled += list(getattr(scheduler_output.scheduled_cached_reqs, "req_ids", ()))
-            meta.first_steps = [request_id for request_id in scheduled if request_id in self._loading]
+            # a request waiting for its load was never scheduled: its first step lists it among the new ones
+            meta.first_steps = [new.req_id for new in scheduler_output.scheduled_new_reqs if new.req_id in self._loading]
             if meta.first_steps:
                 self._loading.difference_update(meta.first_steps)
                 logger.info("requests %s: first scheduled after their loads at %.6f", meta.first_steps, time.time())

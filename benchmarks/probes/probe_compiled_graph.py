@@ -18,8 +18,8 @@ import datetime
 import json
 import os
 import statistics
-import time
 import sys
+import time
 from pathlib import Path
 
 sys.path[:0] = [str(Path(__file__).resolve().parents[1]), str(Path(__file__).resolve().parents[2])]  # benchmarks/ (machine.py, timing.py, ...), the repository
@@ -31,9 +31,7 @@ from machine import machine  # benchmarks/machine.py
 from cluster.pool import PrefillPool
 from cluster.replica import gather
 from configs.pool import PoolConfig
-from workers.worker import ChunkPiece
-
-GPU_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
+from workers.worker import SAFE_NCCL_ENV, ChunkPiece
 
 
 def spread(seconds: list[float]) -> dict:
@@ -68,9 +66,9 @@ def main() -> None:
     parser.add_argument("--batches", type=int, default=50, help="timed batches per length and way (default 50)")
     args = parser.parse_args()
     gpu = args.device == "cuda"
-    os.environ.update(GPU_ENV)
+    os.environ.update(SAFE_NCCL_ENV)
     ray.init(num_cpus=os.cpu_count() if gpu else 2, num_gpus=args.tp if gpu else 0, include_dashboard=False, log_to_driver=False,
-             runtime_env={"env_vars": GPU_ENV})  # fmt: skip
+             runtime_env={"env_vars": SAFE_NCCL_ENV})  # fmt: skip
     model = {"checkpoint": args.checkpoint} if args.checkpoint else {"model": "tiny"}
     config = PoolConfig(**model, tp=args.tp, device=args.device, use_gpus=gpu, worker_cpus=1.0 if gpu else 0.25, kv_cache_tokens=1 << 14)
     report = {"what": "the pool's per-batch call to its workers: Ray tasks against a Ray Compiled Graph", "date": datetime.date.today().isoformat(),
