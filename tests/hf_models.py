@@ -123,7 +123,7 @@ CHAT_TEMPLATE = (  # roles as words of the vocabulary: w500 system, w501 user, w
 )
 
 
-def write_vllm_checkpoint(path, *, seed=0, dtype=torch.float32, fp8=False, max_positions=4096, one_scale=False):
+def write_vllm_checkpoint(path, *, seed=0, dtype=torch.float32, fp8=False, max_positions=4096, one_scale=False, dense=False):
     """A DeepSeek-V3-architecture MoE checkpoint that vLLM runs: DeepSeek's MLA widths (kv_lora_rank 512,
     rope 64, qk_nope 128, v 128; vLLM's MLA refuses others), everything else tiny and a multiple of 128
     (hidden 256, 4 heads, q LoRA 128, 3 layers: 1 dense + 2 MoE of 16 routed experts of 128, top-4 in 2
@@ -132,7 +132,9 @@ def write_vllm_checkpoint(path, *, seed=0, dtype=torch.float32, fp8=False, max_p
     ``topk_method`` and ``scoring_func``, which transformers does not write and vLLM needs for the
     bias. YaRN stretches ``max_positions // 4`` to ``max_positions``. ``fp8``: the linear layers in DeepSeek's FP8 format (:func:`save_fp8`; the dequantized
     weights beside it, in ``<path>-dequantized``). ``one_scale``: ``lm_head`` and the routing bias drawn at the
-    scale of every other weight, not widened (near-ties in the logits and the routing, as users meet them)."""
+    scale of every other weight, not widened (near-ties in the logits and the routing, as users meet them).
+    ``dense``: all 3 layers dense (``first_k_dense_replace`` 3), for vLLM setups whose MoE the CPU build
+    lacks (data parallelism gathers MoE tokens across ranks, which its CPU communicator cannot)."""
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
@@ -140,7 +142,7 @@ def write_vllm_checkpoint(path, *, seed=0, dtype=torch.float32, fp8=False, max_p
         vocab_size=512, hidden_size=256, intermediate_size=384, moe_intermediate_size=128, num_hidden_layers=3,
         num_attention_heads=4, num_key_value_heads=4, q_lora_rank=128, kv_lora_rank=512, qk_nope_head_dim=128,
         qk_rope_head_dim=64, v_head_dim=128, n_routed_experts=16, num_experts_per_tok=4, n_group=4, topk_group=2,
-        first_k_dense_replace=1, n_shared_experts=1, routed_scaling_factor=2.5, max_position_embeddings=max_positions,
+        first_k_dense_replace=3 if dense else 1, n_shared_experts=1, routed_scaling_factor=2.5, max_position_embeddings=max_positions,
         bos_token_id=508, eos_token_id=509, pad_token_id=510,
         rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": max_positions // 4,
                          "mscale": 1.0, "mscale_all_dim": 1.0},

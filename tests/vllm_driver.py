@@ -7,11 +7,12 @@ and ``benchmarks/bench_vllm_truth.py`` (``vllm_job.run_vllm`` starts it):
 step is ``{"name", "prompts": [[ids], ...], "tickets": [ticket or null, ...]}`` and runs its prompts
 in one ``generate`` call (one at a time when a step has one prompt). For every request ``out.pt``
 holds its greedy tokens and its prompt's KV rows as vLLM's cache holds them once it finished,
-``[layers, prompt tokens, 576]`` (read from the worker's cache before the next step), the tokens
+``[layers, prompt tokens, 576]`` (read from the worker's cache before the next step; those of the
+other tensor-parallel ranks in ``other_ranks_rows``, one per rank after the first), the tokens
 vLLM counted as cached, and how many it computed in the request's first step. The blocks a request
 used and that count come back through ``kv_transfer_params`` from :class:`RecordingConnector`, the
 connector under test with ``request_finished`` telling them; ``_mapper`` holds the state of the
-connector's mapped copies at the end (``kv.mapped``: temporaries left, peak within a chunk).
+first rank's mapped copies at the end (``kv.mapped``: temporaries left, peak within a chunk).
 """
 
 import json
@@ -71,9 +72,10 @@ def main(job_path: str, out_path: str) -> None:
         outputs = llm.generate(requests, params, use_tqdm=False)
         for i, out in enumerate(outputs):
             block_ids = out.kv_transfer_params["block_ids"]
-            rows = llm.collective_rpc(_rows, args=(block_ids, len(step["prompts"][i])))[0]
+            rows, *other_ranks = llm.collective_rpc(_rows, args=(block_ids, len(step["prompts"][i])))
             results[f"{step['name']}/{i}"] = {
-                "tokens": list(out.outputs[0].token_ids), "rows": rows, "cached": out.num_cached_tokens, "block_ids": block_ids,
+                "tokens": list(out.outputs[0].token_ids), "rows": rows, "other_ranks_rows": other_ranks, "cached": out.num_cached_tokens,
+                "block_ids": block_ids,
                 "first_step_tokens": out.kv_transfer_params["first_step_tokens"],
             }  # fmt: skip
     results["_mapper"] = llm.collective_rpc(_mapper_state)[0]

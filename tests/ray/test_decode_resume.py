@@ -13,19 +13,14 @@ The servers run in processes of their own, started once for the module (one is k
 again on the same port)."""
 
 import json
-import os
-import signal
-import socket
-import subprocess
-import sys
 import time
 import urllib.error
 import urllib.request
-from pathlib import Path
 
 import pytest
 from hf_models import write_vllm_checkpoint
 from ray import serve
+from vllm_server import VLLMServer
 
 from cluster.serve import build_app
 from configs.pool import PoolConfig
@@ -45,58 +40,12 @@ PROMPT = [(i * 37) % 500 for i in range(200)]
 GREEDY = {"model": MODEL, "prompt": PROMPT, "temperature": 0.0, "ignore_eos": True}
 
 
-def _free_port() -> int:
-    with socket.create_server(("127.0.0.1", 0)) as sock:
-        return sock.getsockname()[1]
-
-
-class VLLMServer:
-    """A vLLM OpenAI server with mlapool's connector, on a port of its own."""
-
-    def __init__(self, checkpoint: Path, logs: Path, name: str) -> None:
-        self.checkpoint, self.logs, self.name = checkpoint, logs, name
-        self.port, self.process, self.starts = _free_port(), None, 0
-        self.url = f"http://127.0.0.1:{self.port}"
-
-    def start(self) -> None:
-        transfer = {"kv_connector": "MlapoolConnector", "kv_connector_module_path": "kv.vllm_connector", "kv_role": "kv_consumer",
-                    "kv_load_failure_policy": "recompute"}  # fmt: skip
-        env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-        env.update(OMP_NUM_THREADS="1", PYTHONPATH=str(Path(__file__).resolve().parents[2]))
-        self.starts += 1
-        log = open(self.logs / f"{self.name}-{self.starts}.log", "w")  # noqa: SIM115 -- the server's, for as long as it runs
-        command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(self.checkpoint), "--port", str(self.port),
-                   "--kv-transfer-config", json.dumps(transfer), *VLLM_ARGS]  # fmt: skip
-        # a session of its own: a kill takes the server down whole (its engine core and workers too), as a dead host would
-        self.process = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-
-    def wait_up(self, timeout_s: float = 300) -> None:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            assert self.process.poll() is None, f"vLLM exited: see {self.logs}"
-            try:
-                with urllib.request.urlopen(f"{self.url}/health", timeout=2):
-                    return
-            except OSError:
-                time.sleep(1)
-        pytest.fail(f"vLLM did not start within {timeout_s} s: see {self.logs}")
-
-    def kill(self) -> None:
-        os.killpg(self.process.pid, signal.SIGKILL)
-        self.process.wait(timeout=60)
-
-    def running_requests(self) -> float:
-        with urllib.request.urlopen(f"{self.url}/metrics", timeout=10) as response:
-            lines = response.read().decode().splitlines()
-        return sum(float(line.split()[-1]) for line in lines if line.startswith("vllm:num_requests_running"))
-
-
 @pytest.fixture(scope="module")
 def servers(tmp_path_factory):
     checkpoint = tmp_path_factory.mktemp("v3-mla-widths")
     write_vllm_checkpoint(checkpoint, seed=3)
     logs = tmp_path_factory.mktemp("vllm-logs")
-    pair = [VLLMServer(checkpoint, logs, name) for name in ("a", "b")]
+    pair = [VLLMServer(checkpoint, logs, name, VLLM_ARGS) for name in ("a", "b")]
     for server in pair:
         server.start()
     for server in pair:

