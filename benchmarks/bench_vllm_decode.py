@@ -101,7 +101,7 @@ def start_vllm(args, checkpoint: Path, dtype: str, max_len: int, log: Path) -> t
     raise SystemExit(f"the vLLM server did not answer within {args.start_timeout} s; its log: {log}")
 
 
-def start_tier(args, checkpoint: Path, decode_url: str, dtype: str) -> str:
+def start_tier(args, checkpoint: Path, decode_url: str, dtype: str, max_ongoing_requests: int = 8) -> str:
     """Ray, then the Serve tier with one replica whose pool is on this machine's GPU (or CPU)."""
     import ray
     from ray import serve
@@ -121,7 +121,7 @@ def start_tier(args, checkpoint: Path, decode_url: str, dtype: str) -> str:
         worker_cpus=1.0 if gpu else 0.25, moe_rounding=args.moe_rounding, **({"gpu_memory_utilization": args.pool_memory} if gpu else {}),
     )  # fmt: skip
     config = ServeConfig(pool=pool, name="bench", decode_servers=(decode_url,), served_model_name=MODEL, replica_cpus=1.0 if gpu else 0.25,
-                         kv_ttl_s=300.0, max_ongoing_requests=8, max_body_bytes=64 << 20)  # fmt: skip
+                         kv_ttl_s=300.0, max_ongoing_requests=max_ongoing_requests, max_body_bytes=64 << 20)  # fmt: skip
     started = time.monotonic()
     serve.run(build_app(config), name="bench", route_prefix="/")
     print(f"tier up in {time.monotonic() - started:.0f} s", flush=True)

@@ -12,7 +12,9 @@
 # kv-load (benchmarks/bench_kv_load.py: the mapped transport against NIXL READs, no vLLM), truth (benchmarks/
 # bench_vllm_truth.py: vLLM alone and the tier + vLLM against float32, tokens and KV rows; CHECKPOINTS picks the
 # seeds, default all three), probe-cg (benchmarks/probes/probe_compiled_graph.py on the slice: the pool's per-batch
-# call as Ray tasks against a Ray Compiled Graph). vLLM runs as it deploys
+# call as Ray tasks against a Ray Compiled Graph), serving and soak (benchmarks/bench_serving.py: vLLM's serving
+# benchmark against the tier and vLLM alone at RATES on the slice, then vLLM alone on the whole GPU; 10 minutes of
+# the tier at SOAK_RATE, memory sampled; both need an H200 and more than one 10-minute call: run them detached). vLLM runs as it deploys
 # (compiled, CUDA graphs); VLLM_EAGER=1 gives it --enforce-eager. speed needs an H200: the slice's 26.5 GiB of
 # weights twice, and vLLM's 32K prefill, do not fit an H100 (vLLM held 57 GiB there at VLLM_MEMORY=0.45).
 set -uo pipefail
@@ -43,6 +45,11 @@ for step in "$@"; do
     truth) python3 benchmarks/bench_vllm_truth.py --checkpoints ${CHECKPOINTS:-1 2:one-scale 3:one-scale} --out "$out/vllm-decode-truth.json" ;;
     probe-cg) python3 benchmarks/probes/probe_compiled_graph.py --device cuda --tp 1 --checkpoint ${CKPT:-/tmp/v3-5layers} --tokens 16 512 4096 \
                --out "$out/probe-compiled-graph.json" ;;
+    serving) python3 benchmarks/bench_serving.py sweep --checkpoint ${CKPT:-/tmp/v3-5layers} --inputs ${INPUTS:-4096 32768} --output-len 128 \
+               --rates ${RATES:-0.5 1 2 4 inf} --point-s ${POINT_S:-30} --whole-gpu --vllm-memory ${VLLM_MEMORY:-0.4} --kv-cache-tokens 131072 \
+               --out "$out/serving.json" ;;
+    soak) python3 benchmarks/bench_serving.py soak --checkpoint ${CKPT:-/tmp/v3-5layers} --inputs 4096 --output-len 128 --rates ${SOAK_RATE:-2} \
+            --duration-s 600 --vllm-memory ${VLLM_MEMORY:-0.4} --kv-cache-tokens 131072 --out "$out/serving-soak.json" ;;
     kv-load) python3 benchmarks/bench_kv_load.py --layers 61 5 --tokens 32768 4096 --chunk-rows 16384 65536 --out "$out/kv-load.json" ;;
     *) echo "unknown step $step"; exit 2 ;;
   esac

