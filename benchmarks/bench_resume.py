@@ -35,7 +35,7 @@ from pathlib import Path
 from chaos_decode import GPU_ENV, MODEL, in_service, start_tier, vllm_args  # benchmarks/chaos_decode.py
 from machine import machine  # benchmarks/machine.py
 from timing import percentiles  # benchmarks/timing.py
-from vllm_server import VLLMServer  # tests/vllm_server.py, on the path chaos_decode set
+from vllm_server import VLLMServer, running  # tests/vllm_server.py, on the path chaos_decode set
 
 
 def _serving(tier: str) -> list[str]:
@@ -103,32 +103,19 @@ def main() -> None:
         parser.error(f"need 2 < --kill-after < --max-tokens, --probes >= 1, --prompt-len >= 1; got {args.kill_after}, {args.max_tokens}, "
                      f"{args.probes}, {args.prompt_len}")  # fmt: skip
     work = Path(tempfile.mkdtemp(prefix="bench-resume-"))
-    checkpoint = args.checkpoint
-    if checkpoint is None:
-        if args.device != "cpu":
-            parser.error("--checkpoint is needed on the GPU (benchmarks/write_checkpoint.py writes one)")
-        from hf_models import write_vllm_checkpoint  # tests/hf_models.py
+    if args.checkpoint is None and args.device != "cpu":
+        parser.error("--checkpoint is needed on the GPU (benchmarks/write_checkpoint.py writes one)")
+    from hf_models import tiny_vllm_checkpoint  # tests/hf_models.py
 
-        checkpoint = work / "tiny"
-        write_vllm_checkpoint(checkpoint, seed=args.seed)
+    checkpoint = args.checkpoint or tiny_vllm_checkpoint(work, args.seed)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     env = {} if args.device == "cpu" else {**GPU_ENV, "PYTHONPATH": os.pathsep.join(filter(None, [args.vllm_pythonpath, str(Path(__file__).resolve().parents[1])]))}
     max_len = args.prompt_len + args.max_tokens + 64
     servers = [VLLMServer(checkpoint, work, name, vllm_args(args.device, max_len, args.vllm_memory), env=env) for name in ("a", "b")]
-    for server in servers:  # one at a time on a GPU: each measures the memory the other left
-        server.start()
-        if args.device != "cpu":
-            server.wait_up(900)
-    try:
-        for server in servers:
-            server.wait_up(900)
+    with running(servers, one_at_a_time=args.device != "cpu"):
         tier = start_tier(checkpoint, servers, device=args.device)
         summary = probe_resumptions(tier, servers, prompt_len=args.prompt_len, max_tokens=args.max_tokens, kill_after=args.kill_after,
                                     probes=args.probes, seed=args.seed)  # fmt: skip
-    finally:
-        for server in servers:
-            if server.process is not None and server.process.poll() is None:
-                server.kill()
     report = {"what": "bench_resume: a streamed answer whose decode server is killed, from the break to the next token",
               "date": datetime.date.today().isoformat(), "machine": machine(), "command": " ".join(sys.argv), "checkpoint": str(checkpoint),
               **summary}  # fmt: skip

@@ -327,14 +327,11 @@ def main() -> None:
         parser.error("soak needs a finite rate (the first of --rates)")
     args.transport, args.moe_rounding = "auto", "reference"  # what start_vllm and start_tier read
     work = Path(tempfile.mkdtemp(prefix="bench-serving-"))
-    checkpoint = args.checkpoint
-    if checkpoint is None:
-        if args.device != "cpu":
-            parser.error("--checkpoint is needed on the GPU (benchmarks/write_checkpoint.py writes one)")
-        from hf_models import write_vllm_checkpoint  # tests/hf_models.py, on the path bench_vllm_decode set
+    if args.checkpoint is None and args.device != "cpu":
+        parser.error("--checkpoint is needed on the GPU (benchmarks/write_checkpoint.py writes one)")
+    from hf_models import tiny_vllm_checkpoint  # tests/hf_models.py, on the path bench_vllm_decode set
 
-        checkpoint = work / "tiny"
-        write_vllm_checkpoint(checkpoint, seed=args.seed)
+    checkpoint = args.checkpoint or tiny_vllm_checkpoint(work, args.seed)
     dtype = "float32" if args.device == "cpu" else "bfloat16"
     args.max_len = max(args.inputs) + args.output_len + 16
     report = {"what": f"bench_serving {args.mode}: vLLM's serving benchmark against the tier's /v1/completions and vLLM alone",

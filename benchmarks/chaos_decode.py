@@ -47,7 +47,7 @@ from machine import machine  # benchmarks/machine.py
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "tests"))
-from vllm_server import VLLMServer  # noqa: E402 -- tests/vllm_server.py
+from vllm_server import VLLMServer, running  # noqa: E402 -- tests/vllm_server.py
 
 MODEL = "mla-tiny"
 GPU_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1", "VLLM_DEEP_GEMM_WARMUP": "skip"}
@@ -300,19 +300,10 @@ def main() -> None:
     work = Path(tempfile.mkdtemp(prefix="chaos-decode-"))
     checkpoint = work / "v3-mla-widths"
     write_vllm_checkpoint(checkpoint, seed=3)
-    servers = [VLLMServer(checkpoint, work, f"vllm-{k}", vllm_args()) for k in range(args.servers)]
-    for server in servers:
-        server.start()
-    try:
-        for server in servers:
-            server.wait_up()
+    with running([VLLMServer(checkpoint, work, f"vllm-{k}", vllm_args()) for k in range(args.servers)]) as servers:
         tier = start_tier(checkpoint, servers)
         summary = run_decode_chaos(tier, servers, requests=args.requests, in_flight=args.in_flight, kills=args.kills,
                                    max_tokens=args.max_tokens, seed=args.seed)  # fmt: skip
-    finally:
-        for server in servers:
-            if server.process.poll() is None:
-                server.kill()
     report = {"what": "chaos_decode: the tier's OpenAI endpoint in front of vLLM decode servers killed mid-answer",
               "date": datetime.now(timezone.utc).date().isoformat(), "machine": machine(), "command": " ".join(sys.argv), **summary}  # fmt: skip
     args.out.parent.mkdir(parents=True, exist_ok=True)

