@@ -35,7 +35,7 @@ from pathlib import Path
 from chaos_decode import GPU_ENV, MODEL, in_service, start_tier, vllm_args  # benchmarks/chaos_decode.py
 from machine import machine  # benchmarks/machine.py
 from timing import percentiles  # benchmarks/timing.py
-from vllm_server import VLLMServer, running  # tests/vllm_server.py, on the path chaos_decode set
+from vllm_server import VLLMServer, running, stream_events  # tests/vllm_server.py, on the path chaos_decode set
 
 
 def _serving(tier: str) -> list[str]:
@@ -48,27 +48,25 @@ def probe(tier: str, servers: list[VLLMServer], prompt: list[int], *, max_tokens
     body = {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True, "return_token_ids": True,
             "stream": True, "stream_options": {"include_usage": True}}  # fmt: skip
     request = urllib.request.Request(tier + "/v1/completions", data=json.dumps(body).encode(), headers={"content-type": "application/json"})
-    arrivals, chunks, killed = [], [], {}
+    arrivals, killed = [], {}
+
+    def arrived(count: int) -> None:
+        arrivals.append(time.monotonic())
+        if count == kill_after:
+            victim = next(s for s in servers if s.url in _serving(tier))
+            killed.update(server=victim.url, at=time.monotonic())
+            victim.kill()
+            restarts.append(threading.Thread(target=lambda: (victim.start(), victim.wait_up())))
+            restarts[-1].start()
+
     with urllib.request.urlopen(request, timeout=600) as response:
-        for raw in response:
-            line = raw.decode().strip()
-            if not line.startswith("data: "):
-                continue
-            data = line[len("data: ") :]
-            arrivals.append(time.monotonic())
-            if data != "[DONE]":
-                chunks.append(json.loads(data))
-            if len(arrivals) == kill_after and not killed:
-                victim = next(s for s in servers if s.url in _serving(tier))
-                killed.update(server=victim.url, at=time.monotonic())
-                victim.kill()
-                restarts.append(threading.Thread(target=lambda v=victim: (v.start(), v.wait_up())))
-                restarts[-1].start()
+        events = stream_events(response, arrived)
+    chunks = [e for e in events if e != "[DONE]"]
     tokens = [t for c in chunks for choice in c.get("choices", []) for t in choice.get("token_ids") or []]
     after = [t for t in arrivals if t > killed["at"]]
     before = [b - a for a, b in zip(arrivals[1:kill_after], arrivals[2:kill_after])]  # token to token (the tier's first token excluded)
     return {"killed": killed["server"], "break_to_next_token_s": round(after[0] - killed["at"], 4), "inter_token_before_s": round(statistics.median(before), 4),
-            "whole": len(tokens) == max_tokens and len({c["id"] for c in chunks}) == 1 and arrivals and data == "[DONE]" and "error" not in chunks[-1]}  # fmt: skip
+            "whole": len(tokens) == max_tokens and len({c["id"] for c in chunks}) == 1 and events[-1] == "[DONE]" and "error" not in chunks[-1]}  # fmt: skip
 
 
 def probe_resumptions(tier: str, servers: list[VLLMServer], *, prompt_len: int, max_tokens: int = 128, kill_after: int = 20, probes: int = 5,

@@ -56,11 +56,11 @@ import sys
 import tempfile
 import threading
 import time
-import urllib.request
 from pathlib import Path
 
 import numpy as np
 from bench_vllm_decode import MODEL, REPO, start_tier, start_vllm  # benchmarks/bench_vllm_decode.py
+from chaos_decode import ray_counter, tier_info  # benchmarks/chaos_decode.py
 from machine import machine  # benchmarks/machine.py
 
 METRICS = ("ttft", "tpot", "itl")
@@ -226,19 +226,7 @@ def _growth(samples: list[dict], series: str, warmup_s: float) -> dict:
 
 def _requests_ok(pool: str) -> float:
     """``ray_mlapool_requests_total{status="ok"}`` of ``pool`` on Ray's Prometheus endpoint of this node."""
-    import ray
-
-    node = next(n for n in ray.nodes() if n["Alive"] and n["NodeManagerAddress"] == ray.util.get_node_ip_address())
-    with urllib.request.urlopen(f"http://{node['NodeManagerAddress']}:{node['MetricsExportPort']}/metrics", timeout=10) as response:
-        lines = response.read().decode().splitlines()
-    return sum(float(line.rsplit(" ", 1)[1]) for line in lines
-               if line.startswith("ray_mlapool_requests_total") and 'status="ok"' in line and f'pool="{pool}"' in line)  # fmt: skip
-
-
-def _info(url: str, key: str | None) -> dict:
-    request = urllib.request.Request(url + "/", headers={"Authorization": f"Bearer {key}"} if key else {})
-    with urllib.request.urlopen(request, timeout=60) as response:
-        return json.loads(response.read())
+    return ray_counter("ray_mlapool_requests_total", 'status="ok"', f'pool="{pool}"')
 
 
 def soak(url: str, *, pool: str, vllm_pid: int, duration_s: float, rate: float, sample_s: float = 10.0, warmup_s: float = 60.0,
@@ -273,7 +261,7 @@ def soak(url: str, *, pool: str, vllm_pid: int, duration_s: float, rate: float, 
     deadline = time.monotonic() + 60  # Ray exports the counters every few seconds
     while (counted := _requests_ok(pool) - before_ok) < result["completed"] and time.monotonic() < deadline:
         time.sleep(1.0)
-    state = _info(url, key)
+    state = tier_info(url, key)
     series = [name for name in samples[0] if name != "t_s"]
     if sum(sample["t_s"] >= warmup_s for sample in samples) < 3:
         raise ValueError(f"a soak of {duration_s} s sampled every {sample_s} s leaves fewer than 3 samples after its warm-up of {warmup_s} s")

@@ -93,8 +93,10 @@ def start_vllm(args, checkpoint: Path, dtype: str, max_len: int, log: Path) -> t
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "TRITON_INTERPRET")}
     env.update(GPU_ENV, PYTHONPATH=os.pathsep.join(filter(None, [args.vllm_pythonpath, str(REPO)])), VLLM_DEEP_GEMM_WARMUP="skip", OMP_NUM_THREADS="1")
     ranks = args.vllm_tp * args.vllm_dp
-    if args.device == "cpu" and ranks > 1:  # vLLM's CPU workers bind threads to NUMA nodes, one each: a core each instead
-        env["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(str(core % (os.cpu_count() or 1)) for core in range(ranks))
+    if args.device == "cpu" and ranks > 1:
+        from vllm_server import cpu_binding  # tests/vllm_server.py
+
+        env.update(cpu_binding(ranks))
     process = subprocess.Popen(command, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT)
     url, started = f"http://127.0.0.1:{port}", time.monotonic()
     while time.monotonic() - started < args.start_timeout:

@@ -116,8 +116,10 @@ def engines(checkpoint: Path, prompts: list[list[int]], steps: int, args, workdi
         env = {}
         if args.vllm_tp > 1:  # rank 0 loads, kv.tp_relay gives the rows to the others
             engine["tensor_parallel_size"] = args.vllm_tp
-            if args.device == "cpu":  # vLLM's CPU workers bind threads to NUMA nodes, one each: a core each instead
-                env["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(str(rank % (os.cpu_count() or 1)) for rank in range(args.vllm_tp))
+            if args.device == "cpu":
+                from vllm_server import cpu_binding  # tests/vllm_server.py
+
+                env = cpu_binding(args.vllm_tp)
         job = {"model": str(checkpoint), "extra_config": {"token": TOKEN, "timeout_s": 60.0}, "engine": engine, "max_tokens": steps, "steps": job_steps}
         done = run_vllm(job, workdir, vllm_pythonpath=args.vllm_pythonpath, env=env)["results"]
         left = [r.request_id for r in pool.kept_results()]

@@ -45,12 +45,14 @@ from pathlib import Path
 
 from machine import machine  # benchmarks/machine.py
 
+from workers.worker import SAFE_NCCL_ENV
+
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "tests"))
-from vllm_server import VLLMServer, running  # noqa: E402 -- tests/vllm_server.py
+from vllm_server import VLLMServer, running, stream_events  # noqa: E402 -- tests/vllm_server.py
 
 MODEL = "mla-tiny"
-GPU_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1", "VLLM_DEEP_GEMM_WARMUP": "skip"}
+GPU_ENV = {**SAFE_NCCL_ENV, "VLLM_DEEP_GEMM_WARMUP": "skip"}
 
 
 def vllm_args(device: str = "cpu", max_len: int = 2048, memory: float = 0.25) -> list[str]:
@@ -69,7 +71,7 @@ def in_service(tier: str, restarts: list[threading.Thread], timeout_s: float = 6
     for thread in restarts:
         thread.join(timeout_s)
     deadline = time.monotonic() + 60
-    while time.monotonic() < deadline and any(s["ejected"] for s in _info(tier)["decode_servers"]):
+    while time.monotonic() < deadline and any(s["ejected"] for s in tier_info(tier)["decode_servers"]):
         time.sleep(0.2)
 
 
@@ -83,25 +85,28 @@ def plan(requests: int, kills: int, max_tokens: int, seed: int) -> dict:
     return {"requests": work, "kills": [{"at_request": i, "all": k == kills - 1} for k, i in enumerate(at)]}
 
 
-def _info(tier: str) -> dict:
-    with urllib.request.urlopen(tier + "/", timeout=60) as response:
+def tier_info(url: str, key: str | None = None) -> dict:
+    """The tier's ``GET /`` (with its API key when it has one)."""
+    request = urllib.request.Request(url + "/", headers={"Authorization": f"Bearer {key}"} if key else {})
+    with urllib.request.urlopen(request, timeout=60) as response:
         return json.loads(response.read())
 
 
-def _resumed_metric(at_least: float, timeout_s: float = 60.0) -> float:
-    """``ray_mlapool_decode_server_events_total{event="resumed"}`` summed over servers, as Ray's
-    Prometheus endpoint on this node exports it (a few seconds behind): waited for until ``at_least``."""
+def ray_counter(name: str, *selectors: str) -> float:
+    """The sum of the series of ``name`` whose labels contain every one of ``selectors`` (``'event="resumed"'``),
+    as Ray's Prometheus endpoint on this node exports them now (a few seconds behind the counts)."""
     import ray
 
     node = next(n for n in ray.nodes() if n["Alive"] and n["NodeManagerAddress"] == ray.util.get_node_ip_address())
-    deadline, value = time.monotonic() + timeout_s, 0.0
-    while time.monotonic() < deadline:
-        with urllib.request.urlopen(f"http://{node['NodeManagerAddress']}:{node['MetricsExportPort']}/metrics", timeout=10) as response:
-            lines = response.read().decode().splitlines()
-        value = sum(float(line.rsplit(" ", 1)[1]) for line in lines
-                    if line.startswith("ray_mlapool_decode_server_events_total") and 'event="resumed"' in line)  # fmt: skip
-        if value >= at_least:
-            break
+    with urllib.request.urlopen(f"http://{node['NodeManagerAddress']}:{node['MetricsExportPort']}/metrics", timeout=10) as response:
+        lines = response.read().decode().splitlines()
+    return sum(float(line.rsplit(" ", 1)[1]) for line in lines if line.startswith(name) and all(s in line for s in selectors))
+
+
+def _resumed_metric(at_least: float, timeout_s: float = 60.0) -> float:
+    """``ray_mlapool_decode_server_events_total{event="resumed"}`` summed over servers, waited for until ``at_least``."""
+    deadline = time.monotonic() + timeout_s
+    while (value := ray_counter("ray_mlapool_decode_server_events_total", 'event="resumed"')) < at_least and time.monotonic() < deadline:
         time.sleep(1.0)
     return value
 
@@ -121,12 +126,7 @@ def ask(tier: str, item: dict) -> dict:
                 tokens = len(answer["choices"][0]["token_ids"])
                 ok = tokens == item["max_tokens"] == answer["usage"]["completion_tokens"]
                 return {"outcome": "completed" if ok else "truncated", "tokens": tokens, "s": round(time.monotonic() - started, 3)}
-            events = []
-            for raw in response:
-                line = raw.decode().strip()
-                if line.startswith("data: "):
-                    data = line[len("data: ") :]
-                    events.append(data if data == "[DONE]" else json.loads(data))
+            events = stream_events(response)
     except urllib.error.HTTPError as exc:
         try:
             error = json.loads(exc.read()).get("error") or {}
@@ -162,7 +162,7 @@ def run_decode_chaos(tier: str, servers: list[VLLMServer], *, requests: int = 40
     ``violations``."""
     work = plan(requests, kills, max_tokens, seed)
     by_url = {s.url: s for s in servers}
-    before = _info(tier)
+    before = tier_info(tier)
     outcomes: dict[int, dict] = {}
     killed: list[dict] = []
     restarts: list[threading.Thread] = []
@@ -176,7 +176,7 @@ def run_decode_chaos(tier: str, servers: list[VLLMServer], *, requests: int = 40
     def kill(plan_item: dict) -> None:
         deadline = time.monotonic() + 30  # a server with answers in flight: the kill lands mid-answer
         while True:
-            state = {s["url"]: s for s in _info(tier)["decode_servers"]}
+            state = {s["url"]: s for s in tier_info(tier)["decode_servers"]}
             busy = sorted((s for s in state.values() if s["ejected"] is None and s["outstanding"] > 0), key=lambda s: -s["outstanding"])
             if busy or time.monotonic() > deadline:
                 break
@@ -213,7 +213,7 @@ def run_decode_chaos(tier: str, servers: list[VLLMServer], *, requests: int = 40
             if due:  # once request i (or another) is being answered
                 kill(schedule.pop(0))
     in_service(tier, restarts)
-    after = _info(tier)
+    after = tier_info(tier)
 
     violations: list[str] = []
     counts: dict[str, int] = {}

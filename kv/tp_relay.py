@@ -42,6 +42,12 @@ logger = logging.getLogger(f"vllm.{__name__}")  # under vLLM's logger, as the co
 RELAY_BYTES = 64 << 20  # the staging buffer of each rank: one chunk of rows, every layer
 
 
+def loaded_blocks(block_ids: list[int], start: int, end: int, block_size: int) -> set[int]:
+    """The blocks holding tokens ``start`` to ``end`` of a request whose blocks are ``block_ids``
+    (token order): those vLLM recomputes when their load failed."""
+    return set(block_ids[start // block_size : -(-end // block_size)])
+
+
 @dataclass(frozen=True)
 class Relayed:
     """A load as the leader relays it: vLLM's request, its blocks (token order, from token 0), the
@@ -143,7 +149,7 @@ class TPRelay:
                 item = header[0]
                 if item is None:
                     return
-                loaded = set(item.block_ids[item.start // self.block_size : -(-item.end // self.block_size)])
+                loaded = loaded_blocks(item.block_ids, item.start, item.end, self.block_size)
                 if item.failed:
                     self.on_received(item.request_id, loaded)
                     continue

@@ -67,7 +67,7 @@ from kv.frames import config_fingerprint, prompt_digest
 from kv.mapped import Mapper
 from kv.nixl import NixlEndpoint
 from kv.receiver import KVReceiver, resolve_transports
-from kv.tp_relay import Relayed, TPRelay
+from kv.tp_relay import Relayed, TPRelay, loaded_blocks
 
 logger = init_logger(f"vllm.{__name__}")  # under vLLM's logger: its format and level, in its log
 
@@ -329,7 +329,7 @@ class _LoadWorker:
             done_at, after_begin = time.time(), time.perf_counter() - began[0]
         except Exception as exc:  # noqa: BLE001 -- any failure becomes vLLM's load error: it recomputes
             logger.warning("request %s: KV load of mlapool request %r failed, vLLM recomputes it: %s", load.request_id, ticket.request_id, exc)
-            failed = set(load.block_ids[load.start // self.block_size : -(-ticket.tokens // self.block_size)])
+            failed = loaded_blocks(load.block_ids, load.start, ticket.tokens, self.block_size)
         if self.relay is not None:
             self.relay.send(Relayed(load.request_id, load.block_ids, load.start, ticket.tokens, bool(failed)))
         self._finish(load.request_id, failed)

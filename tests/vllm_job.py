@@ -7,6 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import torch
 
 # vLLM's CPU MLA backend, float32, no prefix cache (every prompt prefilled or loaded whole), a small
@@ -16,6 +17,11 @@ CPU_ENGINE = {
     "enable_prefix_caching": False, "skip_tokenizer_init": True, "gpu_memory_utilization": 0.25,
     "kv_cache_memory_bytes": 24 << 20, "seed": 0,
 }  # fmt: skip
+
+
+def random_prompt(n: int, seed: int) -> list[int]:
+    """``n`` token ids of the tiny checkpoint's vocabulary (its 508 words), drawn from ``seed``."""
+    return [int(t) for t in np.random.default_rng(seed).integers(0, 508, size=n)]
 
 
 def run_vllm(job: dict, workdir: Path, *, vllm_pythonpath: str | None = None, timeout_s: float = 900, env: dict | None = None) -> dict:

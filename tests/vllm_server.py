@@ -15,6 +15,25 @@ from pathlib import Path
 REPOSITORY = Path(__file__).resolve().parents[1]
 
 
+def cpu_binding(ranks: int) -> dict[str, str]:
+    """The environment for vLLM's CPU workers of ``ranks`` ranks on this machine: they bind their threads
+    to a NUMA node each, and there is one here; a core each instead."""
+    return {"VLLM_CPU_OMP_THREADS_BIND": "|".join(str(rank % (os.cpu_count() or 1)) for rank in range(ranks))}
+
+
+def stream_events(response, on_event=None) -> list:
+    """An OpenAI stream's events (JSON objects, and "[DONE]") as they come; ``on_event(count)`` after each."""
+    events = []
+    for raw in response:
+        line = raw.decode().strip()
+        if line.startswith("data: "):
+            data = line[len("data: ") :]
+            events.append(data if data == "[DONE]" else json.loads(data))
+            if on_event is not None:
+                on_event(len(events))
+    return events
+
+
 def free_port() -> int:
     with socket.create_server(("127.0.0.1", 0)) as sock:
         return sock.getsockname()[1]

@@ -21,6 +21,7 @@ import pytest
 from hf_models import write_vllm_checkpoint
 from ray import serve
 from vllm_server import VLLMServer, running
+from vllm_server import stream_events as events
 
 from cluster.serve import build_app
 from configs.pool import PoolConfig
@@ -65,19 +66,6 @@ def tier(ray_cluster, servers):
 def post(url: str, body: dict, timeout: float = 300):
     request = urllib.request.Request(url + "/v1/completions", data=json.dumps(body).encode(), headers={"content-type": "application/json"})
     return urllib.request.urlopen(request, timeout=timeout)
-
-
-def events(response, on_event=None) -> list:
-    """A stream's events (JSON, or "[DONE]") as they come; ``on_event(count)`` after each."""
-    out = []
-    for raw in response:
-        line = raw.decode().strip()
-        if line.startswith("data: "):
-            data = line[len("data: ") :]
-            out.append(data if data == "[DONE]" else json.loads(data))
-            if on_event is not None:
-                on_event(len(out))
-    return out
 
 
 def info(url: str) -> dict:

