@@ -30,10 +30,14 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 from machine import machine  # benchmarks/machine.py
 from timing import percentiles  # benchmarks/timing.py
+
+if TYPE_CHECKING:
+    from configs.pool import PoolConfig
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 GPU_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}

@@ -1,13 +1,18 @@
 """What a decode server's death costs a streaming client: the time from the break to the next token.
 
 The tier's OpenAI endpoint in front of two vLLM decode servers (mlapool's connector). Each probe
-streams one greedy answer of ``--max-tokens`` tokens to a prompt of ``--prompt-len`` tokens; after
-``--kill-after`` events the server answering it is killed (SIGKILL of the whole server), and the
-answer goes on on the other one (``cluster.decode_answer``: the prompt and the tokens already sent
-prefilled again, the prompt from the pool's prefix cache, and handed over with a ticket). Measured
-per probe, on the client's clock: the time from just before the kill to the next token, beside the
-answer's ordinary time between tokens before the kill; and that the answer is whole (every token,
-one id, ``[DONE]``). The killed server is started again and taken back before the next probe.
+streams one greedy answer of ``--max-tokens`` tokens to a prompt of ``--prompt-len`` tokens; once the
+server answering it has generated ``--kill-after`` tokens (vLLM's metrics: ``vllm_server.KillMidAnswer``)
+it is killed (SIGKILL of the whole server), and the answer goes on on the other one
+(``cluster.decode_answer``: the prompt and the tokens already sent prefilled again, the prompt from the
+pool's prefix cache, and handed over with a ticket). Measured per probe, on the client's clock: the
+time from just before the kill to the resumed server's first token, the first after the longest
+silence from the kill on (tokens the killed server generated that were still on their way come
+first), and that silence, the stall the client sees (``stall_s``), beside the answer's ordinary time
+between tokens (the median gap); the tier's own stall (``GET /``'s ``decode_resume_stalls_s``: from
+the break it saw to the next server's first token it relayed, ``tier_stall_s``); and that the answer
+is whole (every token, one id, ``[DONE]``).
+The killed server is started again and taken back before the next probe.
 
     # one GPU (an H200: the slice three times, the pool's and two servers'), vLLM's site from the bundle
     python benchmarks/bench_resume.py --device cuda --checkpoint /tmp/v3-5layers --vllm-pythonpath /tmp/vllm-site \\
@@ -32,40 +37,41 @@ import time
 import urllib.request
 from pathlib import Path
 
-from chaos_decode import GPU_ENV, MODEL, in_service, start_tier, vllm_args  # benchmarks/chaos_decode.py
+from chaos_decode import GPU_ENV, MODEL, in_service, start_tier, tier_info, vllm_args  # benchmarks/chaos_decode.py
 from machine import machine  # benchmarks/machine.py
 from timing import percentiles  # benchmarks/timing.py
-from vllm_server import VLLMServer, running, stream_events  # tests/vllm_server.py, on the path chaos_decode set
-
-
-def _serving(tier: str) -> list[str]:
-    with urllib.request.urlopen(tier + "/", timeout=60) as response:
-        return [s["url"] for s in json.loads(response.read())["decode_servers"] if s["outstanding"] > 0]
+from vllm_server import KillMidAnswer, VLLMServer, running, stream_events  # tests/vllm_server.py, on the path chaos_decode set
 
 
 def probe(tier: str, servers: list[VLLMServer], prompt: list[int], *, max_tokens: int, kill_after: int, restarts: list) -> dict:
-    """One streamed answer whose server is killed after ``kill_after`` events: the timings and whether it is whole."""
+    """One streamed answer whose server is killed once it has generated ``kill_after`` tokens: the
+    timings and whether it is whole."""
     body = {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True, "return_token_ids": True,
             "stream": True, "stream_options": {"include_usage": True}}  # fmt: skip
     request = urllib.request.Request(tier + "/v1/completions", data=json.dumps(body).encode(), headers={"content-type": "application/json"})
-    arrivals, killed = [], {}
-
-    def arrived(count: int) -> None:
-        arrivals.append(time.monotonic())
-        if count == kill_after:
-            victim = next(s for s in servers if s.url in _serving(tier))
-            killed.update(server=victim.url, at=time.monotonic())
-            victim.kill()
-            restarts.append(threading.Thread(target=lambda: (victim.start(), victim.wait_up())))
-            restarts[-1].start()
-
+    arrivals: list[float] = []
+    stalls_before = len(tier_info(tier)["decode_resume_stalls_s"])
+    killer = KillMidAnswer(servers, after_tokens=kill_after)
     with urllib.request.urlopen(request, timeout=600) as response:
-        events = stream_events(response, arrived)
+        events = stream_events(response, lambda count: arrivals.append(time.monotonic()))
+    killer.join()
+    if killer.victim is None:
+        raise RuntimeError(killer.error)
+    restarts.append(threading.Thread(target=lambda: (killer.victim.start(), killer.victim.wait_up())))
+    restarts[-1].start()
     chunks = [e for e in events if e != "[DONE]"]
     tokens = [t for c in chunks for choice in c.get("choices", []) for t in choice.get("token_ids") or []]
-    after = [t for t in arrivals if t > killed["at"]]
-    before = [b - a for a, b in zip(arrivals[1:kill_after], arrivals[2:kill_after])]  # token to token (the tier's first token excluded)
-    return {"killed": killed["server"], "break_to_next_token_s": round(after[0] - killed["at"], 4), "inter_token_before_s": round(statistics.median(before), 4),
+    # after the kill the client may first get tokens the killed server generated that were still on
+    # their way (in the relay's buffers); the resumed server's first token is the one after the
+    # longest silence from the kill on, and that silence is the stall the client sees
+    after = [killer.at, *(t for t in arrivals if t > killer.at)]
+    resumed_at = max(range(1, len(after)), key=lambda k: after[k] - after[k - 1])
+    gaps = [b - a for a, b in zip(arrivals[1:], arrivals[2:])]  # the tier's first token excluded; the break is one gap of many
+    tier_stalls = tier_info(tier)["decode_resume_stalls_s"][stalls_before:]  # the tier's own: the break seen to the next token relayed
+    return {"killed": killer.victim.url, "generated_at_kill": killer.generated, "break_to_next_token_s": round(after[resumed_at] - killer.at, 4),
+            "stall_s": round(after[resumed_at] - after[resumed_at - 1], 4), "tier_stall_s": tier_stalls[0] if len(tier_stalls) == 1 else None,
+            "tokens_after_kill_before_resumption": resumed_at - 1,
+            "inter_token_s": round(statistics.median(gaps), 4),
             "whole": len(tokens) == max_tokens and len({c["id"] for c in chunks}) == 1 and events[-1] == "[DONE]" and "error" not in chunks[-1]}  # fmt: skip
 
 
@@ -80,8 +86,9 @@ def probe_resumptions(tier: str, servers: list[VLLMServer], *, prompt_len: int, 
         log(f"probe {k}: {runs[-1]}")
     in_service(tier, restarts)
     return {"prompt_len": prompt_len, "max_tokens": max_tokens, "kill_after": kill_after, "probes": runs,
-            "break_to_next_token_s": percentiles([r["break_to_next_token_s"] for r in runs]),
-            "inter_token_before_s": percentiles([r["inter_token_before_s"] for r in runs]), "all_whole": all(r["whole"] for r in runs)}  # fmt: skip
+            "break_to_next_token_s": percentiles([r["break_to_next_token_s"] for r in runs]), "stall_s": percentiles([r["stall_s"] for r in runs]),
+            "tier_stall_s": percentiles([r["tier_stall_s"] for r in runs if r["tier_stall_s"] is not None]),
+            "inter_token_s": percentiles([r["inter_token_s"] for r in runs]), "all_whole": all(r["whole"] for r in runs)}  # fmt: skip
 
 
 def main() -> None:
@@ -92,7 +99,7 @@ def main() -> None:
     parser.add_argument("--vllm-memory", type=float, default=0.25, help="each server's --gpu-memory-utilization (default 0.25)")
     parser.add_argument("--prompt-len", type=int, default=4096)
     parser.add_argument("--max-tokens", type=int, default=128)
-    parser.add_argument("--kill-after", type=int, default=20, help="events of the stream before the kill (default 20)")
+    parser.add_argument("--kill-after", type=int, default=20, help="tokens the server generates before it is killed (default 20)")
     parser.add_argument("--probes", type=int, default=5)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, required=True)

@@ -6,8 +6,9 @@ again on the same port; an account of how every answer ended.
 The requests (``--requests``, at most ``--in-flight`` at a time) are greedy completions of random
 prompts with ``max_tokens`` drawn from 16 to ``--max-tokens`` and ``ignore_eos``, three in four
 streamed (``stream_options.include_usage``). At each kill of the schedule, once every server is in
-service again (started and re-admitted by the tier), the server with the most answers in flight is
-killed and started again at once; the last kill takes every server down at once. Every answer must
+service again (started and re-admitted by the tier), the server generating the most answers (vLLM's
+``vllm:num_requests_running``: the tier may still be relaying an answer vLLM has finished) is killed
+and started again at once; the last kill takes every server down at once. Every answer must
 end one of two ways:
 
 - completed: a stream whose events carry exactly ``max_tokens`` tokens, a ``finish_reason``, usage
@@ -19,7 +20,8 @@ Anything else (a stream that stops without ``[DONE]``, or with ``[DONE]`` but sh
 and without an error event; more or fewer tokens than asked) is a silent truncation, a violation.
 At the end, once every server is back in service (re-admitted after answering ``/health``): no KV
 held by the tier, no answer in flight at any server, each server ejected at most once per kill and
-re-admitted as often, and the resumptions Prometheus counts (Ray's metrics endpoint) those of ``GET /``.
+re-admitted as often, and the resumptions Prometheus counts (Ray's metrics endpoint) those of ``GET /``,
+as the stalls of streamed answers resumed (``ray_mlapool_decode_resume_stall_seconds``) are.
 
     python benchmarks/chaos_decode.py --out benchmarks/results/<date>-cpu-chaos-decode.json
 
@@ -103,10 +105,10 @@ def ray_counter(name: str, *selectors: str) -> float:
     return sum(float(line.rsplit(" ", 1)[1]) for line in lines if line.startswith(name) and all(s in line for s in selectors))
 
 
-def _resumed_metric(at_least: float, timeout_s: float = 60.0) -> float:
-    """``ray_mlapool_decode_server_events_total{event="resumed"}`` summed over servers, waited for until ``at_least``."""
+def _metric_at_least(at_least: float, name: str, *selectors: str, timeout_s: float = 60.0) -> float:
+    """:func:`ray_counter`, waited for until ``at_least`` (Ray's export runs a few seconds behind)."""
     deadline = time.monotonic() + timeout_s
-    while (value := ray_counter("ray_mlapool_decode_server_events_total", 'event="resumed"')) < at_least and time.monotonic() < deadline:
+    while (value := ray_counter(name, *selectors)) < at_least and time.monotonic() < deadline:
         time.sleep(1.0)
     return value
 
@@ -174,19 +176,21 @@ def run_decode_chaos(tier: str, servers: list[VLLMServer], *, requests: int = 40
         record["back_up_s"] = round(time.monotonic() - started, 2)
 
     def kill(plan_item: dict) -> None:
-        deadline = time.monotonic() + 30  # a server with answers in flight: the kill lands mid-answer
+        # a server generating answers (vLLM's own count: the tier may still be relaying an answer vLLM has
+        # finished, whose rest sits in the buffers): the kill lands mid-answer
+        deadline = time.monotonic() + 30
         while True:
-            state = {s["url"]: s for s in tier_info(tier)["decode_servers"]}
-            busy = sorted((s for s in state.values() if s["ejected"] is None and s["outstanding"] > 0), key=lambda s: -s["outstanding"])
+            generating = {s.url: s.running_requests() for s in servers if s.process.poll() is None}
+            busy = sorted((url for url, n in generating.items() if n > 0), key=lambda url: -generating[url])
             if busy or time.monotonic() > deadline:
                 break
-            time.sleep(0.02)
+            time.sleep(0.01)
         if plan_item["all"]:
             victims = [s for s in servers if s.process.poll() is None]
         else:
-            victims = [by_url[busy[0]["url"]]] if busy else []
+            victims = [by_url[busy[0]]] if busy else []
         for server in victims:
-            record = {"at_request": plan_item["at_request"], "server": server.url, "in_flight": state[server.url]["outstanding"],
+            record = {"at_request": plan_item["at_request"], "server": server.url, "generating": int(generating.get(server.url, 0)),
                       "all": plan_item["all"], "at_s": round(time.monotonic() - started, 2)}  # fmt: skip
             server.kill()
             killed.append(record)
@@ -236,14 +240,18 @@ def run_decode_chaos(tier: str, servers: list[VLLMServer], *, requests: int = 40
         violations.append(f"{after['kv_kept_requests']} requests' KV still held by the tier")
     if any(s["outstanding"] for s in after["decode_servers"]):
         violations.append(f"answers still in flight: {[(s['url'], s['outstanding']) for s in after['decode_servers']]}")
-    resumed_metric = _resumed_metric(after["decode_resumptions"])
+    resumed_metric = _metric_at_least(after["decode_resumptions"], "ray_mlapool_decode_server_events_total", 'event="resumed"')
     if resumed_metric != after["decode_resumptions"]:
         violations.append(f"the metric counts {resumed_metric} resumptions, GET / {after['decode_resumptions']}")
+    stalls = after["decode_resume_stalls_s"][len(before["decode_resume_stalls_s"]) :]  # the streamed answers resumed, their stalls
+    stall_metric = _metric_at_least(len(after["decode_resume_stalls_s"]), "ray_mlapool_decode_resume_stall_seconds_count")
+    if stall_metric < len(after["decode_resume_stalls_s"]) or len(stalls) > resumed:  # GET / lists the last 64
+        violations.append(f"{len(stalls)} stalls in GET / ({resumed} resumptions), the metric counts {stall_metric}")
     if not killed:
         violations.append("no server was killed")
     summary = {
         "requests": requests, "in_flight": in_flight, "seed": seed, "servers": len(servers), "elapsed_s": round(time.monotonic() - started, 2),
-        "outcomes": counts, "resumptions": resumed, "kills": killed,
+        "outcomes": counts, "resumptions": resumed, "resume_stalls_s": stalls, "kills": killed,
         "ejections": {url: ejections[url] - old[url][0] for url in by_url}, "readmissions": {url: readmissions[url] - old[url][1] for url in by_url},
         "streamed": sum(1 for r in work["requests"] if r["stream"]),
         "per_request": [{"i": i, "stream": r["stream"], "max_tokens": r["max_tokens"], **outcomes.get(i, {})} for i, r in enumerate(work["requests"])],

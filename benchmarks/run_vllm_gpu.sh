@@ -15,7 +15,7 @@
 # call as Ray tasks against a Ray Compiled Graph), serving and soak (benchmarks/bench_serving.py: vLLM's serving
 # benchmark against the tier and vLLM alone at RATES on the slice, then vLLM alone on the whole GPU; 10 minutes of
 # the tier at SOAK_RATE, memory sampled; both need an H200 and more than one 10-minute call: run them detached),
-# resume (benchmarks/bench_resume.py: a 4K stream whose decode server is killed after 20 events, from the break to
+# resume (benchmarks/bench_resume.py: a 4K stream whose decode server is killed once it has generated 20 tokens, from the break to
 # the next token; the pool and two servers on one H200). vLLM runs as it deploys
 # (compiled, CUDA graphs); VLLM_EAGER=1 gives it --enforce-eager; TP=2 / DP=2 give speed, speed-kv and truth (TP)
 # a vLLM decode instance of two GPUs (the two-GPU kinds). speed needs an H200: the slice's 26.5 GiB of

@@ -18,7 +18,8 @@ gives the same continuation for the same break, not the unbroken answer's). A st
 the break is not seen by the next server. After ``resumptions`` breaks, or when no server is left,
 the client gets an OpenAI error event and then ``[DONE]``: a stream never ends silently. An answer
 not streamed has sent the client nothing when it breaks, so it is asked again whole of the next
-server; with none left the client gets 503 with each server's reason.
+server; with none left the client gets 503 with each server's reason. A streamed answer's stall, from
+the break seen to the next server's first token relayed, is recorded (``DecodeServers.stalled``).
 
 Closing an answer (the client left, or it ended) closes the connection to the decode server, which
 aborts the request in vLLM, and releases the KV this replica still holds for it.
@@ -28,6 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
@@ -80,6 +82,7 @@ class DecodeAnswer:
         other servers when it breaks off; ``result``: the prefill whose KV it loads."""
         generated: list[int] = []  # the decode servers' tokens so far, every segment's
         prompt, first, finished, resumed = self.forward["prompt"], self.head is None, False, 0
+        broke_at: float | None = None  # when the last break was seen, until the next server's first token
         try:
             while True:
                 try:
@@ -93,12 +96,16 @@ class DecodeAnswer:
                         for choice in chunk.get("choices", []):
                             generated += choice.get("token_ids") or []
                             finished = finished or choice.get("finish_reason") is not None
+                        if broke_at is not None and any(choice.get("token_ids") for choice in chunk.get("choices", [])):
+                            self.decoders.stalled(time.monotonic() - broke_at)
+                            broke_at = None
                         out = client_chunk(self._rewrite(chunk, prompt), self.chat, self.model, first)
                         first = first and not out.get("choices")
                         yield sse(out)
                     raise Broken("the answer ended before [DONE]")
                 except (Broken, *READ_ERRORS) as exc:
                     why = f"{upstream.server.url}: the answer broke off: {type(exc).__name__}: {exc}"
+                broke_at = broke_at or time.monotonic()
                 self.decoders.eject(upstream.server, why)
                 await upstream.close()
                 await self.discard(result)

@@ -17,6 +17,8 @@ the Prometheus and Grafana set-up of a Ray cluster picks them up as they are:
     ray_mlapool_decode_server_events_total  counter  a decode server ``ejected`` (it failed), ``readmitted``
                                                      (it answers /health again), or an answer ``resumed`` on
                                                      it after another broke it off; tagged ``server``
+    ray_mlapool_decode_resume_stall_seconds  histogram  a streamed answer broken off by its decode server:
+                                                     from the break seen to the next server's first token
 
 Every series carries the ``pool`` tag (the pool's name: a Serve deployment, a job, ...).
 """
@@ -31,6 +33,8 @@ from ray.util import metrics
 
 # TTFT buckets (s): from a short prompt of a small model to a 512K-token prompt
 TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
+# a resumption's stall (s): a re-prefill of a short answer on a GPU to a long one's on a loaded CPU
+STALL_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 
 
 class PoolMetrics:
@@ -49,6 +53,8 @@ class PoolMetrics:
         self.backend = metrics.Gauge("mlapool_backend_info", "The MLA prefill backend in use (value 1)", (*keys, "backend", "device", "dtype"))
         self.decode_events = metrics.Counter("mlapool_decode_server_events", "Decode servers ejected, readmitted, answers resumed on them",
                                              (*keys, "event", "server"))  # fmt: skip
+        self.resume_stall = metrics.Histogram("mlapool_decode_resume_stall_seconds", "A streamed answer's break to its next server's first token (s)",
+                                              STALL_BUCKETS, keys)  # fmt: skip
         self.window_s = window_s
         self._recent: deque[tuple[float, int]] = deque()
         self._lock = threading.Lock()
@@ -107,6 +113,9 @@ class PoolMetrics:
 
     def decode_event(self, event: str, server: str) -> None:
         self.decode_events.inc(1, tags={**self.tags, "event": event, "server": server})
+
+    def resume_stalled(self, seconds: float) -> None:
+        self.resume_stall.observe(seconds, tags=self.tags)
 
     def shipped(self, nbytes: int, transport: str) -> None:
         self.kv_bytes.inc(nbytes, tags={**self.tags, "transport": transport})

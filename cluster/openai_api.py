@@ -36,7 +36,7 @@ import asyncio
 import json
 import time
 import uuid
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -188,7 +188,9 @@ class DecodeServers:
     servers: list[DecodeServer] = field(default_factory=list)
     probe_interval_s: float = 1.0
     on_event: Callable[[str, str], None] | None = None  # (event: ejected, readmitted or resumed; the server's URL)
+    on_stall: Callable[[float], None] | None = None  # (seconds from a streamed answer's break to its next token)
     resumptions: int = 0  # answers that went on on another server after theirs broke off
+    stalls: deque[float] = field(default_factory=lambda: deque(maxlen=64))  # the last streamed resumptions' stalls (s)
     _probes: set[asyncio.Task] = field(default_factory=set, repr=False)
 
     @classmethod
@@ -213,6 +215,13 @@ class DecodeServers:
     def resumed(self, server: DecodeServer) -> None:
         self.resumptions += 1
         self._event("resumed", server)
+
+    def stalled(self, seconds: float) -> None:
+        """A streamed answer went on ``seconds`` after its server broke it off (the break seen to the
+        next server's first token relayed)."""
+        self.stalls.append(round(seconds, 4))
+        if self.on_stall is not None:
+            self.on_stall(seconds)
 
     async def _probe(self, server: DecodeServer) -> None:
         headers = {"Authorization": f"Bearer {server.api_key}"} if server.api_key else None

@@ -133,7 +133,8 @@ class PrefillServer:
         self.ticket_host = ray.util.get_node_ip_address() if config.kv_host in ("0.0.0.0", "::") else self.kv.host
         self.fingerprint = self.pool.model_config.fingerprint()
         self.decoders = DecodeServers.of([(url, key.reveal() if (key := config.decode_key(url)) else None) for url in config.decode_servers],
-                                         probe_interval_s=config.decode_probe_interval_s, on_event=self.metrics.decode_event)  # fmt: skip
+                                         probe_interval_s=config.decode_probe_interval_s, on_event=self.metrics.decode_event,
+                                         on_stall=self.metrics.resume_stalled)  # fmt: skip
         self.timeline = Timeline()  # the steps of recent requests handed to decode servers
         self.started = int(time.time())  # the served model's "created" in /v1/models
         self.tokenizer = Tokenizer(config.tokenizer or config.pool.checkpoint)
@@ -205,6 +206,7 @@ class PrefillServer:
             "kv_transfers": dict(self.kv.transfers),
             "decode_servers": self.decoders.report(),
             "decode_resumptions": self.decoders.resumptions,
+            "decode_resume_stalls_s": list(self.decoders.stalls),
             "handoff_timeline": self.timeline.recent(),
         }
 

@@ -8,11 +8,13 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 from pathlib import Path
 
 REPOSITORY = Path(__file__).resolve().parents[1]
+RUNNING, GENERATED = "vllm:num_requests_running", "vllm:generation_tokens_total"  # vLLM's metrics: answers being generated, tokens generated
 
 
 def cpu_binding(ranks: int) -> dict[str, str]:
@@ -84,9 +86,52 @@ class VLLMServer:
         self.process.wait(timeout=60)
 
     def running_requests(self) -> float:
+        """vLLM's ``vllm:num_requests_running`` now."""
+        return self.metrics(RUNNING)[RUNNING]
+
+    def metrics(self, *names: str) -> dict[str, float]:
+        """vLLM's Prometheus metrics ``names`` now (each summed over its series), from one read of ``/metrics``."""
         with urllib.request.urlopen(f"{self.url}/metrics", timeout=10) as response:
             lines = response.read().decode().splitlines()
-        return sum(float(line.split()[-1]) for line in lines if line.startswith("vllm:num_requests_running"))
+        return {name: sum(float(line.split()[-1]) for line in lines if line.startswith(name + "{") or line.startswith(name + " ")) for name in names}
+
+
+class KillMidAnswer(threading.Thread):
+    """Kills (SIGKILL) the first of ``servers`` seen generating an answer (``running_requests``) once it
+    has generated ``after_tokens`` tokens more than when this was made, watching vLLM's own metrics.
+
+    The kill is timed on the server's side, not on the client's: a client behind a relay reads tokens
+    that vLLM generated a while ago (a relay slower than vLLM buffers the rest, and a stream vLLM has
+    finished is whole in the buffers), so a kill after the client's tenth token may come after the
+    answer. Make it before sending the request; ``join`` it; ``victim``, ``at`` (``time.monotonic``
+    just before the kill) and ``generated`` say what it did, ``error`` why it did nothing within ``timeout_s``."""
+
+    def __init__(self, servers: list["VLLMServer"], after_tokens: int, timeout_s: float = 120.0) -> None:
+        super().__init__(name="kill-mid-answer", daemon=True)
+        self.servers, self.after_tokens, self.timeout_s = servers, after_tokens, timeout_s
+        self.baseline = {s.url: s.metrics(GENERATED)[GENERATED] for s in servers if s.process.poll() is None}
+        self.victim: VLLMServer | None = None
+        self.at: float | None = None
+        self.generated = 0  # the victim's tokens since this was made, as last read before the kill
+        self.error: str | None = None
+        self.start()
+
+    def run(self) -> None:
+        deadline = time.monotonic() + self.timeout_s
+        while time.monotonic() < deadline:
+            for server in self.servers:
+                if server.url not in self.baseline or server.process.poll() is not None:
+                    continue
+                try:
+                    now = server.metrics(GENERATED, RUNNING)
+                except OSError:  # a server shutting down
+                    continue
+                if now[GENERATED] - self.baseline[server.url] >= self.after_tokens and now[RUNNING] > 0:
+                    self.victim, self.at, self.generated = server, time.monotonic(), int(now[GENERATED] - self.baseline[server.url])
+                    server.kill()
+                    return
+            time.sleep(0.01)
+        self.error = f"no server generated {self.after_tokens} tokens of an answer still running within {self.timeout_s} s"
 
 
 @contextlib.contextmanager

