@@ -5,13 +5,13 @@ streams one greedy answer of ``--max-tokens`` tokens to a prompt of ``--prompt-l
 server answering it has generated ``--kill-after`` tokens (vLLM's metrics: ``vllm_server.KillMidAnswer``)
 it is killed (SIGKILL of the whole server), and the answer goes on on the other one
 (``cluster.decode_answer``: the prompt and the tokens already sent prefilled again, the prompt from the
-pool's prefix cache, and handed over with a ticket). Measured per probe, on the client's clock: the
-time from just before the kill to the resumed server's first token, the first after the longest
-silence from the kill on (tokens the killed server generated that were still on their way come
-first), and that silence, the stall the client sees (``stall_s``), beside the answer's ordinary time
-between tokens (the median gap); the tier's own stall (``GET /``'s ``decode_resume_stalls_s``: from
-the break it saw to the next server's first token it relayed, ``tier_stall_s``); and that the answer
-is whole (every token, one id, ``[DONE]``).
+pool's prefix cache, and handed over with a ticket). Measured per probe: the tier's stall (``GET /``'s
+``decode_resume_stalls``: from the break it saw to the next server's first token it relayed,
+``tier_stall_s``), and on the client's clock the time from just before the kill to that token (the
+tier says how many tokens came before it: tokens the killed server generated before the kill may
+still arrive after it), the stall the client sees (``stall_s``: from the token before it to it), beside
+the answer's ordinary time between tokens (the median gap); and that the answer is whole (every
+token, one id, ``[DONE]``).
 The killed server is started again and taken back before the next probe.
 
     # one GPU (an H200: the slice three times, the pool's and two servers'), vLLM's site from the bundle
@@ -50,7 +50,7 @@ def probe(tier: str, servers: list[VLLMServer], prompt: list[int], *, max_tokens
             "stream": True, "stream_options": {"include_usage": True}}  # fmt: skip
     request = urllib.request.Request(tier + "/v1/completions", data=json.dumps(body).encode(), headers={"content-type": "application/json"})
     arrivals: list[float] = []
-    stalls_before = len(tier_info(tier)["decode_resume_stalls_s"])
+    stalls_before = len(tier_info(tier)["decode_resume_stalls"])
     killer = KillMidAnswer(servers, after_tokens=kill_after)
     with urllib.request.urlopen(request, timeout=600) as response:
         events = stream_events(response, lambda count: arrivals.append(time.monotonic()))
@@ -59,18 +59,17 @@ def probe(tier: str, servers: list[VLLMServer], prompt: list[int], *, max_tokens
         raise RuntimeError(killer.error)
     restarts.append(threading.Thread(target=lambda: (killer.victim.start(), killer.victim.wait_up())))
     restarts[-1].start()
+    (stall,) = tier_info(tier)["decode_resume_stalls"][stalls_before:]  # the tier's: the break seen to the next token relayed
     chunks = [e for e in events if e != "[DONE]"]
     tokens = [t for c in chunks for choice in c.get("choices", []) for t in choice.get("token_ids") or []]
-    # after the kill the client may first get tokens the killed server generated that were still on
-    # their way (in the relay's buffers); the resumed server's first token is the one after the
-    # longest silence from the kill on, and that silence is the stall the client sees
-    after = [killer.at, *(t for t in arrivals if t > killer.at)]
-    resumed_at = max(range(1, len(after)), key=lambda k: after[k] - after[k - 1])
+    # each token's arrival; the resumed server's first is the tier's tokens_before-th (tokens the killed
+    # server generated before the kill may still arrive after it, out of the relay's buffers)
+    arrived = [at for at, c in zip(arrivals, events) if c != "[DONE]" for choice in c.get("choices", []) for _ in choice.get("token_ids") or []]
+    resumed, last = arrived[stall["tokens_before"]], arrived[stall["tokens_before"] - 1]
     gaps = [b - a for a, b in zip(arrivals[1:], arrivals[2:])]  # the tier's first token excluded; the break is one gap of many
-    tier_stalls = tier_info(tier)["decode_resume_stalls_s"][stalls_before:]  # the tier's own: the break seen to the next token relayed
-    return {"killed": killer.victim.url, "generated_at_kill": killer.generated, "break_to_next_token_s": round(after[resumed_at] - killer.at, 4),
-            "stall_s": round(after[resumed_at] - after[resumed_at - 1], 4), "tier_stall_s": tier_stalls[0] if len(tier_stalls) == 1 else None,
-            "tokens_after_kill_before_resumption": resumed_at - 1,
+    return {"killed": killer.victim.url, "generated_at_kill": killer.generated, "break_to_next_token_s": round(resumed - killer.at, 4),
+            "stall_s": round(resumed - last, 4), "tier_stall_s": stall["stall_s"],
+            "tokens_after_kill_before_resumption": sum(1 for at in arrived[: stall["tokens_before"]] if at > killer.at),
             "inter_token_s": round(statistics.median(gaps), 4),
             "whole": len(tokens) == max_tokens and len({c["id"] for c in chunks}) == 1 and events[-1] == "[DONE]" and "error" not in chunks[-1]}  # fmt: skip
 
@@ -87,7 +86,7 @@ def probe_resumptions(tier: str, servers: list[VLLMServer], *, prompt_len: int, 
     in_service(tier, restarts)
     return {"prompt_len": prompt_len, "max_tokens": max_tokens, "kill_after": kill_after, "probes": runs,
             "break_to_next_token_s": percentiles([r["break_to_next_token_s"] for r in runs]), "stall_s": percentiles([r["stall_s"] for r in runs]),
-            "tier_stall_s": percentiles([r["tier_stall_s"] for r in runs if r["tier_stall_s"] is not None]),
+            "tier_stall_s": percentiles([r["tier_stall_s"] for r in runs]),
             "inter_token_s": percentiles([r["inter_token_s"] for r in runs]), "all_whole": all(r["whole"] for r in runs)}  # fmt: skip
 
 

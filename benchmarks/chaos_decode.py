@@ -243,9 +243,9 @@ def run_decode_chaos(tier: str, servers: list[VLLMServer], *, requests: int = 40
     resumed_metric = _metric_at_least(after["decode_resumptions"], "ray_mlapool_decode_server_events_total", 'event="resumed"')
     if resumed_metric != after["decode_resumptions"]:
         violations.append(f"the metric counts {resumed_metric} resumptions, GET / {after['decode_resumptions']}")
-    stalls = after["decode_resume_stalls_s"][len(before["decode_resume_stalls_s"]) :]  # the streamed answers resumed, their stalls
-    stall_metric = _metric_at_least(len(after["decode_resume_stalls_s"]), "ray_mlapool_decode_resume_stall_seconds_count")
-    if stall_metric < len(after["decode_resume_stalls_s"]) or len(stalls) > resumed:  # GET / lists the last 64
+    stalls = [s["stall_s"] for s in after["decode_resume_stalls"][len(before["decode_resume_stalls"]) :]]  # the streamed answers resumed
+    stall_metric = _metric_at_least(len(after["decode_resume_stalls"]), "ray_mlapool_decode_resume_stall_seconds_count")
+    if stall_metric < len(after["decode_resume_stalls"]) or len(stalls) > resumed:  # GET / lists the last 64
         violations.append(f"{len(stalls)} stalls in GET / ({resumed} resumptions), the metric counts {stall_metric}")
     if not killed:
         violations.append("no server was killed")

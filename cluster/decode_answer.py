@@ -83,6 +83,7 @@ class DecodeAnswer:
         generated: list[int] = []  # the decode servers' tokens so far, every segment's
         prompt, first, finished, resumed = self.forward["prompt"], self.head is None, False, 0
         broke_at: float | None = None  # when the last break was seen, until the next server's first token
+        sent_at_break = 0  # the answer's tokens the client had been sent then (the tier's first token too)
         try:
             while True:
                 try:
@@ -97,7 +98,7 @@ class DecodeAnswer:
                             generated += choice.get("token_ids") or []
                             finished = finished or choice.get("finish_reason") is not None
                         if broke_at is not None and any(choice.get("token_ids") for choice in chunk.get("choices", [])):
-                            self.decoders.stalled(time.monotonic() - broke_at)
+                            self.decoders.stalled(time.monotonic() - broke_at, sent_at_break)
                             broke_at = None
                         out = client_chunk(self._rewrite(chunk, prompt), self.chat, self.model, first)
                         first = first and not out.get("choices")
@@ -105,7 +106,8 @@ class DecodeAnswer:
                     raise Broken("the answer ended before [DONE]")
                 except (Broken, *READ_ERRORS) as exc:
                     why = f"{upstream.server.url}: the answer broke off: {type(exc).__name__}: {exc}"
-                broke_at = broke_at or time.monotonic()
+                if broke_at is None:
+                    broke_at, sent_at_break = time.monotonic(), len(generated) + (self.head is not None)
                 self.decoders.eject(upstream.server, why)
                 await upstream.close()
                 await self.discard(result)

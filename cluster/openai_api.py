@@ -190,7 +190,7 @@ class DecodeServers:
     on_event: Callable[[str, str], None] | None = None  # (event: ejected, readmitted or resumed; the server's URL)
     on_stall: Callable[[float], None] | None = None  # (seconds from a streamed answer's break to its next token)
     resumptions: int = 0  # answers that went on on another server after theirs broke off
-    stalls: deque[float] = field(default_factory=lambda: deque(maxlen=64))  # the last streamed resumptions' stalls (s)
+    stalls: deque[dict[str, float]] = field(default_factory=lambda: deque(maxlen=64))  # the last streamed resumptions' (see stalled)
     _probes: set[asyncio.Task] = field(default_factory=set, repr=False)
 
     @classmethod
@@ -216,10 +216,11 @@ class DecodeServers:
         self.resumptions += 1
         self._event("resumed", server)
 
-    def stalled(self, seconds: float) -> None:
+    def stalled(self, seconds: float, sent: int) -> None:
         """A streamed answer went on ``seconds`` after its server broke it off (the break seen to the
-        next server's first token relayed)."""
-        self.stalls.append(round(seconds, 4))
+        next server's first token relayed), after ``sent`` of its tokens: the next one is the resumed
+        server's first."""
+        self.stalls.append({"stall_s": round(seconds, 4), "tokens_before": sent})
         if self.on_stall is not None:
             self.on_stall(seconds)
 

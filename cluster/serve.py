@@ -206,7 +206,7 @@ class PrefillServer:
             "kv_transfers": dict(self.kv.transfers),
             "decode_servers": self.decoders.report(),
             "decode_resumptions": self.decoders.resumptions,
-            "decode_resume_stalls_s": list(self.decoders.stalls),
+            "decode_resume_stalls": list(self.decoders.stalls),
             "handoff_timeline": self.timeline.recent(),
         }
 

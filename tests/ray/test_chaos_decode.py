@@ -53,6 +53,6 @@ def test_a_stream_broken_by_a_kill_goes_on_whole_and_the_break_is_timed(tier, se
     summary = probe_resumptions(tier, servers, prompt_len=300, max_tokens=256, kill_after=10, probes=1)
     (run,) = summary["probes"]
     assert summary["all_whole"] and run["killed"] in {s.url for s in servers}
-    assert 0 < run["stall_s"] <= run["break_to_next_token_s"] < 30 and run["generated_at_kill"] >= 10
+    assert 0 < run["stall_s"] < 30 and 0 < run["break_to_next_token_s"] < 30 and run["generated_at_kill"] >= 10
     assert 0 < run["tier_stall_s"] < 30
     assert all(s.process.poll() is None for s in servers)  # the killed one started again, and taken back
