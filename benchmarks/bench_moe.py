@@ -76,6 +76,7 @@ from machine import machine  # noqa: E402 -- benchmarks/machine.py
 from timing import seconds_per_call, sync  # noqa: E402 -- benchmarks/timing.py
 
 from configs.model import EP_SCHEDULES  # noqa: E402
+from workers.worker import SAFE_NCCL_ENV  # noqa: E402
 
 PEAK_TFLOPS = {"bf16": 989.0, "fp8": 1979.0}  # H200 dense, datasheet
 
@@ -128,9 +129,6 @@ class Layout(NamedTuple):
         options += [f"chunk{self.chunk}"] if self.chunk else []
         options += ["ckpt"] if self.checkpoint else []
         return "-".join([self.weights, f"{self.gpus}gpu", *options])
-
-
-SAFE_NCCL_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 
 
 def parse_case(text: str, gpus: int) -> tuple[int, int]:

@@ -183,7 +183,9 @@ def _sync(device: torch.device) -> None:
 
 
 def _worker(rank: int, world: int, port: int, args, results) -> None:
-    os.environ.update(NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1", NVSHMEM_DISABLE_NVLS="1")
+    from workers.worker import SAFE_NCCL_ENV
+
+    os.environ.update(SAFE_NCCL_ENV)
     if args.device == "cuda":
         torch.cuda.set_device(rank)
         device = torch.device("cuda", rank)

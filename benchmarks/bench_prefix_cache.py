@@ -40,8 +40,9 @@ if TYPE_CHECKING:
     from configs.pool import PoolConfig
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-GPU_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
-os.environ.update(GPU_ENV)
+from workers.worker import SAFE_NCCL_ENV  # noqa: E402
+
+os.environ.update(SAFE_NCCL_ENV)
 # the isolated turns' new tokens: fixed, so runs compare (they are what the first runs drew at random
 # from 1K-2K; the 1,138 after a 12K history, the shortest reference, was the slowest turn in most runs)
 PROBE_NEW_TOKENS = [1823, 1138, 1670, 1438, 1807, 1892]
@@ -55,7 +56,7 @@ def one_gpu_config(checkpoint: Path, device: str, **overrides) -> "PoolConfig":
     from configs.pool import PoolConfig
 
     gpu = device == "cuda"
-    ray.init(num_cpus=None if gpu else 2, num_gpus=1, include_dashboard=False, log_to_driver=False, runtime_env={"env_vars": GPU_ENV})
+    ray.init(num_cpus=None if gpu else 2, num_gpus=1, include_dashboard=False, log_to_driver=False, runtime_env={"env_vars": SAFE_NCCL_ENV})
     return PoolConfig(checkpoint=str(checkpoint), device=device, use_gpus=True, worker_cpus=1.0 if gpu else 0.5, **overrides)
 
 

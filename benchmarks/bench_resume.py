@@ -37,10 +37,10 @@ import time
 import urllib.request
 from pathlib import Path
 
-from chaos_decode import GPU_ENV, MODEL, in_service, start_tier, tier_info, vllm_args  # benchmarks/chaos_decode.py
+from chaos_decode import MODEL, in_service, start_tier, tier_info, vllm_args  # benchmarks/chaos_decode.py
 from machine import machine  # benchmarks/machine.py
 from timing import percentiles  # benchmarks/timing.py
-from vllm_server import KillMidAnswer, VLLMServer, running, stream_events  # tests/vllm_server.py, on the path chaos_decode set
+from vllm_server import GPU_ENV, KillMidAnswer, VLLMServer, running, stream_events  # tests/vllm_server.py, on the path chaos_decode set
 
 
 def probe(tier: str, servers: list[VLLMServer], prompt: list[int], *, max_tokens: int, kill_after: int, restarts: list) -> dict:

@@ -335,28 +335,27 @@ def main() -> None:
     import ray
     from ray import serve
 
-    server, vllm_url = start_vllm(args, checkpoint, dtype, args.max_len, work / "vllm.log")
+    server = start_vllm(args, checkpoint, dtype, args.max_len, work)
     try:
-        tier = start_tier(args, checkpoint, vllm_url, dtype, max_ongoing_requests=args.max_ongoing)
+        tier = start_tier(args, checkpoint, server.url, dtype, max_ongoing_requests=args.max_ongoing)
         if args.mode == "soak":
-            results = soak(tier, pool="bench", vllm_pid=server.pid, duration_s=args.duration_s, rate=rates[0], sample_s=args.sample_s,
+            results = soak(tier, pool="bench", vllm_pid=server.process.pid, duration_s=args.duration_s, rate=rates[0], sample_s=args.sample_s,
                            warmup_s=args.warmup_s, input_len=args.inputs[0], **point)  # fmt: skip
         else:
-            results = sweep({"tier": (tier, None), "vllm": (vllm_url, None)}, args.inputs, rates, save=save, prompts=args.prompts,
+            results = sweep({"tier": (tier, None), "vllm": (server.url, None)}, args.inputs, rates, save=save, prompts=args.prompts,
                             point_s=args.point_s, **point)  # fmt: skip
         serve.shutdown()
         ray.shutdown()
     finally:
-        server.terminate()
-        server.wait(timeout=120)
+        server.stop()
     if args.mode == "sweep" and args.whole_gpu:
         args.vllm_memory, args.vllm_kv_cache_gib = args.vllm_memory_whole, None
-        server, vllm_url = start_vllm(args, checkpoint, dtype, args.max_len, work / "vllm-whole.log")
+        server = start_vllm(args, checkpoint, dtype, args.max_len, work, name="vllm-whole")
         try:
-            results |= sweep({"vllm-whole-gpu": (vllm_url, None)}, args.inputs, rates, save=lambda r: save(results | r), prompts=args.prompts,
+            results |= sweep({"vllm-whole-gpu": (server.url, None)}, args.inputs, rates, save=lambda r: save(results | r), prompts=args.prompts,
                              point_s=args.point_s, **point)  # fmt: skip
         finally:
-            server.terminate()
+            server.stop()
     save(results, complete=True)
     if args.mode == "sweep":
         plot(results, args.out.with_suffix(".png"))

@@ -38,7 +38,6 @@ import datetime
 import json
 import os
 import re
-import socket
 import statistics
 import subprocess
 import sys
@@ -54,62 +53,48 @@ from machine import machine  # benchmarks/machine.py
 from timing import percentiles  # benchmarks/timing.py
 
 from configs.model import MOE_ROUNDINGS
+from workers.worker import SAFE_NCCL_ENV
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "tests"))
+from vllm_server import GPU_ENV, VLLMServer, cpu_binding  # noqa: E402 -- tests/vllm_server.py
+
 MODEL = "bench"
-GPU_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
-os.environ.update(GPU_ENV)  # this process's, and so the Ray workers', environment too
+os.environ.update(SAFE_NCCL_ENV)  # this process's, and so the Ray workers', environment too
 
 
-def free_port() -> int:
-    with socket.create_server(("127.0.0.1", 0)) as sock:
-        return sock.getsockname()[1]
-
-
-def start_vllm(args, checkpoint: Path, dtype: str, max_len: int, log: Path) -> tuple[subprocess.Popen, str]:
-    """A vLLM OpenAI server with mlapool's connector; returns it and its URL once it answers /health."""
-    port = free_port()
-    transfer = {"kv_connector": "MlapoolConnector", "kv_connector_module_path": "kv.vllm_connector", "kv_role": "kv_consumer",
-                "kv_load_failure_policy": "recompute", "kv_connector_extra_config": {"timeout_s": 120, "transport": args.transport}}  # fmt: skip
-    command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(checkpoint), "--port", str(port),
-               "--served-model-name", MODEL, "--dtype", dtype, "--max-model-len", str(max_len),
-               "--no-enable-prefix-caching", "--seed", "0", "--kv-transfer-config", json.dumps(transfer),
-               "--max-num-batched-tokens", str(max(max_len, 8192))]  # fmt: skip
+def start_vllm(args, checkpoint: Path, dtype: str, max_len: int, logs: Path, name: str = "vllm") -> VLLMServer:
+    """A vLLM OpenAI server with mlapool's connector, up (it answers /health); its log ``logs/<name>-1.log``."""
+    vllm = ["--served-model-name", MODEL, "--dtype", dtype, "--max-model-len", str(max_len), "--no-enable-prefix-caching", "--seed", "0",
+            "--max-num-batched-tokens", str(max(max_len, 8192))]  # fmt: skip
     if args.device == "cpu" or args.vllm_eager:
-        command.append("--enforce-eager")
+        vllm.append("--enforce-eager")
     if args.vllm_tp > 1:
-        command += ["--tensor-parallel-size", str(args.vllm_tp)]
+        vllm += ["--tensor-parallel-size", str(args.vllm_tp)]
     if args.vllm_dp > 1:
-        command += ["--data-parallel-size", str(args.vllm_dp)]
+        vllm += ["--data-parallel-size", str(args.vllm_dp)]
     if args.device == "cpu":
-        command += ["--attention-backend", "CPU_MLA", "--gpu-memory-utilization", "0.25", "--kv-cache-memory-bytes", str(1 << 30)]
+        vllm += ["--attention-backend", "CPU_MLA", "--gpu-memory-utilization", "0.25", "--kv-cache-memory-bytes", str(1 << 30)]
     else:
-        command += ["--gpu-memory-utilization", str(args.vllm_memory)]
+        vllm += ["--gpu-memory-utilization", str(args.vllm_memory)]
         if args.vllm_kv_cache_gib:  # a cache small enough that its blocks are reused, as on a busy server
-            command += ["--kv-cache-memory-bytes", str(int(args.vllm_kv_cache_gib * 2**30))]
+            vllm += ["--kv-cache-memory-bytes", str(int(args.vllm_kv_cache_gib * 2**30))]
     if not (checkpoint / "tokenizer.json").exists():
-        command.append("--skip-tokenizer-init")
-    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "TRITON_INTERPRET")}
-    env.update(GPU_ENV, PYTHONPATH=os.pathsep.join(filter(None, [args.vllm_pythonpath, str(REPO)])), VLLM_DEEP_GEMM_WARMUP="skip", OMP_NUM_THREADS="1")
+        vllm.append("--skip-tokenizer-init")
+    env = {**GPU_ENV, "PYTHONPATH": os.pathsep.join(filter(None, [args.vllm_pythonpath, str(REPO)]))}
     ranks = args.vllm_tp * args.vllm_dp
     if args.device == "cpu" and ranks > 1:
-        from vllm_server import cpu_binding  # tests/vllm_server.py
-
         env.update(cpu_binding(ranks))
-    process = subprocess.Popen(command, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT)
-    url, started = f"http://127.0.0.1:{port}", time.monotonic()
-    while time.monotonic() - started < args.start_timeout:
-        if process.poll() is not None:
-            raise SystemExit(f"the vLLM server exited ({process.returncode}); its log: {log}\n" + log.read_text()[-4000:])
-        try:
-            with urllib.request.urlopen(f"{url}/health", timeout=2):
-                print(f"vLLM up in {time.monotonic() - started:.0f} s at {url}", flush=True)
-                return process, url
-        except OSError:
-            time.sleep(2)
-    process.kill()
-    raise SystemExit(f"the vLLM server did not answer within {args.start_timeout} s; its log: {log}")
+    server = VLLMServer(checkpoint, logs, name, vllm, env=env, connector={"timeout_s": 120, "transport": args.transport})
+    started = time.monotonic()
+    server.start()
+    try:
+        server.wait_up(args.start_timeout)
+    except RuntimeError as exc:
+        server.stop(timeout_s=10)
+        raise SystemExit(f"{exc}\n" + server.log[-4000:]) from None
+    print(f"vLLM up in {time.monotonic() - started:.0f} s at {server.url}", flush=True)
+    return server
 
 
 def start_tier(args, checkpoint: Path, decode_url: str, dtype: str, max_ongoing_requests: int = 8) -> str:
@@ -124,7 +109,7 @@ def start_tier(args, checkpoint: Path, decode_url: str, dtype: str, max_ongoing_
 
     gpu = args.device != "cpu"
     ray.init(num_cpus=os.cpu_count() if gpu else 2, num_gpus=1 if gpu else 4, include_dashboard=False, log_to_driver=False,
-             runtime_env={"env_vars": GPU_ENV})  # fmt: skip
+             runtime_env={"env_vars": SAFE_NCCL_ENV})  # fmt: skip
     port = rendezvous_address()[1]
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     pool = PoolConfig(
@@ -490,17 +475,16 @@ def main() -> None:
     def save(results: dict, complete: bool = False) -> None:  # after every prompt (parity) or length (speed)
         args.out.write_text(json.dumps({**report, "complete": complete, "results": results}, indent=1) + "\n")
 
-    vllm_log = work / "vllm.log"
-    server, alone = start_vllm(args, checkpoint, dtype, max_len, vllm_log)
+    server = start_vllm(args, checkpoint, dtype, max_len, work)
     try:
-        tier = start_tier(args, checkpoint, alone, dtype)
+        tier = start_tier(args, checkpoint, server.url, dtype)
         if args.mode == "parity":
-            results = run_parity(args, checkpoint, alone, tier, save)
+            results = run_parity(args, checkpoint, server.url, tier, save)
         else:
-            results = run_speed(args, checkpoint, alone, tier, vllm_log, save)
+            results = run_speed(args, checkpoint, server.url, tier, server.log_path, save)
         save(results, complete=True)
     finally:
-        server.terminate()
+        server.stop()
     print(json.dumps({k: v for k, v in report.items() if k not in ("results", "complete")} | {"summary": {k: v for k, v in results.items() if k != "per_prompt"}}, indent=1))
 
 

@@ -54,7 +54,6 @@ sys.path.insert(0, str(REPO / "tests"))
 from vllm_server import VLLMServer, running, stream_events  # noqa: E402 -- tests/vllm_server.py
 
 MODEL = "mla-tiny"
-GPU_ENV = {**SAFE_NCCL_ENV, "VLLM_DEEP_GEMM_WARMUP": "skip"}
 
 
 def vllm_args(device: str = "cpu", max_len: int = 2048, memory: float = 0.25) -> list[str]:
@@ -275,7 +274,7 @@ def start_tier(checkpoint: Path, servers: list[VLLMServer], *, device: str = "cp
     gpu = device != "cpu"
     if not ray.is_initialized():
         ray.init(num_cpus=os.cpu_count() if gpu else 2, num_gpus=1 if gpu else 4, include_dashboard=False, logging_level=logging.WARNING,
-                 log_to_driver=False, runtime_env={"env_vars": GPU_ENV} if gpu else None)  # fmt: skip
+                 log_to_driver=False, runtime_env={"env_vars": SAFE_NCCL_ENV} if gpu else None)  # fmt: skip
     port = rendezvous_address()[1]
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     if gpu:  # the share of the GPU in use once the pool is up, the servers' included

