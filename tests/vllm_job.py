@@ -24,6 +24,21 @@ def random_prompt(n: int, seed: int) -> list[int]:
     return [int(t) for t in np.random.default_rng(seed).integers(0, 508, size=n)]
 
 
+def own_and_loaded_steps(kept, lengths: tuple[int, ...], batch: tuple[int, ...]) -> list[dict]:
+    """The driver's steps for each of ``lengths``: a prompt prefilled by vLLM itself, then the same one
+    loaded with its ticket; then ``batch``'s prompts, each prefilled by vLLM alone, then all loaded in
+    one step. ``kept(name, prompt)``: the pool's prefill with the KV kept, its ticket."""
+    steps = []
+    for n in lengths:
+        prompt = random_prompt(n, n)
+        steps += [{"name": f"own-{n}", "prompts": [prompt], "tickets": [None]},
+                  {"name": f"loaded-{n}", "prompts": [prompt], "tickets": [kept(f"p{n}", prompt)]}]  # fmt: skip
+    prompts = [random_prompt(n, 100 + n) for n in batch]
+    steps += [{"name": f"own-batch-{i}", "prompts": [p], "tickets": [None]} for i, p in enumerate(prompts)]
+    steps.append({"name": "loaded-batch", "prompts": prompts, "tickets": [kept(f"b{i}", p) for i, p in enumerate(prompts)]})
+    return steps
+
+
 def run_vllm(job: dict, workdir: Path, *, vllm_pythonpath: str | None = None, timeout_s: float = 900, env: dict | None = None) -> dict:
     """Run ``job`` in a vLLM process of its own (``vllm_pythonpath``: vLLM's site, first on its path;
     ``env``: more of its environment); returns ``out.pt``'s results and the process's log (also in

@@ -140,7 +140,8 @@ class WorkerInfo:
 
 
 def rendezvous_address() -> tuple[str, int]:
-    """An address and free port on this host for the replica's process group."""
+    """This host's address and a port free now, for a server started next (tests, benchmarks; the port
+    can be taken in between: a replica's process group uses :meth:`PrefillWorker.rendezvous_address`)."""
     host = socket.gethostbyname(socket.gethostname())
     with socket.socket() as sock:
         sock.bind(("", 0))
@@ -159,6 +160,7 @@ class PrefillWorker(KVHolder):
         self.pcp = PCPGroup()
         self.cost_model: PCPCostModel | None = None
         self._groups: list = []  # every process group of the replica this rank is in
+        self._rendezvous: torch.distributed.TCPStore | None = None  # rank 0's, hosted by rendezvous_address
         self._batches = 0
         self._fault = None  # the hook of an armed inject_fault, removed when it fires
         self._device_index: int | None = None  # the GPU a promoted spare takes (it sees all of the node's)
@@ -195,13 +197,21 @@ class PrefillWorker(KVHolder):
             self._device_index = uuids.index(device_uuid)
         self._take_rank(rank)
 
-    def rendezvous_address(self) -> tuple[str, int]:
-        return rendezvous_address()
+    def rendezvous_address(self, timeout_s: float = 600.0) -> tuple[str, int]:
+        """Rank 0: host the replica's rendezvous for :meth:`setup`, a ``TCPStore`` on a port the kernel
+        gives as it binds, and return its address. (A port seen free here and bound later by ``setup``
+        can be taken in between by any process of the node: EADDRINUSE, a replica that fails to start.)"""
+        host = socket.gethostbyname(socket.gethostname())
+        if self.world_size == 1:
+            return host, 0
+        self._rendezvous = torch.distributed.TCPStore(host, 0, self.world_size, True, timeout=timedelta(seconds=timeout_s), wait_for_workers=False)
+        return host, self._rendezvous.port
 
     def setup(self, master_addr: str, master_port: int, timeout_s: float = 600.0) -> WorkerInfo:
-        """Join the process group, build this rank's shard, load (or draw) its weights, size the
-        paged KV cache and run the warm-up prefill (kernel JIT happens here, not in a request).
-        ``WorkerInfo.start_phases_s`` says how long each step took."""
+        """Join the process group (its store at ``master_addr:master_port``: rank 0's from
+        :meth:`rendezvous_address`, or else bound by rank 0 here), build this rank's shard, load (or
+        draw) its weights, size the paged KV cache and run the warm-up prefill (kernel JIT happens
+        here, not in a request). ``WorkerInfo.start_phases_s`` says how long each step took."""
         config, laps = self.config, Laps(digits=3)
         model_config = config.model_config()
         index = self._device_index if self._device_index is not None else (self.rank if config.worker_gpus < 1 else None)
@@ -210,13 +220,11 @@ class PrefillWorker(KVHolder):
         if device.type == "cuda":
             torch.cuda.set_device(device)
         tp_group, ep = None, EPGroup()
-        if self.world_size > 1:
+        if self.world_size > 1:  # rank 0's store hosted by rendezvous_address, or bound here on master_port
+            store = self._rendezvous or torch.distributed.TCPStore(master_addr, master_port, self.world_size, self.rank == 0,
+                                                                   timeout=timedelta(seconds=timeout_s))  # fmt: skip
             torch.distributed.init_process_group(
-                "nccl" if device.type == "cuda" else "gloo",
-                init_method=f"tcp://{master_addr}:{master_port}",
-                rank=self.rank,
-                world_size=self.world_size,
-                timeout=timedelta(seconds=timeout_s),
+                "nccl" if device.type == "cuda" else "gloo", store=store, rank=self.rank, world_size=self.world_size, timeout=timedelta(seconds=timeout_s)
             )
             tp_group, pcp_group = grid_groups(self.rank, config.tp, config.pcp)
             ep_group = expert_parallel_group(self.world_size, device, config.ep_comm_sms if model_config.moe is not None else 0)

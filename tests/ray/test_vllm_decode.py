@@ -28,7 +28,7 @@ import pytest
 import ray
 import torch
 from hf_models import write_vllm_checkpoint
-from vllm_job import CPU_ENGINE, random_prompt, run_vllm
+from vllm_job import CPU_ENGINE, own_and_loaded_steps, random_prompt, run_vllm
 
 from cluster.kv_server import KVServer
 from cluster.pool import PrefillPool
@@ -55,20 +55,10 @@ def run(ray_cluster, tmp_path_factory):
         PrefillPool(victim_config).start() as victim, KillingKVServer(victim, token=TOKEN, ack_timeout_s=60) as killer,
     ):  # fmt: skip
         _warm_prefix_cache(pool)
-        tickets, prompts, steps = {}, {}, []
-
         def kept(name: str, prompt: list[int]) -> dict:
-            prompts[name] = prompt
-            tickets[name] = server.ticket(pool.prefill(prompt, keep_kv=True, request_id=name))
-            return tickets[name]
+            return server.ticket(pool.prefill(prompt, keep_kv=True, request_id=name))
 
-        for n in LENGTHS:
-            prompt = random_prompt(n, n)
-            steps += [{"name": f"own-{n}", "prompts": [prompt], "tickets": [None]},
-                      {"name": f"loaded-{n}", "prompts": [prompt], "tickets": [kept(f"p{n}", prompt)]}]  # fmt: skip
-        batch = [random_prompt(n, 100 + n) for n in BATCH]
-        steps += [{"name": f"own-batch-{i}", "prompts": [p], "tickets": [None]} for i, p in enumerate(batch)]
-        steps.append({"name": "loaded-batch", "prompts": batch, "tickets": [kept(f"b{i}", p) for i, p in enumerate(batch)]})
+        steps = own_and_loaded_steps(kept, LENGTHS, BATCH)
 
         a, b = random_prompt(200, 7), random_prompt(200, 8)
         ticket_a, ticket_b = kept("a", a), kept("b", b)
@@ -100,7 +90,7 @@ def run(ray_cluster, tmp_path_factory):
             pool.release(result)
         capacity = [info.kv_blocks for info in pool.worker_infos[0]]
         free = [w["kv_free_blocks"] for w in pool.health()[0]]
-        yield {**out, "prompts": prompts, "tickets": tickets, "batch": batch, "transfers": dict(server.transfers),
+        yield {**out, "transfers": dict(server.transfers),
                "unclaimed": unclaimed, "leak_free": free == capacity, "killer_transfers": dict(killer.transfers)}  # fmt: skip
 
 

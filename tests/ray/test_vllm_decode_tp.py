@@ -14,7 +14,7 @@ import re
 
 import pytest
 from hf_models import write_vllm_checkpoint
-from vllm_job import CPU_ENGINE, random_prompt, run_vllm
+from vllm_job import CPU_ENGINE, own_and_loaded_steps, random_prompt, run_vllm
 from vllm_server import cpu_binding
 
 from cluster.kv_server import KVServer
@@ -42,14 +42,7 @@ def run(ray_cluster, tmp_path_factory):
         def kept(name: str, prompt: list[int]) -> dict:
             return server.ticket(pool.prefill(prompt, keep_kv=True, request_id=name))
 
-        steps = []
-        for n in LENGTHS:
-            prompt = random_prompt(n, n)
-            steps += [{"name": f"own-{n}", "prompts": [prompt], "tickets": [None]},
-                      {"name": f"loaded-{n}", "prompts": [prompt], "tickets": [kept(f"p{n}", prompt)]}]  # fmt: skip
-        batch = [random_prompt(n, 100 + n) for n in BATCH]
-        steps += [{"name": f"own-batch-{i}", "prompts": [p], "tickets": [None]} for i, p in enumerate(batch)]
-        steps.append({"name": "loaded-batch", "prompts": batch, "tickets": [kept(f"b{i}", p) for i, p in enumerate(batch)]})
+        steps = own_and_loaded_steps(kept, LENGTHS, BATCH)
         used = random_prompt(400, 9)
         ticket = kept("used", used)
         steps += [{"name": "own-used", "prompts": [used], "tickets": [None]}, {"name": "first-use", "prompts": [used], "tickets": [ticket]},
