@@ -57,11 +57,10 @@ def probe(tier: str, servers: list[VLLMServer], prompt: list[int], *, max_tokens
     killer.join()
     if killer.victim is None:
         raise RuntimeError(killer.error)
-    restarts.append(threading.Thread(target=lambda: (killer.victim.start(), killer.victim.wait_up())))
+    restarts.append(threading.Thread(target=killer.victim.restart))
     restarts[-1].start()
     (stall,) = tier_info(tier)["decode_resume_stalls"][stalls_before:]  # the tier's: the break seen to the next token relayed
     chunks = [e for e in events if e != "[DONE]"]
-    tokens = [t for c in chunks for choice in c.get("choices", []) for t in choice.get("token_ids") or []]
     # each token's arrival; the resumed server's first is the tier's tokens_before-th (tokens the killed
     # server generated before the kill may still arrive after it, out of the relay's buffers)
     arrived = [at for at, c in zip(arrivals, events) if c != "[DONE]" for choice in c.get("choices", []) for _ in choice.get("token_ids") or []]
@@ -71,7 +70,7 @@ def probe(tier: str, servers: list[VLLMServer], prompt: list[int], *, max_tokens
             "stall_s": round(resumed - last, 4), "tier_stall_s": stall["stall_s"],
             "tokens_after_kill_before_resumption": sum(1 for at in arrived[: stall["tokens_before"]] if at > killer.at),
             "inter_token_s": round(statistics.median(gaps), 4),
-            "whole": len(tokens) == max_tokens and len({c["id"] for c in chunks}) == 1 and events[-1] == "[DONE]" and "error" not in chunks[-1]}  # fmt: skip
+            "whole": len(arrived) == max_tokens and len({c["id"] for c in chunks}) == 1 and events[-1] == "[DONE]" and "error" not in chunks[-1]}  # fmt: skip
 
 
 def probe_resumptions(tier: str, servers: list[VLLMServer], *, prompt_len: int, max_tokens: int = 128, kill_after: int = 20, probes: int = 5,

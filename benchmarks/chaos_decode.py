@@ -170,8 +170,7 @@ def run_decode_chaos(tier: str, servers: list[VLLMServer], *, requests: int = 40
     started = time.monotonic()
 
     def restart(server: VLLMServer, record: dict) -> None:
-        server.start()
-        server.wait_up()
+        server.restart()
         record["back_up_s"] = round(time.monotonic() - started, 2)
 
     def kill(plan_item: dict) -> None:

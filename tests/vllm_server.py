@@ -98,6 +98,11 @@ class VLLMServer:
         os.killpg(self.process.pid, signal.SIGKILL)
         self.process.wait(timeout=60)
 
+    def restart(self) -> None:
+        """Started again on its port (after :meth:`kill`), until it answers ``/health``."""
+        self.start()
+        self.wait_up()
+
     def stop(self, timeout_s: float = 120) -> None:
         """Shut it down as an operator would (SIGTERM to its API server, which stops its engine), what is
         left of it after ``timeout_s`` killed."""

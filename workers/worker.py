@@ -221,8 +221,9 @@ class PrefillWorker(KVHolder):
             torch.cuda.set_device(device)
         tp_group, ep = None, EPGroup()
         if self.world_size > 1:  # rank 0's store hosted by rendezvous_address, or bound here on master_port
-            store = self._rendezvous or torch.distributed.TCPStore(master_addr, master_port, self.world_size, self.rank == 0,
-                                                                   timeout=timedelta(seconds=timeout_s))  # fmt: skip
+            store = self._rendezvous
+            if store is None:
+                store = torch.distributed.TCPStore(master_addr, master_port, self.world_size, self.rank == 0, timeout=timedelta(seconds=timeout_s))
             torch.distributed.init_process_group(
                 "nccl" if device.type == "cuda" else "gloo", store=store, rank=self.rank, world_size=self.world_size, timeout=timedelta(seconds=timeout_s)
             )

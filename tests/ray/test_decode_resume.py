@@ -130,8 +130,7 @@ def test_a_stream_whose_server_is_killed_goes_on_on_the_other_one(tier, servers,
     assert time.monotonic() - started < plain_s + 0.1
     assert served(tier)[a.url]["requests"] == tried
 
-    a.start()  # back on its port: taken back once it answers /health
-    a.wait_up()
+    a.restart()  # back on its port: taken back once it answers /health
     deadline = time.monotonic() + 10
     while served(tier)[a.url]["ejected"] and time.monotonic() < deadline:
         time.sleep(0.2)

@@ -20,18 +20,19 @@ from workers.worker import SAFE_NCCL_ENV
 
 LAYERS, BLOCKS, BLOCK, WIDTH = 3, 40, 16, 576
 CHUNK_TOKENS = 7  # the staging buffer's rows: loads span several chunks, a boundary inside a block
+PAST = 33  # the first block past the leader's cache: a load from it cannot be gathered
 LOADS = [  # (block ids in token order, start, end, failed on the leader)
     ([31, 4, 17, 9, 22], 0, 70, False),
     ([5, 30, 12], 20, 33, False),  # vLLM's own prefix hit before token 20
     ([6, 30], 15, 16, False),  # one token
     ([1, 2, 3], 0, 40, True),  # the leader's load failed
-    ([33, 34], 0, 20, False),  # gathered from a block the leader's cache does not have: the trailer says so (CPU only: on a GPU an index out of range is a device-side assert)
+    ([PAST, PAST + 1], 0, 20, False),  # gathered from a block the leader's cache does not have: the trailer says so (CPU only: on a GPU an index out of range is a device-side assert)
     ([26, 27, 28], 10, 48, False),
 ]
 
 
 def _loads(device: str) -> list:
-    return LOADS if device == "cpu" else [load for load in LOADS if load[0][0] != 33]
+    return LOADS if device == "cpu" else [load for load in LOADS if load[0][0] != PAST]
 
 
 def _cache(seed: int, device: str = "cpu") -> list[torch.Tensor]:
@@ -47,7 +48,7 @@ def _rank(rank: int, port: int, out: str, device: str) -> None:
     tp_relay.RELAY_BYTES = CHUNK_TOKENS * LAYERS * WIDTH * 4
     layers = _cache(rank, device)
     if rank == 0:
-        layers_short = [layer[:33] for layer in layers]  # block 33 is past the leader's cache: its gather fails
+        layers_short = [layer[:PAST] for layer in layers]  # its gather of block PAST fails
         relay = TPRelay(layers_short, BLOCK, [0, 1], 0, on_received=lambda *_: None)
         for block_ids, start, end, failed in reversed(_loads(device)):  # the order the leader's loads finished
             relay.send(Relayed(f"r{block_ids[0]}", block_ids, start, end, failed))
@@ -92,11 +93,11 @@ def test_the_followers_blocks_get_the_leaders_rows_in_the_leaders_order(relayed)
     assert [request for request, _ in follower["received"]] == [f"r{ids[0]}" for ids, *_ in reversed(loads)]
     written = set()
     for block_ids, start, end, failed in loads:
-        if failed or block_ids[0] == 33:
+        if failed or block_ids[0] == PAST:
             continue
         assert torch.equal(_rows(follower["layers"], block_ids, start, end), _rows(leader["layers"], block_ids, start, end))
         written |= {block_ids[t // BLOCK] * BLOCK + t % BLOCK for t in range(start, end)}
-    untouched = [slot for slot in range(BLOCKS * BLOCK) if slot not in written and slot // BLOCK not in (33, 34)]  # a failed load wrote nothing
+    untouched = [slot for slot in range(BLOCKS * BLOCK) if slot not in written and slot // BLOCK not in (PAST, PAST + 1)]  # a failed load wrote nothing
     original = _cache(1)
     assert all(torch.equal(f.view(-1, WIDTH)[untouched], o.view(-1, WIDTH)[untouched]) for f, o in zip(follower["layers"], original))
 
@@ -105,6 +106,6 @@ def test_a_failed_load_and_rows_not_gathered_are_failed_blocks_on_the_follower(r
     _, follower, loads = relayed
     received = dict(follower["received"])
     assert received["r1"] == [1, 2, 3]  # the leader's load failed: every block of it
-    if any(ids[0] == 33 for ids, *_ in loads):  # the CPU's case
-        assert received["r33"] == [33, 34]  # the leader could not gather them
-    assert all(received[f"r{ids[0]}"] == [] for ids, _, _, failed in loads if not failed and ids[0] != 33)
+    if any(ids[0] == PAST for ids, *_ in loads):  # the CPU's case
+        assert received[f"r{PAST}"] == [PAST, PAST + 1]  # the leader could not gather them
+    assert all(received[f"r{ids[0]}"] == [] for ids, _, _, failed in loads if not failed and ids[0] != PAST)
