@@ -59,7 +59,7 @@ import time
 from pathlib import Path
 
 import numpy as np
-from bench_vllm_decode import MODEL, REPO, start_tier, start_vllm  # benchmarks/bench_vllm_decode.py
+from bench_vllm_decode import GRAPH_BATCH_HELP, MODEL, REPO, start_tier, start_vllm, vllm_mode  # benchmarks/bench_vllm_decode.py
 from chaos_decode import ray_counter, tier_info  # benchmarks/chaos_decode.py
 from machine import machine  # benchmarks/machine.py
 
@@ -294,6 +294,7 @@ def main() -> None:
     parser.add_argument("--vllm-pythonpath", default=os.environ.get("VLLM_PYTHONPATH"), help="vLLM's site, first on its server's and benchmark's path")
     parser.add_argument("--vllm-memory", type=float, default=0.4, help="vLLM's --gpu-memory-utilization beside the pool (default 0.4)")
     parser.add_argument("--vllm-eager", action="store_true", help="vLLM with --enforce-eager (default: compiled, CUDA graphs)")
+    parser.add_argument("--vllm-max-graph-batch", type=int, default=0, help=GRAPH_BATCH_HELP + " (default 0)")
     parser.add_argument("--vllm-tp", type=int, default=1, help="vLLM's --tensor-parallel-size (default 1)")
     parser.add_argument("--vllm-dp", type=int, default=1, help="vLLM's --data-parallel-size (default 1)")
     parser.add_argument("--vllm-kv-cache-gib", type=float, help="vLLM's --kv-cache-memory-bytes, GiB (default: what its memory share leaves)")
@@ -324,7 +325,7 @@ def main() -> None:
     args.max_len = max(args.inputs) + args.output_len + 16
     report = {"what": f"bench_serving {args.mode}: vLLM's serving benchmark against the tier's /v1/completions and vLLM alone",
               "date": datetime.date.today().isoformat(), "machine": machine(), "command": " ".join(sys.argv), "checkpoint": str(checkpoint),
-              "slo": {"ttft_ms": args.slo_ttft_ms, "tpot_ms": args.slo_tpot_ms}, "complete": False}  # fmt: skip
+              "vllm_mode": vllm_mode(args), "slo": {"ttft_ms": args.slo_ttft_ms, "tpot_ms": args.slo_tpot_ms}, "complete": False}  # fmt: skip
     args.out.parent.mkdir(parents=True, exist_ok=True)
 
     def save(results: dict, complete: bool = False) -> None:

@@ -60,7 +60,17 @@ sys.path.insert(0, str(REPO / "tests"))
 from vllm_server import GPU_ENV, VLLMServer, cpu_binding  # noqa: E402 -- tests/vllm_server.py
 
 MODEL = "bench"
+GRAPH_BATCH_HELP = ("vLLM's --max-cudagraph-capture-size, the largest decode batch it captures a CUDA graph for; 0: vLLM's default "
+                    "(sizes up to 512). With block-FP8 linears vLLM 0.26 compiles DeepGEMM kernels with nvcc for each size as it "
+                    "captures: on the H200 the 5-layer slice was still capturing after 4 minutes at vLLM's default")  # fmt: skip
 os.environ.update(SAFE_NCCL_ENV)  # this process's, and so the Ray workers', environment too
+
+
+def vllm_mode(args) -> str:
+    """How the vLLM server runs, as the results JSON says it."""
+    if args.device == "cpu" or args.vllm_eager:
+        return "eager"
+    return f"compiled, CUDA graphs up to batch {args.vllm_max_graph_batch}" if args.vllm_max_graph_batch else "compiled, CUDA graphs"
 
 
 def start_vllm(args, checkpoint: Path, dtype: str, max_len: int, logs: Path, name: str = "vllm") -> VLLMServer:
@@ -69,6 +79,8 @@ def start_vllm(args, checkpoint: Path, dtype: str, max_len: int, logs: Path, nam
             "--max-num-batched-tokens", str(max(max_len, 8192))]  # fmt: skip
     if args.device == "cpu" or args.vllm_eager:
         vllm.append("--enforce-eager")
+    elif args.vllm_max_graph_batch:
+        vllm += ["--max-cudagraph-capture-size", str(args.vllm_max_graph_batch)]
     if args.vllm_tp > 1:
         vllm += ["--tensor-parallel-size", str(args.vllm_tp)]
     if args.vllm_dp > 1:
@@ -411,6 +423,7 @@ def main() -> None:
     parser.add_argument("--vllm-pythonpath", default=os.environ.get("VLLM_PYTHONPATH"), help="vLLM's site, put first on the vLLM server's path")
     parser.add_argument("--vllm-eager", action="store_true",
                         help="vLLM with --enforce-eager (no torch.compile, no CUDA graphs: starts in a minute less); by default as vLLM deploys, compiled with CUDA graphs")  # fmt: skip
+    parser.add_argument("--vllm-max-graph-batch", type=int, default=8, help=GRAPH_BATCH_HELP + " (default 8: these runs send one request at a time)")
     parser.add_argument("--vllm-memory", type=float, default=0.4, help="vLLM's --gpu-memory-utilization (default 0.4)")
     parser.add_argument("--vllm-tp", type=int, default=1, help="vLLM's --tensor-parallel-size (default 1; rank 0 loads, kv.tp_relay relays)")
     parser.add_argument("--vllm-dp", type=int, default=1, help="vLLM's --data-parallel-size (default 1)")
@@ -466,7 +479,7 @@ def main() -> None:
         "date": datetime.date.today().isoformat(), "machine": machine(),
         "command": " ".join(sys.argv), "checkpoint": str(checkpoint), "weights": args.weights if args.mode == "parity" else None,
         "moe_rounding": args.moe_rounding,
-        "vllm_version": _vllm_version(args), "vllm_mode": "eager" if args.device == "cpu" or args.vllm_eager else "compiled, CUDA graphs",
+        "vllm_version": _vllm_version(args), "vllm_mode": vllm_mode(args),
         "vllm_tp": args.vllm_tp, "vllm_dp": args.vllm_dp,
         "max_tokens": args.max_tokens, "complete": False, "results": {},
     }  # fmt: skip

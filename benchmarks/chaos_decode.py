@@ -58,12 +58,14 @@ MODEL = "mla-tiny"
 
 def vllm_args(device: str = "cpu", max_len: int = 2048, memory: float = 0.25) -> list[str]:
     """A decode server's arguments: on the CPU vLLM's CPU MLA backend in float32; on a GPU bf16 as it
-    deploys (compiled, CUDA graphs) on ``memory`` of the GPU."""
+    deploys (compiled, CUDA graphs) on ``memory`` of the GPU, graphs for decode batches up to 8 (a server
+    restarted mid-run starts sooner; vLLM's default of 512 sizes compiles DeepGEMM kernels for each with an
+    FP8 checkpoint: bench_vllm_decode.GRAPH_BATCH_HELP)."""
     common = ["--max-model-len", str(max_len), "--no-enable-prefix-caching", "--seed", "0", "--served-model-name", MODEL]
     if device == "cpu":
         return common + ["--dtype", "float32", "--enforce-eager", "--attention-backend", "CPU_MLA", "--gpu-memory-utilization", "0.25",
                          "--kv-cache-memory-bytes", str(128 << 20)]  # fmt: skip
-    return common + ["--dtype", "bfloat16", "--gpu-memory-utilization", str(memory)]
+    return common + ["--dtype", "bfloat16", "--gpu-memory-utilization", str(memory), "--max-cudagraph-capture-size", "8"]
 
 
 def in_service(tier: str, restarts: list[threading.Thread], timeout_s: float = 600.0) -> None:

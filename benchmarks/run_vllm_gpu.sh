@@ -17,7 +17,9 @@
 # the tier at SOAK_RATE, memory sampled; both need an H200 and more than one 10-minute call: run them detached),
 # resume (benchmarks/bench_resume.py: a 4K stream whose decode server is killed once it has generated 20 tokens, from the break to
 # the next token; the pool and two servers on one H200). vLLM runs as it deploys
-# (compiled, CUDA graphs); VLLM_EAGER=1 gives it --enforce-eager; TP=2 / DP=2 give speed, speed-kv and truth (TP)
+# (compiled, CUDA graphs for decode batches up to VLLM_GRAPH_BATCH: 8 for speed and speed-kv, one request at a time; 64 for
+# serving and soak; vLLM's default of 512 spent minutes in nvcc compiling DeepGEMM kernels for the FP8 slice as it captured
+# the graphs on 2026-11-26); VLLM_EAGER=1 gives it --enforce-eager; TP=2 / DP=2 give speed, speed-kv and truth (TP)
 # a vLLM decode instance of two GPUs (the two-GPU kinds). speed needs an H200: the slice's 26.5 GiB of
 # weights twice, and vLLM's 32K prefill, do not fit an H100 (vLLM held 57 GiB there at VLLM_MEMORY=0.45).
 set -uo pipefail
@@ -40,20 +42,20 @@ for step in "$@"; do
     speed) ckpt=${CKPT:-/tmp/v3-5layers}
            [ -f "$ckpt/model.safetensors.index.json" ] || python3 benchmarks/write_checkpoint.py --model deepseek-v3 --num-layers 5 --out "$ckpt" | tail -1
            python3 benchmarks/bench_vllm_decode.py speed --checkpoint "$ckpt" --lengths ${LENGTHS:-32768x16 8192x16 4096x32 2048x32 512x32} \
-             --scatter ${SCATTER:-200} --kv-cache-tokens 131072 --vllm-kv-cache-gib 2 --vllm-memory ${VLLM_MEMORY:-0.4} ${VLLM_EAGER:+--vllm-eager} --vllm-tp ${TP:-1} --vllm-dp ${DP:-1} --out "$out/vllm-decode-speed.json" ;;
+             --scatter ${SCATTER:-200} --kv-cache-tokens 131072 --vllm-kv-cache-gib 2 --vllm-memory ${VLLM_MEMORY:-0.4} ${VLLM_EAGER:+--vllm-eager} --vllm-max-graph-batch ${VLLM_GRAPH_BATCH:-8} --vllm-tp ${TP:-1} --vllm-dp ${DP:-1} --out "$out/vllm-decode-speed.json" ;;
     speed-kv) ckpt=/tmp/v3-kv-shaped
            [ -f "$ckpt/model.safetensors.index.json" ] || python3 benchmarks/write_checkpoint.py --model deepseek-v3 --kv-shaped --out "$ckpt" | tail -1
            python3 benchmarks/bench_vllm_decode.py speed --checkpoint "$ckpt" --lengths ${LENGTHS_KV:-32768x8 4096x8} \
-             --scatter ${SCATTER:-200} --kv-cache-tokens 131072 --vllm-kv-cache-gib 8 --vllm-memory ${VLLM_MEMORY:-0.4} ${VLLM_EAGER:+--vllm-eager} --vllm-tp ${TP:-1} --vllm-dp ${DP:-1} --out "$out/vllm-decode-speed-kv-shaped.json" ;;
+             --scatter ${SCATTER:-200} --kv-cache-tokens 131072 --vllm-kv-cache-gib 8 --vllm-memory ${VLLM_MEMORY:-0.4} ${VLLM_EAGER:+--vllm-eager} --vllm-max-graph-batch ${VLLM_GRAPH_BATCH:-8} --vllm-tp ${TP:-1} --vllm-dp ${DP:-1} --out "$out/vllm-decode-speed-kv-shaped.json" ;;
     truth) python3 benchmarks/bench_vllm_truth.py --checkpoints ${CHECKPOINTS:-1 2:one-scale 3:one-scale} --vllm-tp ${TP:-1} \
              --max-len ${TRUTH_MAX_LEN:-4096} --out "$out/vllm-decode-truth.json" ;;
     probe-cg) python3 benchmarks/probes/probe_compiled_graph.py --device cuda --tp 1 --checkpoint ${CKPT:-/tmp/v3-5layers} --tokens 16 512 4096 \
                --out "$out/probe-compiled-graph.json" ;;
     serving) python3 benchmarks/bench_serving.py sweep --checkpoint ${CKPT:-/tmp/v3-5layers} --inputs ${INPUTS:-4096 32768} --output-len 128 \
-               --rates ${RATES:-0.5 1 2 4 inf} --point-s ${POINT_S:-30} --whole-gpu --vllm-memory ${VLLM_MEMORY:-0.4} --kv-cache-tokens 131072 \
+               --rates ${RATES:-0.5 1 2 4 inf} --point-s ${POINT_S:-30} --whole-gpu --vllm-max-graph-batch ${VLLM_GRAPH_BATCH:-64} --vllm-memory ${VLLM_MEMORY:-0.4} --kv-cache-tokens 131072 \
                --out "$out/serving.json" ;;
     soak) python3 benchmarks/bench_serving.py soak --checkpoint ${CKPT:-/tmp/v3-5layers} --inputs 4096 --output-len 128 --rates ${SOAK_RATE:-2} \
-            --duration-s 600 --vllm-memory ${VLLM_MEMORY:-0.4} --kv-cache-tokens 131072 --out "$out/serving-soak.json" ;;
+            --duration-s 600 --vllm-max-graph-batch ${VLLM_GRAPH_BATCH:-64} --vllm-memory ${VLLM_MEMORY:-0.4} --kv-cache-tokens 131072 --out "$out/serving-soak.json" ;;
     resume) python3 benchmarks/bench_resume.py --checkpoint ${CKPT:-/tmp/v3-5layers} --prompt-len 4096 --probes ${PROBES:-5} \
               --out "$out/decode-resume.json" ;;
     kv-load) python3 benchmarks/bench_kv_load.py --layers 61 5 --tokens 32768 4096 --chunk-rows 16384 65536 --out "$out/kv-load.json" ;;
