@@ -27,6 +27,19 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVL
 export PYTHONPATH=/tmp/gpu-site:$PWD VLLM_PYTHONPATH=/tmp/vllm-site
 out=$1; shift
 mkdir -p "$out"
+# PROFILE=1 (speed, speed-kv): py-spy (its wheel carried in .bundle/tools) records the vLLM server's API process and engine
+# core for the whole step, into $out/pyspy-api.txt and $out/pyspy-core.txt (py-spy's raw collapsed stacks)
+profile_vllm() {
+  [ -n "${PROFILE:-}" ] || return 0
+  python3 -m pip install -q --no-index --no-deps --target /tmp/tools .bundle/tools/py_spy-*.whl || return 0
+  ( for i in $(seq 1 900); do
+      api=$(pgrep -f "[v]llm.entrypoints.openai.api_server" | head -1); core=$(pgrep -f "[V]LLM::EngineCore" | head -1)
+      [ -n "$api" ] && [ -n "$core" ] && break; sleep 1
+    done
+    for p in "api $api" "core $core"; do set -- $p
+      /tmp/tools/bin/py-spy record -p $2 -r 200 -d 3600 -f raw -o "$out/pyspy-$1.txt" --nonblocking > "$out/pyspy-$1.log" 2>&1 &
+    done; wait ) &
+}
 for step in "$@"; do
   case $step in
     install) for set in gpu vllm; do
@@ -39,11 +52,11 @@ for step in "$@"; do
              PYTHONPATH=/tmp/vllm-site:$PWD python3 -c "import vllm, kv.vllm_connector; print('vllm site ok', vllm.__version__)" ;;
     probe-moe) PYTHONPATH=/tmp/vllm-site:$PWD python3 benchmarks/probes/probe_vllm_moe.py --out "$out/vllm-moe-rounding.json" ;;
     parity-bf16|parity-fp8) python3 benchmarks/bench_vllm_decode.py parity --weights ${step#parity-} --out "$out/vllm-decode-parity-${step#parity-}.json" ;;
-    speed) ckpt=${CKPT:-/tmp/v3-5layers}
+    speed) ckpt=${CKPT:-/tmp/v3-5layers}; profile_vllm
            [ -f "$ckpt/model.safetensors.index.json" ] || python3 benchmarks/write_checkpoint.py --model deepseek-v3 --num-layers 5 --out "$ckpt" | tail -1
            python3 benchmarks/bench_vllm_decode.py speed --checkpoint "$ckpt" --lengths ${LENGTHS:-32768x16 8192x16 4096x32 2048x32 512x32} \
              --scatter ${SCATTER:-200} --kv-cache-tokens 131072 --vllm-kv-cache-gib 2 --vllm-memory ${VLLM_MEMORY:-0.4} ${VLLM_EAGER:+--vllm-eager} --vllm-max-graph-batch ${VLLM_GRAPH_BATCH:-8} --vllm-tp ${TP:-1} --vllm-dp ${DP:-1} --out "$out/vllm-decode-speed.json" ;;
-    speed-kv) ckpt=/tmp/v3-kv-shaped
+    speed-kv) ckpt=/tmp/v3-kv-shaped; profile_vllm
            [ -f "$ckpt/model.safetensors.index.json" ] || python3 benchmarks/write_checkpoint.py --model deepseek-v3 --kv-shaped --out "$ckpt" | tail -1
            python3 benchmarks/bench_vllm_decode.py speed --checkpoint "$ckpt" --lengths ${LENGTHS_KV:-32768x8 4096x8} \
              --scatter ${SCATTER:-200} --kv-cache-tokens 131072 --vllm-kv-cache-gib 8 --vllm-memory ${VLLM_MEMORY:-0.4} ${VLLM_EAGER:+--vllm-eager} --vllm-max-graph-batch ${VLLM_GRAPH_BATCH:-8} --vllm-tp ${TP:-1} --vllm-dp ${DP:-1} --out "$out/vllm-decode-speed-kv-shaped.json" ;;
