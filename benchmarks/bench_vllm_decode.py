@@ -110,9 +110,14 @@ def start_vllm(args, checkpoint: Path, dtype: str, max_len: int, logs: Path, nam
 
 
 def start_tier(args, checkpoint: Path, decode_url: str, dtype: str, max_ongoing_requests: int = 8) -> str:
-    """Ray, then the Serve tier with one replica whose pool is on this machine's GPU (or CPU)."""
+    """Ray, then the Serve tier with one replica whose pool is on this machine's GPU (or CPU); its URL:
+    Serve's HTTP proxy, or with ``args.ingress == "replica"`` the replica's own port (Ray Serve's
+    throughput-optimized mode, ``RAY_SERVE_THROUGHPUT_OPTIMIZED=1``, set here before Ray starts)."""
     import ray
     from ray import serve
+
+    if getattr(args, "ingress", "proxy") == "replica":
+        os.environ["RAY_SERVE_THROUGHPUT_OPTIMIZED"] = "1"  # Ray's processes take this process's environment
 
     from cluster.serve import build_app
     from configs.pool import PoolConfig
@@ -133,7 +138,26 @@ def start_tier(args, checkpoint: Path, decode_url: str, dtype: str, max_ongoing_
     started = time.monotonic()
     serve.run(build_app(config), name="bench", route_prefix="/")
     print(f"tier up in {time.monotonic() - started:.0f} s", flush=True)
+    if getattr(args, "ingress", "proxy") == "replica":
+        return replica_url("bench")
     return f"http://127.0.0.1:{port}"
+
+
+def replica_url(app: str, timeout_s: float = 60.0) -> str:
+    """The HTTP address of ``app``'s ingress replica that serves HTTP itself (Ray Serve's direct
+    ingress): its controller's target groups, which a load balancer in front of Serve reads (Serve
+    gives each such replica a port of its own from 30000, the next when one is taken)."""
+    import ray
+    from ray.serve.context import _get_global_client
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        groups = ray.get(_get_global_client()._controller.get_target_groups.remote(app))
+        targets = [t for g in groups if str(g.protocol).upper().endswith("HTTP") for t in g.targets if "Proxy" not in t.name]
+        if targets:  # it binds the host of serve.start's http_options (127.0.0.1 here), the target names the node's address
+            return f"http://127.0.0.1:{targets[0].port}"
+        time.sleep(0.5)
+    raise RuntimeError(f"Serve lists no replica of {app!r} serving HTTP itself after {timeout_s:g} s")
 
 
 def complete(url: str, body: dict) -> dict:
@@ -431,6 +455,9 @@ def main() -> None:
     parser.add_argument("--kv-cache-tokens", type=int, default=1 << 18, help="the pool's KV cache per worker (default 262144)")
     parser.add_argument("--start-timeout", type=float, default=480.0, help="seconds the vLLM server may take to start")
     parser.add_argument("--max-tokens", type=int, default=16, help="tokens generated per request (default 16)")
+    parser.add_argument("--ingress", choices=["proxy", "replica"], default="proxy",
+                        help="where clients reach the tier: Serve's HTTP proxy (default), or the replica's own port in Ray Serve's "
+                             "throughput-optimized mode (RAY_SERVE_THROUGHPUT_OPTIMIZED=1; benchmarks/probes/probe_ingress.py)")  # fmt: skip
     parser.add_argument("--transport", choices=["auto", "nixl", "tcp"], default="auto", help="the connector's KV transport (default auto)")
     parser.add_argument("--seed", type=int, default=0)
     parity = parser.add_argument_group("parity")
@@ -479,7 +506,7 @@ def main() -> None:
         "date": datetime.date.today().isoformat(), "machine": machine(),
         "command": " ".join(sys.argv), "checkpoint": str(checkpoint), "weights": args.weights if args.mode == "parity" else None,
         "moe_rounding": args.moe_rounding,
-        "vllm_version": _vllm_version(args), "vllm_mode": vllm_mode(args),
+        "vllm_version": _vllm_version(args), "vllm_mode": vllm_mode(args), "ingress": args.ingress,
         "vllm_tp": args.vllm_tp, "vllm_dp": args.vllm_dp,
         "max_tokens": args.max_tokens, "complete": False, "results": {},
     }  # fmt: skip

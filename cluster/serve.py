@@ -323,9 +323,8 @@ class PrefillServer:
             token = first.sample(result.logits) if first.greedy else await asyncio.to_thread(first.sample, result.logits)
             finish = first.finish(token)
             text = "" if finish == "stop" else token_text(self.tokenizer.tokenizer, token_ids, token)
-            ticket = self._ticket(result)
             if text is None:  # not whole on its own: vLLM samples the first token after all
-                forward = self._forward(parsed, parsed.passthrough, token_ids, ticket)
+                forward = self._forward(parsed, parsed.passthrough, token_ids, self._ticket(result))
                 upstream = await open_upstream(self.decoders, forward, self.config.decode_timeout_s)
                 return await self._answer(upstream, result, parsed, self._decode_answer(parsed, forward, len(token_ids), result.cached_tokens, None))
             head = first_chunk("cmpl-" + result.request_id, self.config.model_name, int(time.time()), text, token, finish,
@@ -333,7 +332,7 @@ class PrefillServer:
             if finish is not None:
                 await self._discard(result)
                 return self._local_answer(parsed, head, len(token_ids), result.cached_tokens)
-            forward = self._forward(parsed, first.forwarded(parsed.passthrough), token_ids + [token], ticket)
+            forward = self._forward(parsed, first.forwarded(parsed.passthrough), token_ids + [token], self._ticket(result))
             self.timeline.mark(result.request_id, "forwarded")
             opening = asyncio.ensure_future(open_upstream(self.decoders, forward, self.config.decode_timeout_s))
             answer = self._decode_answer(parsed, forward, len(token_ids), result.cached_tokens, head)
