@@ -126,10 +126,10 @@ def parse_request(body: dict[str, Any], chat: bool, model: str) -> Parsed:
 
 
 class Tokenizer:
-    """The checkpoint's tokenizer (transformers' ``AutoTokenizer``, loaded when first asked for: the
-    replica asks as it starts), used as vLLM's OpenAI server uses it: a completion's text with the
-    tokenizer's special tokens, a chat rendered by its template (with the generation prompt) and then
-    tokenized without them. Token ids need no tokenizer."""
+    """The checkpoint's tokenizer (transformers' ``AutoTokenizer``, loaded when first asked for: a
+    replica with decode servers asks as it starts), used as vLLM's OpenAI server uses it: a
+    completion's text with the tokenizer's special tokens, a chat rendered by its template (with the
+    generation prompt) and then tokenized without them. Token ids need no tokenizer."""
 
     def __init__(self, path: str | None) -> None:
         self.path, self._tokenizer, self._error = path, None, None

@@ -138,7 +138,8 @@ class PrefillServer:
         self.timeline = Timeline()  # the steps of recent requests handed to decode servers
         self.started = int(time.time())  # the served model's "created" in /v1/models
         self.tokenizer = Tokenizer(config.tokenizer or config.pool.checkpoint)
-        self.tokenizer.available  # noqa: B018 -- loaded now: else the first request waits for transformers' import and the files (2-3 s)
+        if config.decode_servers:  # the OpenAI endpoint, its user, answers only with decode servers
+            self.tokenizer.available  # noqa: B018 -- loaded now: else the first request waits for transformers' import (2-3 s)
         self.generation = generation_defaults(config.pool.checkpoint)  # vLLM's sampling defaults for the first token
 
     async def __call__(self, request: Request) -> Response:
