@@ -77,7 +77,7 @@ def start_vllm(args, checkpoint: Path, dtype: str, max_len: int, logs: Path, nam
     """A vLLM OpenAI server with mlapool's connector, up (it answers /health); its log ``logs/<name>-1.log``."""
     vllm = ["--served-model-name", MODEL, "--dtype", dtype, "--max-model-len", str(max_len), "--no-enable-prefix-caching", "--seed", "0",
             "--max-num-batched-tokens", str(max(max_len, 8192))]  # fmt: skip
-    if args.device == "cpu" or args.vllm_eager:
+    if vllm_mode(args) == "eager":
         vllm.append("--enforce-eager")
     elif args.vllm_max_graph_batch:
         vllm += ["--max-cudagraph-capture-size", str(args.vllm_max_graph_batch)]
@@ -116,7 +116,8 @@ def start_tier(args, checkpoint: Path, decode_url: str, dtype: str, max_ongoing_
     import ray
     from ray import serve
 
-    if getattr(args, "ingress", "proxy") == "replica":
+    direct = getattr(args, "ingress", "proxy") == "replica"
+    if direct:
         os.environ["RAY_SERVE_THROUGHPUT_OPTIMIZED"] = "1"  # Ray's processes take this process's environment
 
     from cluster.serve import build_app
@@ -138,7 +139,7 @@ def start_tier(args, checkpoint: Path, decode_url: str, dtype: str, max_ongoing_
     started = time.monotonic()
     serve.run(build_app(config), name="bench", route_prefix="/")
     print(f"tier up in {time.monotonic() - started:.0f} s", flush=True)
-    if getattr(args, "ingress", "proxy") == "replica":
+    if direct:
         return replica_url("bench")
     return f"http://127.0.0.1:{port}"
 
@@ -319,7 +320,7 @@ def run_speed(args, checkpoint: Path, alone: str, tier: str, vllm_log: Path, sav
         rates = [tokens * layers * width * 2 / seconds / 2**30 for tokens, _, seconds, _ in loads if seconds > 0]
         gaps = [b - a for a, b in zip(times["endpoint"], times["endpoint_second_token"])]
         alone_gaps = [b - a for a, b in zip(times["alone"], times["alone_second_token"])]
-        steps = handoff_steps(counted, _tier_timeline(tier), vllm_log.read_text())
+        steps = handoff_steps(counted, tier_timeline(tier), vllm_log.read_text())
         out[f"{n}x{count}"] = {
             "e2e_second_token_gap_s": percentiles(gaps), "vllm_alone_second_token_gap_s": percentiles(alone_gaps),
             "second_token_steps_p50_s": {name: round(statistics.median(v), 5) for name, v in steps.items() if v and name != "runs_per_layer"},
@@ -359,7 +360,8 @@ def loads_in_log(text: str, layers: int, width: int) -> list[dict]:
     return out
 
 
-def _tier_timeline(tier: str) -> dict:
+def tier_timeline(tier: str) -> dict:
+    """The tier's ``GET /`` ``handoff_timeline``: the steps of its recent handoffs, by request id."""
     with urllib.request.urlopen(tier + "/", timeout=60) as response:
         return json.loads(response.read())["handoff_timeline"]
 

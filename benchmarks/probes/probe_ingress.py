@@ -7,8 +7,9 @@ replica serves HTTP itself, its handlers on the replica's own event loop), at th
 
 Each way starts Ray and the tier (``bench_vllm_decode.start_tier``) in a process of its own (Serve
 reads the mode as it starts) and sends ``--requests`` streamed completions of ``--tokens`` token ids
-with ``max_tokens`` 1 and temperature 0, one at a time: the tier answers them alone (its first token
-ends them), so no decode server is involved. The pool's TTFT of each comes from the tier's ``GET /``.
+with ``max_tokens`` 1 and temperature 0, one at a time (``bench_vllm_decode.complete``): the tier
+answers them alone (its first token ends them), so no decode server is involved. The pool's TTFT of
+each comes from the tier's ``GET /`` (``bench_vllm_decode.tier_timeline``), matched by request id.
 """
 
 from __future__ import annotations
@@ -21,9 +22,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
 import types
-import urllib.request
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
@@ -32,31 +31,21 @@ sys.path[:0] = [str(REPO / "benchmarks"), str(REPO), str(REPO / "tests")]  # mac
 WAYS = {"serve-proxy": "proxy", "replica-port (RAY_SERVE_THROUGHPUT_OPTIMIZED=1)": "replica"}  # bench_vllm_decode.start_tier's ingress
 
 
-def completion(url: str, tokens: int, vocab: int) -> float:
-    """One streamed completion of ``tokens`` random ids, ``max_tokens`` 1: seconds to its first event."""
-    body = {"model": "bench", "prompt": [random.randrange(5, vocab) for _ in range(tokens)], "max_tokens": 1, "stream": True, "temperature": 0}
-    request = urllib.request.Request(url + "/v1/completions", data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
-    started = time.perf_counter()
-    with urllib.request.urlopen(request, timeout=60) as response:
-        response.readline()
-        elapsed = time.perf_counter() - started
-        response.read()
-    return elapsed
-
-
 def one_way(args) -> dict:
     """Run in the child: the tier up, the requests through ``args.at``, the fixed costs."""
-    from bench_vllm_decode import start_tier
+    from bench_vllm_decode import MODEL, complete, start_tier, tier_timeline
 
     tier = start_tier(types.SimpleNamespace(device=args.device, kv_cache_tokens=1 << 16, moe_rounding="reference", pool_memory=0.9, ingress=args.at),
                       args.checkpoint, "http://127.0.0.1:9", "float32" if args.device == "cpu" else "bfloat16")  # fmt: skip
     vocab = json.loads((args.checkpoint / "config.json").read_text())["vocab_size"]
+    body = lambda: {"model": MODEL, "prompt": [random.randrange(5, vocab) for _ in range(args.tokens)], "max_tokens": 1,  # noqa: E731
+                    "temperature": 0, "return_token_ids": True}  # fmt: skip
     for _ in range(5):  # warm-up
-        completion(tier, args.tokens, vocab)
-    client = [completion(tier, args.tokens, vocab) for _ in range(args.requests)]
-    with urllib.request.urlopen(tier + "/", timeout=30) as response:
-        timeline = list(json.loads(response.read())["handoff_timeline"].values())[-args.requests :]
-    pool = [step["pool_ttft_s"] for step in timeline]
+        complete(tier, body())
+    answers = [complete(tier, body()) for _ in range(args.requests)]
+    timeline = tier_timeline(tier)
+    client = [a["ttft_s"] for a in answers]
+    pool = [timeline[a["id"].removeprefix("cmpl-")]["pool_ttft_s"] for a in answers]
     ms = lambda xs: round(statistics.median(xs) * 1e3, 2)  # noqa: E731
     return {"client_ttft_ms_p50": ms(client), "pool_ttft_ms_p50": ms(pool), "fixed_cost_ms_p50": ms([c - p for c, p in zip(client, pool)]),
             "requests": len(client)}  # fmt: skip
