@@ -341,7 +341,7 @@ def run_speed(args, checkpoint: Path, alone: str, tier: str, vllm_log: Path, sav
 
 
 LOAD_LINE = re.compile(r"(\d+) tokens loaded over (\w+) in ([\d.]+) s \(([\d.]+) s from the KV server's go-ahead")
-TICKET_LINE = re.compile(r"request (\S+): the ticket of mlapool request (\S+) accepted at ([\d.]+)")
+TICKET_LINE = re.compile(r"request (\S+): the ticket of mlapool request (\S+) accepted at ([\d.]+)(?: \(arrived ([\d.]+)\))?")
 STEPS_LINE = re.compile(r"request (\S+): \d+ tokens loaded over .*?(\d+) runs of rows per layer; mlapool request (\S+); steps (\{.*\})")
 REPORTED_LINE = re.compile(r"loads of requests \[(.*?)\] reported to vLLM at ([\d.]+)")
 SCHEDULED_LINE = re.compile(r"requests \[(.*?)\]: first scheduled after their loads at ([\d.]+)")
@@ -370,7 +370,7 @@ def handoff_steps(completions: list[dict], timeline: dict, log: str) -> dict[str
     """Per request, the seconds of each step between the client's request and its second token: the
     client's times, the tier's (its ``GET /`` timeline) and vLLM's connector's (its log), all Unix
     times of one host, matched by the tier's request id (the completion's id less ``cmpl-``)."""
-    tickets = {m[2]: (m[1], float(m[3])) for m in TICKET_LINE.finditer(log)}  # mlapool id -> (vLLM id, accepted at)
+    tickets = {m[2]: (m[1], float(m[3]), float(m[4] or 0)) for m in TICKET_LINE.finditer(log)}  # mlapool id -> (vLLM id, accepted, arrived)
     loads = {m[3]: (m[1], int(m[2]), json.loads(m[4])) for m in STEPS_LINE.finditer(log)}
     def first_times(pattern: re.Pattern) -> dict[str, tuple[float, ...]]:  # vLLM request id -> the line's times
         times: dict[str, tuple[float, ...]] = {}
@@ -401,6 +401,9 @@ def handoff_steps(completions: list[dict], timeline: dict, log: str) -> dict[str
             add("first_token_sent_to_client", first - tier["first_token_sent"])
         add("tier_prefilled_to_forwarded", tier["forwarded"] - tier["prefilled"])
         add("forwarded_to_vllm_ticket_check", ticket[1] - tier["forwarded"])
+        if ticket[2]:  # vLLM's API server (HTTP, parsing, input processing), then its engine core (queue, scheduling)
+            add("forwarded_to_vllm_arrival", ticket[2] - tier["forwarded"])
+            add("vllm_arrival_to_ticket_check", ticket[1] - ticket[2])
         add("ticket_check_to_load_queued", steps["queued_at"] - ticket[1])
         add("load_queued_to_started", steps["started_at"] - steps["queued_at"])
         for step in ("connect", "begin", "place", "transfer", "done"):

@@ -72,7 +72,7 @@ for step in "$@"; do
             --duration-s 600 --vllm-max-graph-batch ${VLLM_GRAPH_BATCH:-64} --vllm-memory ${VLLM_MEMORY:-0.4} --kv-cache-tokens 131072 --out "$out/serving-soak.json" ;;
     resume) python3 benchmarks/bench_resume.py --checkpoint ${CKPT:-/tmp/v3-5layers} --prompt-len 4096 --probes ${PROBES:-5} \
               --out "$out/decode-resume.json" ;;
-    probe-ingress) python3 benchmarks/probes/probe_ingress.py --device cuda --checkpoint ${CKPT:-/tmp/v3-5layers} --tokens 16 2048 \
+    probe-ingress) python3 benchmarks/probes/probe_ingress.py --device cuda --checkpoint ${CKPT:-/tmp/v3-5layers} --tokens ${PROBE_TOKENS:-2048} \
                      --out "$out/probe-ingress.json" ;;
     kv-load) python3 benchmarks/bench_kv_load.py --layers 61 5 --tokens 32768 4096 --chunk-rows 16384 65536 --out "$out/kv-load.json" ;;
     *) echo "unknown step $step"; exit 2 ;;

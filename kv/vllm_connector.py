@@ -227,7 +227,10 @@ class MlapoolConnector(KVConnectorBase_V1):
             self._consumed.add(request.request_id)
             return None
         self._checked[request.request_id] = ticket
-        logger.info("request %s: the ticket of mlapool request %s accepted at %.6f", request.request_id, ticket.request_id, time.time())
+        # vLLM's arrival stamp (its front end's, as it processed the request's inputs) splits the time from
+        # the tier's forward to this check between vLLM's API server and its engine core
+        logger.info("request %s: the ticket of mlapool request %s accepted at %.6f (arrived %.6f)", request.request_id, ticket.request_id,
+                    time.time(), getattr(request, "arrival_time", 0.0) or 0.0)
         return ticket
 
     # ---- worker side -----------------------------------------------------------------------------------
