@@ -75,12 +75,43 @@ parser = FlexibleArgumentParser()
 add_cli_args(parser)
 main(parser.parse_args(sys.argv[1:]))
 """
+# why requests failed: vLLM's benchmark keeps only the HTTP reason ("Bad Request"), so its prompts (the same
+# seed and dataset) are sent again one at a time and the bodies of the refusals kept
+REPLAY = """import collections, json, sys, urllib.error, urllib.request
+from transformers import AutoTokenizer
+from vllm.benchmarks.datasets import RandomDataset
+url, tokenizer, model, input_len, output_len, prompts, seed, key = json.loads(sys.argv[1])
+samples = RandomDataset(random_seed=seed).sample(tokenizer=AutoTokenizer.from_pretrained(tokenizer), num_requests=prompts,
+                                                 input_len=input_len, output_len=output_len, range_ratio=0.0)
+reasons = collections.Counter()
+for sample in samples:
+    body = {"model": model, "prompt": sample.prompt, "max_tokens": output_len, "ignore_eos": True}
+    headers = {"content-type": "application/json", **({"authorization": "Bearer " + key} if key else {})}
+    try:
+        urllib.request.urlopen(urllib.request.Request(url + "/v1/completions", json.dumps(body).encode(), headers), timeout=600).read()
+    except urllib.error.HTTPError as error:
+        reasons[f"{error.code} {error.read().decode(errors='replace')[:400]}"] += 1
+print(json.dumps(dict(reasons.most_common(3))))
+"""
+
+
+def failure_reasons(url: str, *, tokenizer: str, model: str, input_len: int, output_len: int, prompts: int, seed: int, key: str | None,
+                    env: dict[str, str]) -> dict[str, int]:  # fmt: skip
+    """The refusals behind a point's failed requests: their prompts sent again, each refusal's status
+    and body with its count (the three most common); empty when none was refused again (the failures
+    were not refusals, a timeout or a broken connection, or did not recur)."""
+    arguments = json.dumps([url, tokenizer, model, input_len, output_len, prompts, seed, key])
+    done = subprocess.run([sys.executable, "-c", REPLAY, arguments], env=env, capture_output=True, text=True, check=False)
+    if done.returncode != 0:
+        return {f"the replay failed: {done.stderr[-400:]}": 0}
+    return json.loads(done.stdout.strip().splitlines()[-1])
 
 
 def run_point(url: str, *, tokenizer: str, model: str, input_len: int, output_len: int, rate: float, prompts: int, workdir: Path,
               key: str | None = None, slo_ttft_ms: float = 2000.0, slo_tpot_ms: float = 50.0, seed: int = 0,
               vllm_pythonpath: str | None = None) -> dict:  # fmt: skip
-    """One run of vLLM's serving benchmark against ``url``; the figures kept from its result."""
+    """One run of vLLM's serving benchmark against ``url``; the figures kept from its result and, where
+    requests failed, why (``failures``: :func:`failure_reasons`)."""
     workdir.mkdir(parents=True, exist_ok=True)
     name = f"bench-{input_len}-{rate}.json"
     args = ["--backend", "openai", "--base-url", url, "--endpoint", "/v1/completions", "--model", model, "--tokenizer", tokenizer,
@@ -103,6 +134,9 @@ def run_point(url: str, *, tokenizer: str, model: str, input_len: int, output_le
              "request_goodput": None if raw.get("request_goodput") is None else round(raw["request_goodput"], 4)}  # fmt: skip
     for metric in METRICS:
         point[metric] = {p: round(raw[f"{p}_{metric}_ms"], 2) for p in ("p50", "p99") if f"{p}_{metric}_ms" in raw}
+    if point["failed"]:
+        point["failures"] = failure_reasons(url, tokenizer=tokenizer, model=model, input_len=input_len, output_len=output_len, prompts=prompts,
+                                            seed=seed, key=key, env=env)  # fmt: skip
     return point
 
 

@@ -418,6 +418,18 @@ def test_vllms_serving_benchmark_runs_against_the_tier_with_no_failed_request(ti
     assert info(tier)["kv_kept_requests"] == 0
 
 
+def test_a_serving_point_with_failed_requests_says_why(vllm_url, checkpoint, tmp_path):
+    """vLLM's benchmark keeps only a failed request's HTTP reason; the point replays its prompts and keeps
+    vLLM's refusals (here prompts past the server's 2,048-token context)."""
+    from bench_serving import run_point
+
+    point = run_point(vllm_url, key=VLLM_KEY, rate=float("inf"), tokenizer=str(checkpoint), model=MODEL, input_len=2100, output_len=8,
+                      prompts=2, workdir=tmp_path)  # fmt: skip
+    assert point["completed"] == 0 and point["failed"] == 2
+    ((reason, count),) = point["failures"].items()
+    assert count == 2 and reason.startswith("400 ") and "2048" in reason, point["failures"]
+
+
 def test_a_short_soak_answers_everything_holds_nothing_and_counts_as_the_client(tier, vllm_server, checkpoint, tmp_path):
     """``bench_serving.soak`` for 20 s (the GPU soak runs 10 minutes): memory sampled on both sides, every
     request answered, nothing held, the pool's Prometheus count of answered requests the client's."""
