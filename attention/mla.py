@@ -278,10 +278,9 @@ def _make_chunk(
 
 
 class RMSNorm(nn.Module):
-    """``x / rms(x) * weight``, rounded as DeepSeek's reference rounds it: normalized in float32 and
-    rounded to ``x``'s dtype, then times the weight in that dtype. On CUDA one pass of a Triton kernel
-    (``attention.rms_norm_triton``, rows up to 8192 wide); elsewhere torch's fused ``rms_norm``, then
-    the weight."""
+    """``x / rms(x) * weight`` in float32, rounded once to ``x``'s dtype (why once, not twice as DeepSeek's
+    reference rounds: ``attention.rms_norm_triton``). On CUDA one pass of a Triton kernel (rows up to
+    8192 wide); elsewhere torch's fused ``rms_norm`` with the weight inside."""
 
     def __init__(self, dim: int, eps: float = 1e-6, *, dtype: torch.dtype | None = None, device=None) -> None:
         super().__init__()
@@ -295,7 +294,7 @@ class RMSNorm(nn.Module):
             if x.shape[-1] <= MAX_WIDTH:
                 rows = x if x.dim() == 2 and x.stride(-1) == 1 else x.reshape(-1, x.shape[-1])
                 return rms_norm(rows, self.weight, self.eps).view(x.shape)
-        return self.weight * F.rms_norm(x, self.weight.shape, eps=self.eps)
+        return F.rms_norm(x, self.weight.shape, self.weight, eps=self.eps)
 
 
 class MLAAttention(nn.Module):

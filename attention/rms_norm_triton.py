@@ -1,17 +1,21 @@
 """Triton kernel behind ``attention.mla.RMSNorm`` on GPUs (the math is there).
 
 One program normalizes ``BLOCK_M`` rows, each read once and held in registers (``WIDTH``: the row
-width rounded up to a power of two, at most :data:`MAX_WIDTH`): the mean square in float32, the
-normalized row rounded to the output dtype, then times the weight and rounded again, the two
-roundings of DeepSeek's reference. Rows are read through their stride (a column slice of wider rows
-works). Offsets are 64-bit.
+width rounded up to a power of two, at most :data:`MAX_WIDTH`): the mean square, the normalization
+and the weight in float32, rounded once to the output dtype. Rows are read through their stride (a
+column slice of wider rows works). Offsets are 64-bit.
 
-Why a kernel: torch's fused ``rms_norm`` multiplies by the weight before its one rounding, which is
-not the reference's result (a quarter of the bf16 values differ by a rounding; it flipped a
-near-tied greedy token of the tests' FP8 model); applying the weight after it is a second pass.
-Measured on H200 for 64K tokens x 7168 (``benchmarks/probes/probe_mla_ops.py``): this kernel 0.45 ms, all
-but 4 in a million values equal to the reference's float32 ops (5.7 ms); torch's op then the weight
-1.75 ms; torch's op with the weight inside 0.65 ms.
+Rounded once, not as DeepSeek's reference (the normalized row rounded, then times the weight and
+rounded again): the truth is float32, and the second rounding costs the cached latent rows a quarter
+of their distance from it. On the tests' DeepSeek-width checkpoint in bf16, layer 0's rows are 0.0029
+from float64 rounded once against 0.0037 rounded twice (relative L2; ``benchmarks/probes/
+probe_row_rounding.py``), which is where vLLM 0.26's own prefill's rows were on an H100 and the rows
+it loaded from the pool were not (``docs/vllm-decode.md``, against the float32 truth).
+
+Why a kernel: torch's fused ``rms_norm`` rounds the same way, with the weight inside, but needs
+contiguous rows (the latent rows' ``kv_c`` is a column slice) and is slower. Measured on H200 for 64K
+tokens x 7168 (``benchmarks/probes/probe_mla_ops.py``, when this kernel still rounded twice): this
+kernel 0.45 ms; torch's op with the weight inside 0.65 ms; the separate float32 ops 5.7 ms.
 """
 
 from __future__ import annotations
@@ -36,9 +40,8 @@ def _rms_norm_kernel(
     mask = (rows < M)[:, None] & col_ok[None, :]
     x = tl.load(x_ptr + rows[:, None] * x_stride + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     scale = tl.math.rsqrt(tl.sum(x * x, axis=1) / D + eps)
-    normalized = (x * scale[:, None]).to(out_ptr.dtype.element_ty).to(tl.float32)  # the first rounding
     weight = tl.load(w_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
-    out = (normalized * weight[None, :]).to(out_ptr.dtype.element_ty)
+    out = (x * scale[:, None] * weight[None, :]).to(out_ptr.dtype.element_ty)  # the one rounding
     tl.store(out_ptr + rows[:, None] * out_stride + cols[None, :], out, mask=mask)
 
 
