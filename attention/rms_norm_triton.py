@@ -6,16 +6,15 @@ and the weight in float32, rounded once to the output dtype. Rows are read throu
 column slice of wider rows works). Offsets are 64-bit.
 
 Rounded once, not as DeepSeek's reference (the normalized row rounded, then times the weight and
-rounded again): the truth is float32, and the second rounding costs the cached latent rows a quarter
-of their distance from it. On the tests' DeepSeek-width checkpoint in bf16, layer 0's rows are 0.0029
-from float64 rounded once against 0.0037 rounded twice (relative L2; ``benchmarks/probes/
-probe_row_rounding.py``), which is where vLLM 0.26's own prefill's rows were on an H100 and the rows
-it loaded from the pool were not (``docs/vllm-decode.md``, against the float32 truth).
+rounded again): the truth is float32, and the second rounding added about a fifth to the cached
+latent rows' distance from it. On the tests' DeepSeek-width checkpoint in bf16, layer 0's rows are
+0.0029 from float64 rounded once against 0.0037 rounded twice (relative L2,
+``benchmarks/probes/probe_row_rounding.py``): where vLLM 0.26's own prefill's rows were on an H100,
+and the rows it loaded from the pool were not (``docs/vllm-decode.md``, against the float32 truth).
 
-Why a kernel: torch's fused ``rms_norm`` rounds the same way, with the weight inside, but needs
-contiguous rows (the latent rows' ``kv_c`` is a column slice) and is slower. Measured on H200 for 64K
-tokens x 7168 (``benchmarks/probes/probe_mla_ops.py``, when this kernel still rounded twice): this
-kernel 0.45 ms; torch's op with the weight inside 0.65 ms; the separate float32 ops 5.7 ms.
+Why a kernel: torch's fused ``rms_norm`` with the weight inside rounds the same way, and was slower.
+Measured on H200 for 64K tokens x 7168 (``benchmarks/probes/probe_mla_ops.py``, when this kernel still
+rounded twice): this kernel 0.45 ms, torch's op 0.65 ms, the separate float32 ops 5.7 ms.
 """
 
 from __future__ import annotations
