@@ -5,9 +5,9 @@ of the queries' rope part (``RotaryEmbedding.rotate_``: the Triton kernel agains
 DeepSeek's interleaved pairs and the NeoX halves) and of the latent rows' ``k_pe``; the key rows
 built from the up-projection and ``k_pe`` (``attention.mla_triton`` against two copies into one
 buffer and ``torch.cat`` of the strided parts); the RMSNorm of the hidden rows
-(``attention.mla.RMSNorm``'s kernel against the reference's separate float32 ops, torch's fused normalization then the weight,
-and torch's op with the weight inside, which rounds once), with the fraction of values equal to the
-reference's. Milliseconds per call (median of 20 back-to-back calls).
+(``attention.mla.RMSNorm``'s kernel against separate float32 ops rounded once at the end, torch's fused normalization then
+the weight, and torch's op with the weight inside, which rounds once too), with the fraction of values equal to the
+separate ops'. (Until 2026-11-26 the kernel, and these separate ops, rounded twice, as DeepSeek's reference does.) Milliseconds per call (median of 20 back-to-back calls).
 
     python benchmarks/probes/probe_mla_ops.py --out FILE.json
 """
@@ -83,9 +83,9 @@ def main() -> None:
     norm = RMSNorm(attention.hidden_size, **bf16)
     norm.weight.data.normal_(1.0, 0.1)
 
-    def separate_ops() -> torch.Tensor:  # the reference's RMSNorm
+    def separate_ops() -> torch.Tensor:  # the RMSNorm in float32 ops, rounded once
         xf = hidden.float()
-        return norm.weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + norm.eps)).to(hidden.dtype)
+        return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + norm.eps) * norm.weight.float()).to(hidden.dtype)
 
     result["rms_norm_ms"] = {
         "kernel": _ms(lambda: norm(hidden)), "separate-float32-ops": _ms(separate_ops),
