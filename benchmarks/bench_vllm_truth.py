@@ -83,12 +83,12 @@ def pool_config(checkpoint: Path, dtype: str, device: str):
                       kv_cache_tokens=1 << 17, **({"gpu_memory_utilization": 0.9} if gpu else {}))  # fmt: skip
 
 
-def truth_rows(checkpoint: Path, prompts: list[list[int]], device: str) -> list[torch.Tensor]:
-    """The pool in float32: each prompt's latent rows, ``[layers, tokens, 576]``."""
+def truth_rows(checkpoint: Path, prompts: list[list[int]], device: str, dtype: str = "float32") -> list[torch.Tensor]:
+    """The pool in ``dtype`` (float32: the truth): each prompt's latent rows, ``[layers, tokens, 576]``."""
     from cluster.pool import PrefillPool
 
     rows = []
-    with PrefillPool(pool_config(checkpoint, "float32", device)).start() as pool:
+    with PrefillPool(pool_config(checkpoint, dtype, device)).start() as pool:
         for prompt in prompts:
             result = pool.prefill(prompt, keep_kv=True)
             rows.append(pool.fetch_kv(result).float().cpu())

@@ -5,9 +5,10 @@ of the queries' rope part (``RotaryEmbedding.rotate_``: the Triton kernel agains
 DeepSeek's interleaved pairs and the NeoX halves) and of the latent rows' ``k_pe``; the key rows
 built from the up-projection and ``k_pe`` (``attention.mla_triton`` against two copies into one
 buffer and ``torch.cat`` of the strided parts); the RMSNorm of the hidden rows
-(``attention.mla.RMSNorm``'s kernel against separate float32 ops rounded once at the end, torch's fused normalization then
-the weight, and torch's op with the weight inside, which rounds once too), with the fraction of values equal to the
-separate ops'. (Until 2026-11-26 the kernel, and these separate ops, rounded twice, as DeepSeek's reference does.) Milliseconds per call (median of 20 back-to-back calls).
+(``attention.mla.RMSNorm``'s kernel against separate float32 ops rounded once at the end, torch's fused
+normalization then the weight, and torch's op with the weight inside, which rounds once too), with the
+fraction of values equal to the separate ops' (until 2026-11-26 the kernel and these ops rounded twice,
+as DeepSeek's reference does). Milliseconds per call (median of 20 back-to-back calls).
 
     python benchmarks/probes/probe_mla_ops.py --out FILE.json
 """

@@ -39,22 +39,14 @@ from machine import machine  # noqa: E402  benchmarks/machine.py
 
 
 def pool_rows(checkpoint: Path, prompts: list[torch.Tensor], device: str) -> dict[str, list[torch.Tensor]]:
-    """Layer 0's rows as the pool itself computes and keeps them (``PrefillPool``, bf16 and float32),
-    as ``bench_vllm_truth.py`` takes them."""
+    """Layer 0's rows as the pool itself computes and keeps them, bf16 and float32
+    (``bench_vllm_truth.truth_rows``), in a Ray of its own."""
     import ray
-    from bench_vllm_truth import pool_config
+    from bench_vllm_truth import truth_rows
 
-    from cluster.pool import PrefillPool
-
-    ray.init(address="local", num_cpus=4, num_gpus=1 if device == "cuda" else 0)  # its own, whatever else runs
-    out: dict[str, list[torch.Tensor]] = {}
-    for dtype in ("bfloat16", "float32"):
-        out[f"the pool itself, {dtype}"] = []
-        with PrefillPool(pool_config(checkpoint, dtype, device)).start() as pool:
-            for prompt in prompts:
-                result = pool.prefill(prompt.tolist(), keep_kv=True)
-                out[f"the pool itself, {dtype}"].append(pool.fetch_kv(result)[0].float().cpu())
-                pool.release(result)
+    ray.init(address="local", num_cpus=4, num_gpus=1 if device == "cuda" else 0)
+    ids = [prompt.tolist() for prompt in prompts]
+    out = {f"the pool itself, {dtype}": [rows[0] for rows in truth_rows(checkpoint, ids, device, dtype)] for dtype in ("bfloat16", "float32")}
     ray.shutdown()
     return out
 
