@@ -100,10 +100,8 @@ def own(servers):
 
 def test_a_stream_whose_server_is_killed_goes_on_on_the_other_one(tier, servers, own):
     a, b = servers
-    started = time.monotonic()
-    with post(tier, {**GREEDY, "max_tokens": 8}) as response:  # warm both paths up; the quiet time of one request
+    with post(tier, {**GREEDY, "max_tokens": 8}) as response:  # warm both paths up
         json.loads(response.read())
-    plain_s = time.monotonic() - started
     killer = KillMidAnswer(servers, after_tokens=10)
     body = {**GREEDY, "max_tokens": 256, "stream": True, "stream_options": {"include_usage": True}, "return_token_ids": True}
     with post(tier, body) as response:
@@ -124,10 +122,8 @@ def test_a_stream_whose_server_is_killed_goes_on_on_the_other_one(tier, servers,
     assert 0 < stall["stall_s"] < 30 and 0 < stall["tokens_before"] < 256
 
     tried = now[a.url]["requests"]  # the next request goes to b at once: a is not tried while it is out
-    started = time.monotonic()
     with post(tier, {**GREEDY, "max_tokens": 8}) as response:
-        json.loads(response.read())
-    assert time.monotonic() - started < plain_s + 0.1
+        assert json.loads(response.read())["choices"][0]["text"]
     assert served(tier)[a.url]["requests"] == tried
 
     a.restart()  # back on its port: taken back once it answers /health
