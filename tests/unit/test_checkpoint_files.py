@@ -130,3 +130,20 @@ def test_a_written_checkpoint_of_the_seeded_weights_loads_as_they_are_drawn(tmp_
     assert report.files_opened >= 1 and report.bytes_read > 0
     for (name, a), (_, b) in zip(loaded.named_parameters(), drawn.named_parameters(), strict=True):
         assert torch.equal(a, b), name
+
+
+def test_the_benchmark_checkpoints_tokenizer_round_trips_and_keeps_vllms_characters_bound(tmp_path):
+    """write_checkpoint.write_tokenizer: random ids (bos and eos among them) decode to a text that
+    encodes back to the same ids, and that text is no longer than the ids times the longest token,
+    the bound vLLM checks a text prompt against before tokenizing it (a prompt of 32K ids past it was
+    refused with a 400 when the words were bare: 8 characters each with their space, 7 the longest)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+    from transformers import AutoTokenizer
+    from write_checkpoint import write_tokenizer
+
+    write_tokenizer(tmp_path, {"vocab_size": 129280})
+    tokenizer = AutoTokenizer.from_pretrained(tmp_path)
+    ids = torch.randint(100000, 129280, (2000,), generator=torch.Generator().manual_seed(0)).tolist() + [0, 5, 1, 17]
+    text = tokenizer.decode(ids)
+    assert tokenizer.encode(text) == ids
+    assert len(text) <= len(ids) * max(len(token) for token in tokenizer.get_vocab())
