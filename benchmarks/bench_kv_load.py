@@ -1,7 +1,7 @@
 """How fast a request's latent KV moves from a holder's paged cache into a decode server's per-layer
 caches (vLLM's layout) on one host, with the blocks scattered on both sides: the ``mapped`` transport
-(``kv.mapped``: the holder's cache mapped into the receiver, one gather/scatter per layer and chunk)
-against NIXL READs of every run of rows (``kv.nixl``: what the connector did before), in one run, on
+(``kv.mapped``: the holder's cache mapped into the receiver; on a GPU its one kernel for all layers,
+``mapped_kernel``, and torch's gather/scatter per layer and chunk, ``mapped_chunk<rows>``) against NIXL READs of every run of rows (``kv.nixl``: what the connector did before), in one run, on
 the same caches.
 
     python benchmarks/bench_kv_load.py --layers 61 5 --tokens 32768 4096 --out kv-load.json
@@ -89,11 +89,12 @@ def measure(args, layers: int, tokens: int, device: str) -> dict:
         moved = tokens * layers * WIDTH * 2
         row = {"layers": layers, "tokens": tokens, "bytes": moved, "runs_per_layer": src_runs, "blocks": needed}
         region = MappedRegion.from_dict(offer["mapped"])
-        for chunk in args.chunk_rows:
-            mapper = Mapper(chunk_rows=chunk)
+        mappers = {f"mapped_chunk{chunk}": Mapper(chunk_rows=chunk, kernel=False) for chunk in args.chunk_rows}
+        if device != "cpu":
+            mappers["mapped_kernel"] = Mapper()
+        for name, mapper in mappers.items():
             seconds = [mapper.copy(region, dest, part.src, part.dst)[0] for _ in range(args.repeats + 1)][1:]
-            row[f"mapped_chunk{chunk}"] = _rate(seconds, moved) | {"peak_temporary_bytes": mapper.peak_in_flight_bytes,
-                                                                   "equal": _equal(mapper, region, dest, part)}  # fmt: skip
+            row[name] = _rate(seconds, moved) | {"peak_temporary_bytes": mapper.peak_in_flight_bytes, "equal": _equal(mapper, region, dest, part)}
             for layer in dest:
                 layer.zero_()
         if "nixl" in offer:
@@ -151,7 +152,7 @@ def main() -> None:
     parser.add_argument("--layers", type=int, nargs="+", default=[61, 5], help="layers of the KV (61: DeepSeek-V3; 5: the benchmarks' slice)")
     parser.add_argument("--tokens", type=int, nargs="+", default=[32768, 4096], help="prompt lengths")
     parser.add_argument("--repeats", type=int, default=10)
-    parser.add_argument("--chunk-rows", type=int, nargs="+", default=[16384], help="kv.mapped.Mapper chunk_rows to measure")
+    parser.add_argument("--chunk-rows", type=int, nargs="+", default=[16384], help="kv.mapped.Mapper chunk_rows to measure on the per-layer path")
     parser.add_argument("--methods", nargs="+", choices=["mapped", "nixl"], default=["mapped", "nixl"])
     args = parser.parse_args()
     missing = nixl_unavailable()

@@ -8,16 +8,18 @@ while every block is its own run. Measured on one H200: 2,560 READs of one 64-ro
 prompt of a 5-layer slice, ~29 us each, 2.2 GiB/s (vllm #55434 reports the same for vLLM's own
 NixlConnector). Here the receiver maps the holder's whole cache once (CUDA IPC for GPU memory,
 torch's ``torch.multiprocessing`` handles; a shared-memory file for host memory) and moves a request
-with one ``index_select`` + ``index_copy_`` pair per layer and chunk of rows on a stream of its own:
-the cost is the memory traffic of the rows, not a count of descriptors (``benchmarks/bench_kv_load.py``
-measures both).
+on a stream of its own, on a GPU with one kernel for every layer's rows (``kv.mapped_triton``), in
+host memory with one ``index_select`` + ``index_copy_`` pair per layer and chunk of rows: the cost is
+the memory traffic of the rows, not a count of descriptors (``benchmarks/bench_kv_load.py`` measures
+them all).
 
     holder:   region = share_cache(cache)                        # once; every offer carries region.as_dict()
     receiver: mapper = Mapper(); mapper.copy(region, layers, src_rows, dst_rows)
 
-Memory: the receiver allocates no landing region; each chunk of at most ``chunk_rows`` rows passes
-through one temporary of ``chunk_rows x width`` elements (``Mapper.in_flight_bytes`` counts it, back
-to 0 after every copy). The rows land in the destination only after the holder's rows were read; a
+Memory: the receiver allocates no landing region; the kernel reads each row into the destination
+directly (the row indices are all it allocates), and on the per-layer path each chunk of at most
+``chunk_rows`` rows passes through one temporary of ``chunk_rows x width`` elements
+(``Mapper.in_flight_bytes`` counts it, back to 0 after every copy). The rows land in the destination only after the holder's rows were read; a
 load that fails is reported as a load error by the caller (vLLM recomputes those blocks).
 
 A holder that dies while mapped: its memory stays mapped in the receiver until the receiver drops it
@@ -189,10 +191,13 @@ class Mapper:
     """The receiver's side: holders' caches mapped once each (kept until :meth:`forget`), and copies
     of rows from them into the receiver's per-layer caches."""
 
-    def __init__(self, chunk_rows: int = CHUNK_ROWS) -> None:
+    def __init__(self, chunk_rows: int = CHUNK_ROWS, kernel: bool = True) -> None:
+        """``chunk_rows``: rows per gather/scatter on the per-layer path; ``kernel``: a GPU copy by
+        ``kv.mapped_triton`` (False: the per-layer torch ops there too, as host memory always takes)."""
         if type(chunk_rows) is not int or chunk_rows < 1:
             raise ValueError(f"chunk_rows must be a positive integer, got {chunk_rows!r}")
-        self.chunk_rows = chunk_rows
+        self.chunk_rows, self.kernel = chunk_rows, kernel
+        self._tables: dict[tuple[int, ...], torch.Tensor] = {}  # the destinations' address tables, by their addresses
         self._mapped: dict[tuple, torch.Tensor] = {}
         self._lock = threading.Lock()
         self._in_flight = 0
@@ -264,8 +269,8 @@ class Mapper:
 
     def copy(self, region: MappedRegion, layers: list[torch.Tensor], src: np.ndarray, dst: np.ndarray) -> tuple[float, bool]:
         """Copy rows ``src`` of every layer of the holder's cache to rows ``dst`` of ``layers`` (each
-        ``[num_blocks, block_size, width]``; rows counted as ``block * block_size + offset``), in
-        chunks of ``chunk_rows``. Returns the seconds it took (the copies done, synchronized) and
+        ``[num_blocks, block_size, width]``; rows counted as ``block * block_size + offset``): on a GPU
+        by one kernel, else in chunks of ``chunk_rows`` per layer. Returns the seconds it took (the copies done, synchronized) and
         whether the holder was seen running before and after it (False: this process cannot see it;
         :class:`HolderGone` when it is seen gone)."""
         seen = holder_lived(region)
@@ -285,16 +290,24 @@ class Mapper:
             return 0.0
         if int(src.max()) >= source.shape[1] or int(src.min()) < 0:
             raise MappedError(f"rows {int(src.min())}..{int(src.max())} are outside the holder's cache of {source.shape[1]} rows")
-        cuda = device.type == "cuda"
-        stream = self._stream(device) if cuda else None
         width, itemsize = source.shape[2], source.element_size()
         flats = [layer.view(-1, width) for layer in layers]
+        if int(dst.max()) >= flats[0].shape[0] or int(dst.min()) < 0:  # the kernel writes where it is told: checked here
+            raise MappedError(f"rows {int(dst.min())}..{int(dst.max())} are outside the destination's {flats[0].shape[0]} rows")
+        cuda = device.type == "cuda"
+        stream = self._stream(device) if cuda else None
         started = time.perf_counter()
         with torch.cuda.stream(stream) if cuda else contextlib.nullcontext():
             if cuda:
                 stream.wait_stream(torch.cuda.current_stream(device))  # nothing of ours still writes the destination
             src_index = torch.from_numpy(src).to(source.device, non_blocking=True)
             dst_index = torch.from_numpy(dst).to(device, non_blocking=True)
+            if cuda and self.kernel:
+                from kv.mapped_triton import copy_rows  # Triton only where a GPU copies
+
+                copy_rows(source, flats, self._table(flats), src_index, dst_index)
+                stream.synchronize()
+                return time.perf_counter() - started
             for first in range(0, len(src), self.chunk_rows):
                 rows = slice(first, min(first + self.chunk_rows, len(src)))
                 temporary = (rows.stop - rows.start) * width * itemsize  # one piece at a time (stream-ordered reuse)
@@ -309,6 +322,28 @@ class Mapper:
                 finally:
                     self._count(-temporary)
         return time.perf_counter() - started
+
+    def warm(self, like: torch.Tensor) -> None:
+        """Compile the GPU kernel for caches like ``like`` (its width, dtype and device) on scratch
+        tensors, so that the first load does not wait for Triton's compiler; nothing on the host."""
+        if not (like.is_cuda and self.kernel):
+            return
+        from kv.mapped_triton import address_table, copy_rows
+
+        source = torch.zeros(1, 1, like.shape[-1], dtype=like.dtype, device=like.device)
+        dest = [torch.empty(1, like.shape[-1], dtype=like.dtype, device=like.device)]
+        rows = torch.zeros(1, dtype=torch.int64, device=like.device)
+        copy_rows(source, dest, address_table(dest), rows, rows)
+        torch.cuda.synchronize(like.device)
+
+    def _table(self, layers: list[torch.Tensor]) -> torch.Tensor:
+        from kv.mapped_triton import address_table
+
+        key = tuple(layer.data_ptr() for layer in layers)
+        with self._lock:
+            if key not in self._tables:
+                self._tables[key] = address_table(layers)
+            return self._tables[key]
 
     def _count(self, delta: int) -> None:
         with self._lock:

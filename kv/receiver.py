@@ -12,7 +12,7 @@ and, for NIXL, nixl.
 The destination's block size is the decode server's own: rows are placed one by one from the
 prefill pool's blocks into the destination's, whatever the two block sizes are (vLLM takes 16 on
 the CPU, FlashMLA 64; the pool keeps the size its prefill wants and feeds both). A mapped copy
-moves any rows in one gather/scatter per layer (``kv.mapped``: the fastest by far on one host), NIXL READs move
+moves any rows in one kernel on a GPU (``kv.mapped``: the fastest by far on one host), NIXL READs move
 runs of rows consecutive on both sides (a whole block or more when the sizes and the block ids
 line up), TCP pulls scatter each received piece to its rows.
 

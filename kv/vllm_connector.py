@@ -307,6 +307,8 @@ class _LoadWorker:
             self.layers.append(cache.view(-1, self.block_size, cache.shape[-1]))
         if len(tp_ranks) > 1:
             self.relay = TPRelay(self.layers, self.block_size, tp_ranks, rank, on_received=self._finish)
+        if "mapped" in self.transports and (self.relay is None or self.relay.leads):
+            self.mapper.warm(self.layers[0])  # the GPU copy's kernel compiled now, not at the first load
         if "nixl" in self.transports and (self.relay is None or self.relay.leads):
             self.nixl = NixlEndpoint(f"mlapool-vllm-{id(self):x}", serves=False)
             for layer in self.layers:

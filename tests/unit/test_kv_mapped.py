@@ -2,7 +2,8 @@
 row by row into per-layer caches of another block size, blocks scattered on both sides; what it
 refuses; what it allocates. (Across processes, through the KV server, with a pool:
 ``tests/ray/test_kv_handoff.py``; with vLLM: ``tests/ray/test_vllm_decode.py``; CUDA IPC on a GPU:
-``benchmarks/bench_kv_load.py``.)"""
+``benchmarks/bench_kv_load.py``.) The GPU path's kernel (``kv.mapped_triton``) runs here in Triton's
+interpreter, and on a GPU for real."""
 
 import dataclasses
 import os
@@ -87,6 +88,8 @@ def test_a_destination_of_another_shape_and_rows_outside_the_cache_are_refused(h
         Mapper().copy(region, [torch.zeros(10, 4, WIDTH)] * 2, np.arange(4), np.arange(4))
     with pytest.raises(MappedError, match="outside the holder's cache of 640 rows"):
         Mapper().copy(region, [torch.zeros(10, 4, WIDTH)] * LAYERS, np.array([0, 640]), np.arange(2))
+    with pytest.raises(MappedError, match="outside the destination's 40 rows"):
+        Mapper().copy(region, [torch.zeros(10, 4, WIDTH)] * LAYERS, np.arange(2), np.array([3, 40]))
     with pytest.raises(MappedError, match="malformed"):
         MappedRegion.from_dict({"host": host_identity()})
 
@@ -117,3 +120,42 @@ def test_a_holder_seen_gone_is_a_failed_copy_and_one_not_seen_is_left_to_the_kv_
         Mapper().copy(gone, dest, np.arange(4), np.arange(4))
     _, seen = Mapper().copy(dataclasses.replace(region, process=None), dest, np.arange(4), np.arange(4))
     assert seen is False  # another pid namespace: the KV server asks the holders instead
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float8_e4m3fn])
+def test_the_gpu_kernel_moves_every_layers_rows_bit_for_bit_into_caches_at_unrelated_addresses(dtype):
+    """kv.mapped_triton.copy_rows (the GPU path of Mapper; Triton's interpreter here): rows of every
+    layer of a [layers, rows, width] cache to scattered rows of per-layer caches allocated apart, as
+    vLLM's are, each bit kept (NaN payloads and negative zeros included), nothing else written; a
+    width not a multiple of the kernel's column block, and more rows than one program takes."""
+    from kv.mapped_triton import address_table, copy_rows
+
+    layers, rows, width, moved = 3, 90, 72, 37  # 72 = 64 + 8: a partial column block; 37 rows: three row blocks
+    bits = torch.randint(0, 256, (layers, rows, width * dtype.itemsize), dtype=torch.uint8, generator=torch.Generator().manual_seed(1))
+    source = bits.view(dtype)
+    dest = [torch.zeros(50 + 10 * i, width, dtype=dtype) for i in range(layers)]  # unrelated addresses, other sizes
+    rng = np.random.default_rng(2)
+    src_rows, dst_rows = rng.permutation(rows)[:moved], rng.permutation(50)[:moved]
+    copy_rows(source, dest, address_table(dest), torch.from_numpy(src_rows), torch.from_numpy(dst_rows))
+    for layer, cache in enumerate(dest):
+        as_bits = cache.view(torch.uint8).view(cache.shape[0], -1)
+        assert torch.equal(as_bits[dst_rows], bits[layer][src_rows]), layer
+        untouched = np.setdiff1d(np.arange(cache.shape[0]), dst_rows)
+        assert not as_bits[untouched].any(), layer
+    with pytest.raises(ValueError, match="3 source layers, 2 destinations"):
+        copy_rows(source, dest[:2], address_table(dest[:2]), torch.from_numpy(src_rows), torch.from_numpy(dst_rows))
+    with pytest.raises(ValueError, match="of one dtype"):
+        copy_rows(source, [d.to(torch.float64) for d in dest], address_table(dest), torch.from_numpy(src_rows), torch.from_numpy(dst_rows))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU: Triton compiles the kernel for it")
+def test_on_a_gpu_the_kernel_compiles_at_warm_up_and_moves_61_layers_as_the_per_layer_ops_do():
+    from kv.mapped_triton import address_table, copy_rows
+
+    source = torch.randn(61, 4096, 576, device="cuda").to(torch.bfloat16)
+    dest = [torch.zeros(8192, 576, dtype=torch.bfloat16, device="cuda") for _ in range(61)]
+    Mapper().warm(dest[0])
+    src_rows, dst_rows = torch.randperm(4096, device="cuda")[:3000], torch.randperm(8192, device="cuda")[:3000]
+    copy_rows(source, dest, address_table(dest), src_rows, dst_rows)
+    assert all(torch.equal(layer[dst_rows], source[i][src_rows]) for i, layer in enumerate(dest))
