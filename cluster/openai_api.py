@@ -287,16 +287,34 @@ class Upstream:
         await self.session.close()
 
 
-async def open_upstream(servers: DecodeServers, body: dict[str, Any], timeout_s: float) -> Upstream:
-    """POST ``body`` to ``/v1/completions`` of the least loaded decode server in service that takes it."""
+def prompt_json(token_ids: list[int]) -> str:
+    """A prompt's ids as the JSON text of a forward's ``prompt``, made while its prefill runs
+    (:func:`encoded_forward`): 3.7 ms for 32K ids on the 2-core CPU, off the first token's path."""
+    return json.dumps(token_ids)
+
+
+def encoded_forward(forward: dict[str, Any], prompt: str, first_token: int) -> bytes:
+    """``forward`` as the JSON body sent, its ``prompt`` being the ids whose JSON text ``prompt`` is
+    (:func:`prompt_json`) followed by ``first_token``: only the small rest is serialized now."""
+    if forward["prompt"][-1] != first_token or not prompt.endswith("]"):
+        raise ValueError(f"the forward's prompt ends with {forward['prompt'][-1]}, not the first token {first_token}")
+    rest = json.dumps({key: value for key, value in forward.items() if key != "prompt"})
+    ids = f"{prompt[:-1]}, {first_token}]" if prompt != "[]" else f"[{first_token}]"
+    return f'{rest[:-1]}{", " if len(rest) > 2 else ""}"prompt": {ids}}}'.encode()
+
+
+async def open_upstream(servers: DecodeServers, body: dict[str, Any], timeout_s: float, encoded: bytes | None = None) -> Upstream:
+    """POST ``body`` to ``/v1/completions`` of the least loaded decode server in service that takes it
+    (``encoded``: ``body`` already serialized, :func:`encoded_forward`)."""
+    data = encoded if encoded is not None else json.dumps(body).encode()
     reasons = [f"{s.url}: out of service until it answers /health ({s.ejected})" for s in servers.servers if s.ejected is not None]
     for server in servers.by_load():
         server.outstanding += 1
         server.requests += 1
         session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None, sock_connect=10, sock_read=timeout_s))
-        headers = {"Authorization": f"Bearer {server.api_key}"} if server.api_key else None
+        headers = {"Content-Type": "application/json"} | ({"Authorization": f"Bearer {server.api_key}"} if server.api_key else {})
         try:
-            response = await session.post(server.url + COMPLETIONS, json=body, headers=headers)
+            response = await session.post(server.url + COMPLETIONS, data=data, headers=headers)
         except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
             reasons.append(f"{server.url}: {type(exc).__name__}: {exc}")
             servers.eject(server, reasons[-1])

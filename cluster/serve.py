@@ -64,8 +64,8 @@ from cluster.kv_server import KVServer
 from cluster.metrics import PoolMetrics
 from cluster.first_token import FirstToken, first_chunk, generation_defaults, shift, token_text, usage
 from cluster.openai_api import (
-    CHAT, COMPLETIONS, MODELS, DecodeServers, OpenAIError, Parsed, Tokenizer, Upstream, chat_answer, client_chunk, open_upstream, parse_request,
-    Timeline, model_card, sse, with_cached_tokens,
+    CHAT, COMPLETIONS, MODELS, DecodeServers, OpenAIError, Parsed, Tokenizer, Upstream, chat_answer, client_chunk, encoded_forward, open_upstream,
+    parse_request, prompt_json, Timeline, model_card, sse, with_cached_tokens,
 )  # fmt: skip
 from cluster.pool import PrefillPool
 from cluster.results import PromptTooLong
@@ -312,11 +312,16 @@ class PrefillServer:
         return await self._answer(upstream, result, parsed, answer)
 
     async def _openai_first_token(self, parsed: Parsed, token_ids: list[int], first: FirstToken, received: float) -> Response:
-        """Prefill, sample the first token here, and send the rest to a decode server (or end here)."""
+        """Prefill, sample the first token here, and send the rest to a decode server (or end here).
+        The decode request's prompt is serialized while the prefill runs: neither the first token nor
+        the forward beside it waits for it (3.7 ms for 32K ids on the 2-core CPU)."""
+        encoding = asyncio.ensure_future(asyncio.to_thread(prompt_json, token_ids))
         try:
             result = await self._run(token_ids, None, keep_kv=True)
         except HTTPError as exc:
             raise OpenAIError(exc.status, str(exc)) from None
+        finally:
+            prompt = await encoding
         self.timeline.mark(result.request_id, "received", received)
         self.timeline.mark(result.request_id, "prefilled")
         self.timeline.mark(result.request_id, "pool_ttft_s", result.ttft_s)  # the pool's part of the TTFT
@@ -335,7 +340,7 @@ class PrefillServer:
                 return self._local_answer(parsed, head, len(token_ids), result.cached_tokens)
             forward = self._forward(parsed, first.forwarded(parsed.passthrough), token_ids + [token], self._ticket(result))
             self.timeline.mark(result.request_id, "forwarded")
-            opening = asyncio.ensure_future(open_upstream(self.decoders, forward, self.config.decode_timeout_s))
+            opening = asyncio.ensure_future(open_upstream(self.decoders, forward, self.config.decode_timeout_s, encoded_forward(forward, prompt, token)))
             answer = self._decode_answer(parsed, forward, len(token_ids), result.cached_tokens, head)
             if parsed.stream:  # the first token goes out now, not once a decode server answers (vLLM answers with its first token)
                 return StreamingResponse(self._head_then_relay(head, opening, result, parsed, answer), media_type="text/event-stream")

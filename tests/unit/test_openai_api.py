@@ -3,11 +3,12 @@ decode server, and the ServeConfig fields behind them (the whole path runs in
 tests/ray/test_openai_endpoint.py)."""
 
 import asyncio
+import json
 import socket
 
 import pytest
 
-from cluster.openai_api import DecodeServers, OpenAIError, chat_answer, chat_chunk, open_upstream, parse_request
+from cluster.openai_api import DecodeServers, OpenAIError, chat_answer, chat_chunk, encoded_forward, open_upstream, parse_request, prompt_json
 from configs.pool import PoolConfig
 from configs.serve import ServeConfig
 
@@ -163,3 +164,14 @@ def test_the_docs_name_every_parameter():
     text = (Path(__file__).resolve().parents[2] / "docs" / "vllm-decode.md").read_text()
     names = params.FORWARDED | params.TOKENIZATION | params.CHAT_TEMPLATE | set(params.REFUSED) | set(params.OFF_ONLY) | set(params.CHAT_REFUSED)
     assert not [name for name in sorted(names) if f"`{name}`" not in text]
+
+
+def test_a_forward_serialized_with_its_prompt_made_beforehand_is_the_forward():
+    """The decode request's body built from the prompt's JSON made while the prefill ran and the first
+    token appended (cluster.openai_api.encoded_forward) parses back to the forward itself; a forward
+    whose prompt does not end with that token is refused, not sent as another prompt."""
+    forward = {"model": "m", "max_tokens": 7, "stream": True, "kv_transfer_params": {"mlapool": {"request_id": "r"}}, "prompt": [5, 0, 17, 42]}
+    assert json.loads(encoded_forward(forward, prompt_json([5, 0, 17]), 42)) == forward
+    assert json.loads(encoded_forward({"prompt": [42]}, prompt_json([]), 42)) == {"prompt": [42]}
+    with pytest.raises(ValueError, match="ends with 42, not the first token 41"):
+        encoded_forward(forward, prompt_json([5, 0, 17]), 41)
