@@ -330,9 +330,9 @@ class Mapper:
             return
         from kv.mapped_triton import address_table, copy_rows
 
-        source = torch.zeros(1, 1, like.shape[-1], dtype=like.dtype, device=like.device)
-        dest = [torch.empty(1, like.shape[-1], dtype=like.dtype, device=like.device)]
-        rows = torch.zeros(1, dtype=torch.int64, device=like.device)
+        source = torch.zeros(1, 16, like.shape[-1], dtype=like.dtype, device=like.device)
+        dest = [torch.empty(16, like.shape[-1], dtype=like.dtype, device=like.device)]
+        rows = torch.arange(16, dtype=torch.int64, device=like.device)
         copy_rows(source, dest, address_table(dest), rows, rows)
         torch.cuda.synchronize(like.device)
 

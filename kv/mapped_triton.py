@@ -24,7 +24,7 @@ BLOCK_WIDTH = 64
 AS_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32}  # element width -> the integer dtype the rows move as
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n"])  # one compiled kernel whatever the row count (1 or a multiple of 16 would be their own)
 def _copy_rows_kernel(
     src, layer_stride, dst_table, src_rows, dst_rows, n, WIDTH: tl.constexpr, BLOCK_ROWS: tl.constexpr, BLOCK_WIDTH: tl.constexpr
 ):
