@@ -92,21 +92,22 @@ def write_checkpoint(
 
 def write_tokenizer(out: Path, config: dict) -> None:
     """A word-level tokenizer over the whole vocabulary (id ``i`` is the word ``w<i>``; the config's
-    bos and eos ids are ``<s>`` and ``</s>``): the release's own tokenizer is not at hand, and servers
-    that detokenize (vLLM, the tier's OpenAI endpoint) need one; the same text costs for both. Each
-    word carries the space before it (``▁w<i>``, SentencePiece's metaspace), as the tokens of real
-    tokenizers do: vLLM refuses a text prompt longer than its token limit times the longest token's
-    characters, and with bare words (``w129279``, 7 characters, 8 with its space) it refused 6 of 16
-    random 32K-token prompts that fit (``2026-11-26-h200-serving-partial.json``)."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    bos and eos ids are DeepSeek-V3's ``<｜begin▁of▁sentence｜>`` and ``<｜end▁of▁sentence｜>``): the
+    release's own tokenizer is not at hand, and servers that detokenize (vLLM, the tier's OpenAI
+    endpoint) need one; the same text costs for both. The special tokens are named as the release names
+    them, and so are its longest tokens: vLLM refuses a text prompt of more characters than its token
+    limit times the longest token's, and with ``<s>`` and ``</s>`` the longest was ``w129279`` (7
+    characters, 8 with the space between words): 6 of 16 random 32K-token prompts that fit were refused
+    (``2026-11-26-h200-serving-partial.json``)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    special = {config.get("bos_token_id", 0): "<s>", config.get("eos_token_id", 1): "</s>"}
-    words = {special.get(i, f"\u2581w{i}"): i for i in range(config["vocab_size"])}
-    backend = Tokenizer(models.WordLevel(words, unk_token="\u2581w2"))
-    backend.pre_tokenizer = pre_tokenizers.Metaspace(prepend_scheme="always")
-    backend.decoder = decoders.Metaspace(prepend_scheme="always")
-    PreTrainedTokenizerFast(tokenizer_object=backend, bos_token="<s>", eos_token="</s>", unk_token="\u2581w2").save_pretrained(out)
+    bos, eos = "<\uff5cbegin\u2581of\u2581sentence\uff5c>", "<\uff5cend\u2581of\u2581sentence\uff5c>"
+    special = {config.get("bos_token_id", 0): bos, config.get("eos_token_id", 1): eos}
+    words = {special.get(i, f"w{i}"): i for i in range(config["vocab_size"])}
+    backend = Tokenizer(models.WordLevel(words, unk_token="w2"))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    PreTrainedTokenizerFast(tokenizer_object=backend, bos_token=bos, eos_token=eos, unk_token="w2").save_pretrained(out)
 
 
 def main() -> None:

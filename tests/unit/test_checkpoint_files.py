@@ -135,8 +135,9 @@ def test_a_written_checkpoint_of_the_seeded_weights_loads_as_they_are_drawn(tmp_
 def test_the_benchmark_checkpoints_tokenizer_round_trips_and_keeps_vllms_characters_bound(tmp_path):
     """write_checkpoint.write_tokenizer: random ids (bos and eos among them) decode to a text that
     encodes back to the same ids, and that text is no longer than the ids times the longest token,
-    the bound vLLM checks a text prompt against before tokenizing it (a prompt of 32K ids past it was
-    refused with a 400 when the words were bare: 8 characters each with their space, 7 the longest)."""
+    the bound vLLM checks a text prompt against before tokenizing it (prompts of 32K ids past it were
+    refused with a 400 when bos and eos were <s> and </s>: words of 8 characters with their space, 7
+    the longest token; DeepSeek-V3's own names are 21)."""
     sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
     from transformers import AutoTokenizer
     from write_checkpoint import write_tokenizer
