@@ -296,7 +296,7 @@ def prompt_json(token_ids: list[int]) -> str:
 def encoded_forward(forward: dict[str, Any], prompt: str, first_token: int) -> bytes:
     """``forward`` as the JSON body sent, its ``prompt`` being the ids whose JSON text ``prompt`` is
     (:func:`prompt_json`) followed by ``first_token``: only the small rest is serialized now."""
-    if forward["prompt"][-1] != first_token or not prompt.endswith("]"):
+    if forward["prompt"][-1] != first_token:
         raise ValueError(f"the forward's prompt ends with {forward['prompt'][-1]}, not the first token {first_token}")
     rest = json.dumps({key: value for key, value in forward.items() if key != "prompt"})
     ids = f"{prompt[:-1]}, {first_token}]" if prompt != "[]" else f"[{first_token}]"
