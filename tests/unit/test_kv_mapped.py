@@ -127,25 +127,30 @@ def test_the_gpu_kernel_moves_every_layers_rows_bit_for_bit_into_caches_at_unrel
     """kv.mapped_triton.copy_rows (the GPU path of Mapper; Triton's interpreter here): rows of every
     layer of a [layers, rows, width] cache to scattered rows of per-layer caches allocated apart, as
     vLLM's are, each bit kept (NaN payloads and negative zeros included), nothing else written; a
-    width not a multiple of the kernel's column block, and more rows than one program takes."""
+    width not a multiple of the kernel's column block, and more rows than one program takes. On a GPU
+    machine the tensors are CUDA's and the kernel compiled (conftest sets the interpreter only without
+    one)."""
     from kv.mapped_triton import address_table, copy_rows
 
+    device = "cuda" if torch.cuda.is_available() else "cpu"
     layers, rows, width, moved = 3, 90, 72, 37  # 72 = 64 + 8: a partial column block; 37 rows: three row blocks
     bits = torch.randint(0, 256, (layers, rows, width * dtype.itemsize), dtype=torch.uint8, generator=torch.Generator().manual_seed(1))
+    bits = bits.to(device)
     source = bits.view(dtype)
-    dest = [torch.zeros(50 + 10 * i, width, dtype=dtype) for i in range(layers)]  # unrelated addresses, other sizes
+    dest = [torch.zeros(50 + 10 * i, width, dtype=dtype, device=device) for i in range(layers)]  # unrelated addresses, other sizes
     rng = np.random.default_rng(2)
-    src_rows, dst_rows = rng.permutation(rows)[:moved], rng.permutation(50)[:moved]
-    copy_rows(source, dest, address_table(dest), torch.from_numpy(src_rows), torch.from_numpy(dst_rows))
+    src_rows, dst_rows = (torch.from_numpy(r).to(device) for r in (rng.permutation(rows)[:moved], rng.permutation(50)[:moved]))
+    copy_rows(source, dest, address_table(dest), src_rows, dst_rows)
     for layer, cache in enumerate(dest):
         as_bits = cache.view(torch.uint8).view(cache.shape[0], -1)
         assert torch.equal(as_bits[dst_rows], bits[layer][src_rows]), layer
-        untouched = np.setdiff1d(np.arange(cache.shape[0]), dst_rows)
+        untouched = torch.ones(cache.shape[0], dtype=torch.bool, device=device)
+        untouched[dst_rows] = False
         assert not as_bits[untouched].any(), layer
     with pytest.raises(ValueError, match="3 source layers, 2 destinations"):
-        copy_rows(source, dest[:2], address_table(dest[:2]), torch.from_numpy(src_rows), torch.from_numpy(dst_rows))
+        copy_rows(source, dest[:2], address_table(dest[:2]), src_rows, dst_rows)
     with pytest.raises(ValueError, match="of one dtype"):
-        copy_rows(source, [d.to(torch.float64) for d in dest], address_table(dest), torch.from_numpy(src_rows), torch.from_numpy(dst_rows))
+        copy_rows(source, [d.to(torch.float64) for d in dest], address_table(dest), src_rows, dst_rows)
 
 
 @pytest.mark.gpu
