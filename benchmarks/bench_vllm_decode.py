@@ -53,6 +53,7 @@ from machine import machine  # benchmarks/machine.py
 from timing import percentiles  # benchmarks/timing.py
 
 from configs.model import MOE_ROUNDINGS
+from configs.serve import DECODE_ENDPOINTS
 from workers.worker import SAFE_NCCL_ENV
 
 REPO = Path(__file__).resolve().parents[1]
@@ -135,7 +136,8 @@ def start_tier(args, checkpoint: Path, decode_url: str, dtype: str, max_ongoing_
         worker_cpus=1.0 if gpu else 0.25, moe_rounding=args.moe_rounding, **({"gpu_memory_utilization": args.pool_memory} if gpu else {}),
     )  # fmt: skip
     config = ServeConfig(pool=pool, name="bench", decode_servers=(decode_url,), served_model_name=MODEL, replica_cpus=1.0 if gpu else 0.25,
-                         kv_ttl_s=300.0, max_ongoing_requests=max_ongoing_requests, max_body_bytes=64 << 20)  # fmt: skip
+                         kv_ttl_s=300.0, max_ongoing_requests=max_ongoing_requests, max_body_bytes=64 << 20,
+                         decode_endpoint=getattr(args, "decode_endpoint", "generate"))  # fmt: skip
     started = time.monotonic()
     serve.run(build_app(config), name="bench", route_prefix="/")
     print(f"tier up in {time.monotonic() - started:.0f} s", flush=True)
@@ -464,6 +466,9 @@ def main() -> None:
                         help="where clients reach the tier: Serve's HTTP proxy (default), or the replica's own port in Ray Serve's "
                              "throughput-optimized mode (RAY_SERVE_THROUGHPUT_OPTIMIZED=1; benchmarks/probes/probe_ingress.py)")  # fmt: skip
     parser.add_argument("--transport", choices=["auto", "nixl", "tcp"], default="auto", help="the connector's KV transport (default auto)")
+    parser.add_argument("--decode-endpoint", choices=list(DECODE_ENDPOINTS), default="generate",
+                        help="how the tier asks vLLM for the answer after its first token (ServeConfig.decode_endpoint): token ids from "
+                             "its generate endpoint, the text made by the tier (default), or its /v1/completions")  # fmt: skip
     parser.add_argument("--seed", type=int, default=0)
     parity = parser.add_argument_group("parity")
     parity.add_argument("--weights", choices=["bf16", "fp8"], default="bf16", help="the tiny checkpoint's format")
@@ -511,7 +516,7 @@ def main() -> None:
         "date": datetime.date.today().isoformat(), "machine": machine(),
         "command": " ".join(sys.argv), "checkpoint": str(checkpoint), "weights": args.weights if args.mode == "parity" else None,
         "moe_rounding": args.moe_rounding,
-        "vllm_version": _vllm_version(args), "vllm_mode": vllm_mode(args), "ingress": args.ingress,
+        "vllm_version": _vllm_version(args), "vllm_mode": vllm_mode(args), "ingress": args.ingress, "decode_endpoint": args.decode_endpoint,
         "vllm_tp": args.vllm_tp, "vllm_dp": args.vllm_dp,
         "max_tokens": args.max_tokens, "complete": False, "results": {},
     }  # fmt: skip

@@ -13,7 +13,8 @@
 # bench_vllm_truth.py: vLLM alone and the tier + vLLM against float32, tokens and KV rows; CHECKPOINTS picks the
 # seeds, default all three), probe-cg (benchmarks/probes/probe_compiled_graph.py on the slice: the pool's per-batch
 # call as Ray tasks against a Ray Compiled Graph), probe-ingress (benchmarks/probes/probe_ingress.py on the slice: the
-# tier's fixed cost through Serve's proxy and at the replica's own port; INGRESS=replica gives speed that way too), serving and soak (benchmarks/bench_serving.py: vLLM's serving
+# tier's fixed cost through Serve's proxy and at the replica's own port; INGRESS=replica gives speed that way too;
+# DECODE_ENDPOINT=completions has speed and speed-kv ask vLLM's /v1/completions after the tier's first token, not its generate endpoint), serving and soak (benchmarks/bench_serving.py: vLLM's serving
 # benchmark against the tier and vLLM alone at RATES on the slice, then vLLM alone on the whole GPU; 10 minutes of
 # the tier at SOAK_RATE, memory sampled; both need an H200 and more than one 10-minute call: run them detached),
 # resume (benchmarks/bench_resume.py: a 4K stream whose decode server is killed once it has generated 20 tokens, from the break to

@@ -35,6 +35,7 @@ from typing import Any
 
 import aiohttp
 
+from cluster.decode_tokens import TokenText, generate_body
 from cluster.openai_api import EJECT_STATUSES, DecodeServers, OpenAIError, Upstream, client_chunk, open_upstream, sse, with_cached_tokens
 
 DONE = b"data: [DONE]\n\n"
@@ -52,7 +53,9 @@ class DecodeAnswer:
     from, the client's prompt and the tier's first token when it sampled it). ``prompt_tokens``: the
     client's prompt's length. ``head``: the tier's first token's chunk, already sent (None: vLLM's
     first chunk is the answer's first). ``prefill(ids)``: the pool's prefill of ``ids`` with the KV
-    kept, and its ticket (``kv_transfer_params``); ``discard(result)``: the KV of a prefill released."""
+    kept, and its ticket (``kv_transfer_params``); ``discard(result)``: the KV of a prefill released.
+    ``tokens(prompt)``: for an answer asked of vLLM's generate endpoint (``cluster.decode_tokens``),
+    what turns a server's token ids after ``prompt`` into completion chunks; None: its completions."""
 
     def __init__(
         self,
@@ -69,13 +72,14 @@ class DecodeAnswer:
         timeout_s: float,
         prefill: Callable[[list[int]], Awaitable[tuple[Any, dict[str, Any]]]],
         discard: Callable[[Any], Awaitable[None]],
+        tokens: Callable[[list[int]], TokenText] | None = None,
     ) -> None:
         self.decoders, self.forward = decoders, forward
         self.prompt_tokens, self.cached_tokens, self.chat, self.model = prompt_tokens, cached_tokens, chat, model
         self.answer_id = head["id"] if head is not None else None
         self.head, self.token_ids_asked = head, token_ids_asked
         self.resumptions, self.timeout_s = resumptions, timeout_s
-        self.prefill, self.discard = prefill, discard
+        self.prefill, self.discard, self.tokens = prefill, discard, tokens
 
     async def stream(self, upstream: Upstream, result: Any) -> AsyncIterator[bytes]:
         """The client's server-sent events from ``upstream`` on (the server answered 200), going on on
@@ -86,6 +90,7 @@ class DecodeAnswer:
         sent_at_break = 0  # the answer's tokens the client had been sent then (the tier's first token too)
         try:
             while True:
+                reader = self.tokens(prompt) if upstream.generate else None  # token ids: their text made here
                 try:
                     async for chunk in _chunks(upstream):
                         if chunk is None:  # [DONE]
@@ -94,6 +99,8 @@ class DecodeAnswer:
                         if "error" in chunk:  # vLLM judging the request (a failed server's raised Broken)
                             yield sse(chunk)
                             continue
+                        if reader is not None:
+                            chunk = reader.chunk(chunk)
                         for choice in chunk.get("choices", []):
                             generated += choice.get("token_ids") or []
                             finished = finished or choice.get("finish_reason") is not None
@@ -141,6 +148,8 @@ class DecodeAnswer:
             while True:
                 try:
                     status, body = upstream.response.status, await upstream.response.read()
+                    if status == 200 and upstream.generate:
+                        body = json.dumps(self.tokens(self.forward["prompt"]).whole(json.loads(body))).encode()
                     if status not in EJECT_STATUSES:
                         return status, body
                     raise Broken(f"HTTP {status} {body[:200].decode(errors='replace')}")
@@ -170,7 +179,7 @@ class DecodeAnswer:
             if isinstance(self.forward.get(key), int):
                 body[key] = max(0, self.forward[key] - done)
         try:
-            upstream = await open_upstream(self.decoders, body, self.timeout_s)
+            upstream = await open_upstream(self.decoders, body, self.timeout_s, generate=generate_body(body) if self.tokens is not None else None)
         except BaseException:
             await self.discard(result)
             raise

@@ -63,11 +63,14 @@ class FirstToken:
     max_tokens: int | None  # None: vLLM's default (the rest of the context)
     stop_ids: frozenset[int]  # end the answer with reason "stop" (the end of sequence unless ignore_eos, stop_token_ids)
     return_token_ids: bool
+    defaults: dict[str, Any]  # the generation_config.json values the request did not override (sent on explicitly)
 
     @classmethod
-    def plan(cls, params: dict[str, Any], defaults: dict[str, Any], eos_id: int | None) -> FirstToken | str:
+    def plan(cls, params: dict[str, Any], defaults: dict[str, Any], eos_id: int | None, default_max_tokens: int | None = None) -> FirstToken | str:
         """The sampling of a request's parameters (``params``: what the endpoint forwards), or why the
-        tier does not reproduce it (the first token is then vLLM's)."""
+        tier does not reproduce it (the first token is then vLLM's). ``default_max_tokens``: the
+        answer's length when the request gives none (vLLM's completions: 16; its chats: None, the
+        rest of the context)."""
         other = sorted(k for k, v in params.items() if k not in REPRODUCED and v is not None and not (k in NO_OPS and v == NO_OPS[k]))
         if other:
             return f"vLLM samples with {other}"
@@ -82,12 +85,13 @@ class FirstToken:
         stop_ids = merged.get("stop_token_ids") or []
         if not isinstance(stop_ids, list) or not all(type(t) is int for t in stop_ids):
             return f"stop_token_ids={stop_ids!r} is vLLM's to judge"
-        max_tokens = merged.get("max_completion_tokens", merged.get("max_tokens"))
+        max_tokens = merged.get("max_completion_tokens", merged.get("max_tokens", default_max_tokens))
         ends = set(stop_ids) | set(_ids(defaults.get("eos_token_id"))) - {eos_id}  # the config's other end ids stop even with ignore_eos
         if eos_id is not None and not merged.get("ignore_eos"):
             ends.add(eos_id)
         first = cls(float(merged.get("temperature", 1.0)), float(merged.get("top_p", 1.0)), int(merged.get("top_k", 0)), float(merged.get("min_p", 0.0)),
-                    merged.get("seed"), max_tokens, frozenset(ends), bool(merged.get("return_token_ids")))  # fmt: skip
+                    merged.get("seed"), max_tokens, frozenset(ends), bool(merged.get("return_token_ids")),
+                    {k: v for k, v in defaults.items() if k in GENERATION_KEYS and params.get(k) is None})  # fmt: skip
         if first.temperature < 0 or not 0 < first.top_p <= 1 or first.top_k < -1 or not 0 <= first.min_p <= 1 or (max_tokens is not None and max_tokens < 1):
             return "a sampling value out of range is vLLM's to judge"
         return first
@@ -120,8 +124,10 @@ class FirstToken:
         return "length" if self.max_tokens == 1 else None
 
     def forwarded(self, params: dict[str, Any]) -> dict[str, Any]:
-        """The parameters for the decode server, which generates from the second token on."""
-        rest = {k: v for k, v in params.items() if k != "max_completion_tokens"}
+        """The parameters for the decode server, which generates from the second token on: the
+        checkpoint's generation defaults explicit (vLLM's generate endpoint does not apply them) and
+        ``max_tokens`` one less."""
+        rest = {**{k: v for k, v in params.items() if k != "max_completion_tokens"}, **self.defaults}
         if self.max_tokens is not None:
             rest["max_tokens"] = self.max_tokens - 1
         return rest

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import time
 import uuid
 from collections import OrderedDict, deque
@@ -47,6 +48,8 @@ from cluster.openai_params import CHAT_TEMPLATE, forwarded, refusal
 
 
 COMPLETIONS, CHAT, MODELS = "/v1/completions", "/v1/chat/completions", "/v1/models"
+GENERATE = "/inference/v1/generate"  # vLLM's tokens-in, tokens-out endpoint (cluster.decode_tokens)
+logger = logging.getLogger("ray.serve")
 RETRY_STATUSES = {429, 500, 502, 503, 504}
 EJECT_STATUSES = RETRY_STATUSES - {429}  # a busy server is tried again at once; a failing one once it is healthy
 
@@ -177,6 +180,7 @@ class DecodeServer:
     failures: int = 0
     refused_key: bool = False  # its last answer was 401/403: the tier's configuration, not the server, is wrong
     ejected: str | None = None  # why it is out of service (None: in service), until it answers /health
+    takes_generate: bool | None = None  # whether it answered vLLM's generate endpoint (None: not asked yet)
     ejections: int = 0
     readmissions: int = 0
 
@@ -246,7 +250,7 @@ class DecodeServers:
     def report(self) -> list[dict[str, Any]]:
         return [{"url": s.url, "outstanding": s.outstanding, "requests": s.requests, "failures": s.failures,
                  "refuses_the_tiers_key": s.refused_key, "ejected": s.ejected, "ejections": s.ejections,
-                 "readmissions": s.readmissions} for s in self.servers]  # fmt: skip
+                 "readmissions": s.readmissions, "takes_generate": s.takes_generate} for s in self.servers]  # fmt: skip
 
 
 class Timeline:
@@ -272,8 +276,9 @@ class Timeline:
 class Upstream:
     """An answer of a decode server being read; ``close`` gives the server back."""
 
-    def __init__(self, server: DecodeServer, session: aiohttp.ClientSession, response: aiohttp.ClientResponse) -> None:
+    def __init__(self, server: DecodeServer, session: aiohttp.ClientSession, response: aiohttp.ClientResponse, generate: bool = False) -> None:
         self.server, self.session, self.response = server, session, response
+        self.generate = generate  # the answer is the generate endpoint's (token ids), not a completion's
         self.closed = False
 
     async def close(self) -> None:
@@ -293,28 +298,47 @@ def prompt_json(token_ids: list[int]) -> str:
     return json.dumps(token_ids)
 
 
-def encoded_forward(forward: dict[str, Any], prompt: str, first_token: int) -> bytes:
-    """``forward`` as the JSON body sent, its ``prompt`` being the ids whose JSON text ``prompt`` is
-    (:func:`prompt_json`) followed by ``first_token``: only the small rest is serialized now."""
-    if forward["prompt"][-1] != first_token:
-        raise ValueError(f"the forward's prompt ends with {forward['prompt'][-1]}, not the first token {first_token}")
-    rest = json.dumps({key: value for key, value in forward.items() if key != "prompt"})
+def encoded_forward(body: dict[str, Any], prompt: str, first_token: int, key: str = "prompt") -> bytes:
+    """``body`` as the JSON sent, its ``key`` (a completion's ``prompt``, the generate endpoint's
+    ``token_ids``) being the ids whose JSON text ``prompt`` is (:func:`prompt_json`) followed by
+    ``first_token``: only the small rest is serialized now."""
+    if body[key][-1] != first_token:
+        raise ValueError(f"the forward's {key} ends with {body[key][-1]}, not the first token {first_token}")
+    rest = json.dumps({name: value for name, value in body.items() if name != key})
     ids = f"{prompt[:-1]}, {first_token}]" if prompt != "[]" else f"[{first_token}]"
-    return f'{rest[:-1]}{", " if len(rest) > 2 else ""}"prompt": {ids}}}'.encode()
+    return f'{rest[:-1]}{", " if len(rest) > 2 else ""}"{key}": {ids}}}'.encode()
 
 
-async def open_upstream(servers: DecodeServers, body: dict[str, Any], timeout_s: float, encoded: bytes | None = None) -> Upstream:
+async def open_upstream(servers: DecodeServers, body: dict[str, Any], timeout_s: float, encoded: bytes | None = None,
+                        generate: dict[str, Any] | None = None, generate_encoded: bytes | None = None) -> Upstream:  # fmt: skip
     """POST ``body`` to ``/v1/completions`` of the least loaded decode server in service that takes it
-    (``encoded``: ``body`` already serialized, :func:`encoded_forward`)."""
+    (``encoded``: ``body`` already serialized, :func:`encoded_forward`); or, given ``generate``, the
+    same request in the form of vLLM's generate endpoint (``cluster.decode_tokens``), that, to a server
+    that has the endpoint (vLLM 0.26; 0.32 started with ``--enable-scale-out``); one without it gets
+    ``body`` and is not asked there again."""
     data = encoded if encoded is not None else json.dumps(body).encode()
+    generated = generate_encoded if generate_encoded is not None else json.dumps(generate).encode() if generate is not None else None
     reasons = [f"{s.url}: out of service until it answers /health ({s.ejected})" for s in servers.servers if s.ejected is not None]
     for server in servers.by_load():
         server.outstanding += 1
         server.requests += 1
         session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None, sock_connect=10, sock_read=timeout_s))
         headers = {"Content-Type": "application/json"} | ({"Authorization": f"Bearer {server.api_key}"} if server.api_key else {})
+        asks_generate = generated is not None and server.takes_generate is not False
         try:
-            response = await session.post(server.url + COMPLETIONS, data=data, headers=headers)
+            if asks_generate:
+                response = await session.post(server.url + GENERATE, data=generated, headers=headers)
+                if response.status == 404 or (response.status == 403 and "scale-out" in (await response.text()).lower()):
+                    server.takes_generate, asks_generate = False, False
+                    logger.warning("decode server %s has no generate endpoint (HTTP %d): its answers are asked of /v1/completions, "
+                                   "which detokenize the whole prompt before the second token; start vLLM 0.32 with --enable-scale-out",
+                                   server.url, response.status)  # fmt: skip
+                    response.release()
+                    response = await session.post(server.url + COMPLETIONS, data=data, headers=headers)
+                elif response.status == 200:
+                    server.takes_generate = True
+            else:
+                response = await session.post(server.url + COMPLETIONS, data=data, headers=headers)
         except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
             reasons.append(f"{server.url}: {type(exc).__name__}: {exc}")
             servers.eject(server, reasons[-1])
@@ -325,7 +349,7 @@ async def open_upstream(servers: DecodeServers, body: dict[str, Any], timeout_s:
         else:
             server.refused_key = response.status in (401, 403)
             if response.status not in RETRY_STATUSES and not server.refused_key:
-                return Upstream(server, session, response)
+                return Upstream(server, session, response, asks_generate)
             if server.refused_key:  # its answer may quote what it was sent: not relayed
                 reasons.append(f"{server.url}: configuration error: it refuses the tier's API key (HTTP {response.status}; "
                                "set decode_api_key or decode_api_keys to the key of its --api-key)")  # fmt: skip

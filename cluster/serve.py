@@ -49,6 +49,7 @@ import logging
 import time
 import uuid
 import warnings
+from collections.abc import Callable
 from typing import Any
 
 import msgpack
@@ -60,6 +61,7 @@ from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
 from cluster.decode_answer import DecodeAnswer
+from cluster.decode_tokens import TokenText, generate_body
 from cluster.kv_server import KVServer
 from cluster.metrics import PoolMetrics
 from cluster.first_token import FirstToken, first_chunk, generation_defaults, shift, token_text, usage
@@ -75,6 +77,7 @@ from configs.serve import ServeConfig
 logger = logging.getLogger("ray.serve")
 MSGPACK = ("application/msgpack", "application/x-msgpack")
 KEYS = {"token_ids", "request_id", "handoff", "return_logits"}
+COMPLETION_MAX_TOKENS = 16  # vLLM's completions' max_tokens when a request gives none (its chats': the rest of the context)
 
 
 class HTTPError(Exception):
@@ -298,7 +301,8 @@ class PrefillServer:
             raise OpenAIError(400, f"body is not valid JSON ({exc})") from None
         parsed = parse_request(body, chat, self.config.model_name)
         token_ids = self.tokenizer.encode(parsed)
-        first = FirstToken.plan(parsed.passthrough, self.generation, self._eos_id()) if self.tokenizer.available else "no tokenizer"
+        default_max = None if chat else COMPLETION_MAX_TOKENS
+        first = FirstToken.plan(parsed.passthrough, self.generation, self._eos_id(), default_max) if self.tokenizer.available else "no tokenizer"
         if isinstance(first, FirstToken):
             return await self._openai_first_token(parsed, token_ids, first, received)
         try:
@@ -339,9 +343,14 @@ class PrefillServer:
                 await self._discard(result)
                 return self._local_answer(parsed, head, len(token_ids), result.cached_tokens)
             forward = self._forward(parsed, first.forwarded(parsed.passthrough), token_ids + [token], self._ticket(result))
+            tokens = generate = generated = None
+            if self.config.decode_endpoint == "generate":  # token ids back, their text made here (cluster.decode_tokens)
+                tokens, generate = self._token_text(forward), generate_body(forward)
+                generated = encoded_forward(generate, prompt, token, "token_ids")
             self.timeline.mark(result.request_id, "forwarded")
-            opening = asyncio.ensure_future(open_upstream(self.decoders, forward, self.config.decode_timeout_s, encoded_forward(forward, prompt, token)))
-            answer = self._decode_answer(parsed, forward, len(token_ids), result.cached_tokens, head)
+            opening = asyncio.ensure_future(open_upstream(self.decoders, forward, self.config.decode_timeout_s, encoded_forward(forward, prompt, token),
+                                                          generate, generated))  # fmt: skip
+            answer = self._decode_answer(parsed, forward, len(token_ids), result.cached_tokens, head, tokens)
             if parsed.stream:  # the first token goes out now, not once a decode server answers (vLLM answers with its first token)
                 return StreamingResponse(self._head_then_relay(head, opening, result, parsed, answer), media_type="text/event-stream")
             upstream = await opening
@@ -399,12 +408,19 @@ class PrefillServer:
             forward.update(stream_options={"include_usage": parsed.include_usage}, return_token_ids=True)
         return forward
 
-    def _decode_answer(self, parsed: Parsed, forward: dict[str, Any], prompt_tokens: int, cached_tokens: int, head: dict[str, Any] | None) -> DecodeAnswer:
+    def _decode_answer(self, parsed: Parsed, forward: dict[str, Any], prompt_tokens: int, cached_tokens: int, head: dict[str, Any] | None,
+                       tokens: Callable[[list[int]], TokenText] | None = None) -> DecodeAnswer:  # fmt: skip
         return DecodeAnswer(
             self.decoders, forward, prompt_tokens=prompt_tokens, cached_tokens=cached_tokens, chat=parsed.chat, model=self.config.model_name,
             head=head, token_ids_asked=parsed.passthrough.get("return_token_ids") is True, resumptions=self.config.decode_resumptions,
-            timeout_s=self.config.decode_timeout_s, prefill=self._prefill_kept, discard=self._discard,
+            timeout_s=self.config.decode_timeout_s, prefill=self._prefill_kept, discard=self._discard, tokens=tokens,
         )  # fmt: skip
+
+    def _token_text(self, forward: dict[str, Any]) -> Callable[[list[int]], TokenText]:
+        """What makes the text of a decode server's token ids after a prompt, for ``forward``."""
+        tokenizer, eos_id, ignore_eos = self.tokenizer.tokenizer, self._eos_id(), forward.get("ignore_eos") is True
+        token_ids, model = forward.get("return_token_ids") is True, forward["model"]
+        return lambda prompt: TokenText(tokenizer, prompt, eos_id, ignore_eos=ignore_eos, token_ids=token_ids, model=model)
 
     async def _prefill_kept(self, token_ids: list[int]) -> tuple[Any, dict[str, Any]]:
         """A prefill whose KV is kept for a decode server, and its ticket (an answer going on elsewhere)."""

@@ -18,6 +18,7 @@ from configs.secrets import Secret, loopback
 
 
 REPORT_INTERVAL_ENV = "RAY_SERVE_REPLICA_AUTOSCALING_METRIC_PUSH_INTERVAL_S"
+DECODE_ENDPOINTS = ("generate", "completions")  # ServeConfig.decode_endpoint
 
 
 def load_report_interval_s() -> float:
@@ -62,6 +63,10 @@ class ServeConfig:
     decode_resumptions       times one answer goes on on another decode server after its server broke
                              it off (``cluster.decode_answer``; 0: the client gets an error event)
     decode_probe_interval_s  how often an ejected decode server's ``/health`` is asked, to take it back
+    decode_endpoint          how an answer whose first token the tier sampled is asked of the decode
+                             servers: ``generate`` (vLLM's ``/inference/v1/generate``, token ids, the
+                             text made by the tier: ``cluster.decode_tokens``) or ``completions``
+                             (``/v1/completions``, vLLM detokenizing); other answers use completions
     """
 
     pool: PoolConfig = field(default_factory=PoolConfig)
@@ -89,6 +94,7 @@ class ServeConfig:
     decode_timeout_s: float = 600.0
     decode_resumptions: int = 2
     decode_probe_interval_s: float = 1.0
+    decode_endpoint: str = "generate"
 
     def __post_init__(self) -> None:
         if not isinstance(self.pool, PoolConfig):
@@ -117,6 +123,8 @@ class ServeConfig:
         if isinstance(self.decode_servers, str) or not all(isinstance(u, str) and u.startswith(("http://", "https://")) for u in self.decode_servers):
             raise ValueError(f"serve config: decode_servers must be a list of http(s):// base URLs, got {self.decode_servers!r}")
         object.__setattr__(self, "decode_servers", tuple(self.decode_servers))
+        if self.decode_endpoint not in DECODE_ENDPOINTS:
+            raise ValueError(f"serve config: decode_endpoint must be one of {list(DECODE_ENDPOINTS)}, got {self.decode_endpoint!r}")
         self._check_secrets()
 
     def _check_secrets(self) -> None:

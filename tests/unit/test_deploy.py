@@ -161,3 +161,9 @@ def test_the_kuberay_service_autoscales_as_the_tested_configs_say():
     group = cluster["workerGroupSpecs"][0]
     assert group["maxReplicas"] >= tier["max_replicas"]  # room for every replica: one node each (tp x pcp GPUs, STRICT_PACK)
 
+
+
+def test_a_decode_endpoint_not_vllms_is_refused_with_the_choices():
+    with pytest.raises(ValueError, match=r"decode_endpoint must be one of \['generate', 'completions'\], got 'tokens'"):
+        ServeConfig(decode_endpoint="tokens")
+    assert ServeConfig().decode_endpoint == "generate"

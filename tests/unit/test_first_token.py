@@ -41,6 +41,15 @@ def test_a_plan_takes_the_request_then_the_checkpoints_defaults_then_vllms():
     bare = FirstToken.plan({}, {}, None)
     assert (bare.temperature, bare.top_p, bare.top_k, bare.max_tokens, bare.stop_ids) == (1.0, 1.0, 0, None, frozenset())
     assert FirstToken.plan({}, {"repetition_penalty": 1.1}, EOS) == "the checkpoint's generation_config sets a repetition penalty"
+    # the decode server gets the defaults the request left to the checkpoint, explicitly (vLLM's generate endpoint applies none)
+    assert plan.forwarded({"top_k": 5, "seed": 3, "max_tokens": 8}) == {"top_k": 5, "seed": 3, "max_tokens": 7, "temperature": 0.6, "top_p": 0.9}
+
+
+def test_a_completion_without_max_tokens_has_vllms_16_and_a_chat_the_rest_of_the_context():
+    completion = FirstToken.plan({"max_tokens": None}, {}, EOS, default_max_tokens=16)
+    assert completion.max_tokens == 16 and completion.forwarded({"max_tokens": None}) == {"max_tokens": 15}
+    chat = FirstToken.plan({}, {}, EOS)
+    assert chat.max_tokens is None and chat.forwarded({}) == {}
 
 
 def test_end_of_sequence_stop_ids_and_length_end_the_answer_at_its_first_token():
