@@ -57,11 +57,11 @@ for step in "$@"; do
     speed) ckpt=${CKPT:-/tmp/v3-5layers}; profile_vllm
            [ -f "$ckpt/model.safetensors.index.json" ] || python3 benchmarks/write_checkpoint.py --model deepseek-v3 --num-layers 5 --out "$ckpt" | tail -1
            python3 benchmarks/bench_vllm_decode.py speed --checkpoint "$ckpt" --lengths ${LENGTHS:-32768x16 8192x16 4096x32 2048x32 512x32} \
-             --scatter ${SCATTER:-200} --kv-cache-tokens 131072 --vllm-kv-cache-gib 2 --vllm-memory ${VLLM_MEMORY:-0.4} ${VLLM_EAGER:+--vllm-eager} --vllm-max-graph-batch ${VLLM_GRAPH_BATCH:-8} --ingress ${INGRESS:-proxy} --vllm-tp ${TP:-1} --vllm-dp ${DP:-1} --out "$out/vllm-decode-speed.json" ;;
+             --scatter ${SCATTER:-200} --kv-cache-tokens 131072 --vllm-kv-cache-gib 2 --vllm-memory ${VLLM_MEMORY:-0.4} ${VLLM_EAGER:+--vllm-eager} --vllm-max-graph-batch ${VLLM_GRAPH_BATCH:-8} --ingress ${INGRESS:-proxy} --decode-endpoint ${DECODE_ENDPOINT:-generate} --vllm-tp ${TP:-1} --vllm-dp ${DP:-1} --out "$out/vllm-decode-speed.json" ;;
     speed-kv) ckpt=/tmp/v3-kv-shaped; profile_vllm
            [ -f "$ckpt/model.safetensors.index.json" ] || python3 benchmarks/write_checkpoint.py --model deepseek-v3 --kv-shaped --out "$ckpt" | tail -1
            python3 benchmarks/bench_vllm_decode.py speed --checkpoint "$ckpt" --lengths ${LENGTHS_KV:-32768x8 4096x8} \
-             --scatter ${SCATTER:-200} --kv-cache-tokens 131072 --vllm-kv-cache-gib 8 --vllm-memory ${VLLM_MEMORY:-0.4} ${VLLM_EAGER:+--vllm-eager} --vllm-max-graph-batch ${VLLM_GRAPH_BATCH:-8} --ingress ${INGRESS:-proxy} --vllm-tp ${TP:-1} --vllm-dp ${DP:-1} --out "$out/vllm-decode-speed-kv-shaped.json" ;;
+             --scatter ${SCATTER:-200} --kv-cache-tokens 131072 --vllm-kv-cache-gib 8 --vllm-memory ${VLLM_MEMORY:-0.4} ${VLLM_EAGER:+--vllm-eager} --vllm-max-graph-batch ${VLLM_GRAPH_BATCH:-8} --ingress ${INGRESS:-proxy} --decode-endpoint ${DECODE_ENDPOINT:-generate} --vllm-tp ${TP:-1} --vllm-dp ${DP:-1} --out "$out/vllm-decode-speed-kv-shaped.json" ;;
     truth) python3 benchmarks/bench_vllm_truth.py --checkpoints ${CHECKPOINTS:-1 2:one-scale 3:one-scale} --vllm-tp ${TP:-1} \
              --max-len ${TRUTH_MAX_LEN:-4096} --out "$out/vllm-decode-truth.json" ;;
     probe-cg) python3 benchmarks/probes/probe_compiled_graph.py --device cuda --tp 1 --checkpoint ${CKPT:-/tmp/v3-5layers} --tokens 16 512 4096 \

@@ -2,7 +2,7 @@
 
 vLLM's ``/v1/completions`` detokenizes what it generates: for each request its API server primes a
 ``tokenizers.DecodeStream`` with the whole prompt (vLLM 0.26 and 0.32), and the first token it
-answers pays for decoding the prompt: ~20 ms for a 32K prompt on an H100 host, which the tier's
+answers pays for decoding the prompt: 36 ms of a 32K request's on an H100 host, which the tier's
 answer pays between its first token and its second (vLLM alone pays it before its first). vLLM's
 tokens-in, tokens-out endpoint (``POST /inference/v1/generate``, its ``SamplingParams`` with
 ``detokenize: false``) skips it; this module asks the rest of an answer there and makes its text
@@ -16,12 +16,15 @@ tokens skipped). Their sampling parameters are sent explicitly, the checkpoint's
 included (``FirstToken.forwarded``): the generate endpoint does not apply them as the completions
 endpoint does. A generated token that ends the answer with reason ``stop`` (the end of sequence, a
 ``stop_token_ids`` id) is left out of the text and counted, as vLLM's completions do, and its
-``stop_reason`` is the id unless it is the end of sequence.
+``stop_reason`` is the id unless it is the end of sequence. A server without the endpoint (vLLM 0.32
+not started with ``--enable-scale-out``) is asked the same answer at ``/v1/completions`` instead
+(``openai_api.open_upstream``). ``ServeConfig.decode_endpoint: completions`` turns this off.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import Any
 
 from tokenizers.decoders import DecodeStream
@@ -60,6 +63,13 @@ class TokenText:
         for token in _tail(tokenizer, prompt):
             self.stream.step(tokenizer._tokenizer, token)
         self.created = int(time.time())
+
+    @classmethod
+    def maker(cls, tokenizer, eos_id: int | None, forward: dict[str, Any]) -> Callable[[list[int]], TokenText]:
+        """What makes a :class:`TokenText` for the answers of ``forward`` (the tier's completion
+        request, its ``ignore_eos`` and ``return_token_ids``), given the prompt a server got."""
+        ignore_eos, token_ids, model = forward.get("ignore_eos") is True, forward.get("return_token_ids") is True, forward["model"]
+        return lambda prompt: cls(tokenizer, prompt, eos_id, ignore_eos=ignore_eos, token_ids=token_ids, model=model)
 
     def chunk(self, answer: dict[str, Any]) -> dict[str, Any]:
         """A streamed chunk of the generate endpoint as a completion chunk (an error event as it came)."""

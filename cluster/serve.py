@@ -345,7 +345,7 @@ class PrefillServer:
             forward = self._forward(parsed, first.forwarded(parsed.passthrough), token_ids + [token], self._ticket(result))
             tokens = generate = generated = None
             if self.config.decode_endpoint == "generate":  # token ids back, their text made here (cluster.decode_tokens)
-                tokens, generate = self._token_text(forward), generate_body(forward)
+                tokens, generate = TokenText.maker(self.tokenizer.tokenizer, self._eos_id(), forward), generate_body(forward)
                 generated = encoded_forward(generate, prompt, token, "token_ids")
             self.timeline.mark(result.request_id, "forwarded")
             opening = asyncio.ensure_future(open_upstream(self.decoders, forward, self.config.decode_timeout_s, encoded_forward(forward, prompt, token),
@@ -415,12 +415,6 @@ class PrefillServer:
             head=head, token_ids_asked=parsed.passthrough.get("return_token_ids") is True, resumptions=self.config.decode_resumptions,
             timeout_s=self.config.decode_timeout_s, prefill=self._prefill_kept, discard=self._discard, tokens=tokens,
         )  # fmt: skip
-
-    def _token_text(self, forward: dict[str, Any]) -> Callable[[list[int]], TokenText]:
-        """What makes the text of a decode server's token ids after a prompt, for ``forward``."""
-        tokenizer, eos_id, ignore_eos = self.tokenizer.tokenizer, self._eos_id(), forward.get("ignore_eos") is True
-        token_ids, model = forward.get("return_token_ids") is True, forward["model"]
-        return lambda prompt: TokenText(tokenizer, prompt, eos_id, ignore_eos=ignore_eos, token_ids=token_ids, model=model)
 
     async def _prefill_kept(self, token_ids: list[int]) -> tuple[Any, dict[str, Any]]:
         """A prefill whose KV is kept for a decode server, and its ticket (an answer going on elsewhere)."""
