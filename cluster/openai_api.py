@@ -312,10 +312,11 @@ def encoded_forward(body: dict[str, Any], prompt: str, first_token: int, key: st
 async def open_upstream(servers: DecodeServers, body: dict[str, Any], timeout_s: float, encoded: bytes | None = None,
                         generate: dict[str, Any] | None = None, generate_encoded: bytes | None = None) -> Upstream:  # fmt: skip
     """POST ``body`` to ``/v1/completions`` of the least loaded decode server in service that takes it
-    (``encoded``: ``body`` already serialized, :func:`encoded_forward`); or, given ``generate``, the
-    same request in the form of vLLM's generate endpoint (``cluster.decode_tokens``), that, to a server
-    that has the endpoint (vLLM 0.26; 0.32 started with ``--enable-scale-out``); one without it gets
-    ``body`` and is not asked there again."""
+    (``encoded``: ``body`` already serialized, :func:`encoded_forward`). Given ``generate`` (the same
+    request in the form of vLLM's generate endpoint: ``cluster.decode_tokens``), a server that has that
+    endpoint (vLLM 0.26; 0.32 started with ``--enable-scale-out``) gets it instead; one that answers it
+    404, or 403 naming scale-out, gets ``body`` and is not asked there again. The returned answer says
+    which it is (``Upstream.generate``)."""
     data = encoded if encoded is not None else json.dumps(body).encode()
     generated = generate_encoded if generate_encoded is not None else json.dumps(generate).encode() if generate is not None else None
     reasons = [f"{s.url}: out of service until it answers /health ({s.ejected})" for s in servers.servers if s.ejected is not None]
