@@ -17,8 +17,9 @@ tokens skipped). Their sampling parameters are sent explicitly, the checkpoint's
 included (``FirstToken.forwarded``): the generate endpoint does not apply them as the completions
 endpoint does. A generated token that ends the answer with reason ``stop`` (the end of sequence, a
 ``stop_token_ids`` id) is left out of the text and counted, as vLLM's completions do, and its
-``stop_reason`` is the id unless it is the end of sequence. A server without the endpoint (vLLM 0.32
-not started with ``--enable-scale-out``) is asked the same answer at ``/v1/completions`` instead
+``stop_reason`` is the id unless it is the end of sequence. A tokenizer without the Rust backend
+(not a fast one) keeps ``/v1/completions``, as does a server without the endpoint (vLLM 0.32
+not started with ``--enable-scale-out``), which is asked the same answer there instead
 (``openai_api.open_upstream``). ``ServeConfig.decode_endpoint: completions`` turns this off.
 """
 
@@ -28,6 +29,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from tokenizers import Tokenizer
 from tokenizers.decoders import DecodeStream
 
 # the forward's parameters that are vLLM SamplingParams fields of the same name and meaning
@@ -64,6 +66,12 @@ class TokenText:
         for token in _tail(tokenizer, prompt):
             self.stream.step(tokenizer._tokenizer, token)
         self.created = int(time.time())
+
+    @staticmethod
+    def supports(tokenizer) -> bool:
+        """Whether ``tokenizer`` has the Rust backend a ``DecodeStream`` steps through (a Hugging Face
+        fast tokenizer); answers of another are asked of ``/v1/completions``."""
+        return isinstance(getattr(tokenizer, "_tokenizer", None), Tokenizer)
 
     @classmethod
     def maker(cls, tokenizer, eos_id: int | None, forward: dict[str, Any]) -> Callable[[list[int]], TokenText]:

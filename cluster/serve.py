@@ -344,7 +344,7 @@ class PrefillServer:
                 return self._local_answer(parsed, head, len(token_ids), result.cached_tokens)
             forward = self._forward(parsed, first.forwarded(parsed.passthrough), token_ids + [token], self._ticket(result))
             tokens = generate = generated = None
-            if self.config.decode_endpoint == "generate":  # token ids back, their text made here (cluster.decode_tokens)
+            if self.config.decode_endpoint == "generate" and TokenText.supports(self.tokenizer.tokenizer):  # token ids back, their text made here
                 tokens, generate = TokenText.maker(self.tokenizer.tokenizer, self._eos_id(), forward), generate_body(forward)
                 generated = encoded_forward(generate, prompt, token, "token_ids")
             self.timeline.mark(result.request_id, "forwarded")

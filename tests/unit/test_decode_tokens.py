@@ -55,6 +55,11 @@ def test_the_text_equals_vllms_whatever_splits_the_characters(tokenizer):
         assert "".join(pieces) == vllms_text(tokenizer, prompt, generated), (cut, n)
 
 
+def test_only_a_tokenizer_with_the_rust_backend_is_taken(tokenizer):
+    assert TokenText.supports(tokenizer)
+    assert not TokenText.supports(object())  # a slow tokenizer (no backend): its answers stay vLLM's completions
+
+
 def test_a_stop_token_is_counted_not_written_and_named_unless_it_is_the_end_of_sequence(tokenizer):
     ids = tokenizer.encode("plain words and more words")
     word = ids[3]
