@@ -316,30 +316,35 @@ async def open_upstream(servers: DecodeServers, body: dict[str, Any], timeout_s:
     request in the form of vLLM's generate endpoint: ``cluster.decode_tokens``), a server that has that
     endpoint (vLLM 0.26; 0.32 started with ``--enable-scale-out``) gets it instead; one that answers it
     404, or 403 naming scale-out, gets ``body`` and is not asked there again. The returned answer says
-    which it is (``Upstream.generate``)."""
-    data = encoded if encoded is not None else json.dumps(body).encode()
-    generated = generate_encoded if generate_encoded is not None else json.dumps(generate).encode() if generate is not None else None
+    which it is (``Upstream.generate``). Each form is serialized once, when a server is first sent it."""
+    payloads: dict[str, bytes | None] = {COMPLETIONS: encoded, GENERATE: generate_encoded}
+
+    def payload(path: str) -> bytes:
+        if payloads[path] is None:
+            payloads[path] = json.dumps(body if path == COMPLETIONS else generate).encode()
+        return payloads[path]
+
     reasons = [f"{s.url}: out of service until it answers /health ({s.ejected})" for s in servers.servers if s.ejected is not None]
     for server in servers.by_load():
         server.outstanding += 1
         server.requests += 1
         session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None, sock_connect=10, sock_read=timeout_s))
         headers = {"Content-Type": "application/json"} | ({"Authorization": f"Bearer {server.api_key}"} if server.api_key else {})
-        asks_generate = generated is not None and server.takes_generate is not False
+        asks_generate = generate is not None and server.takes_generate is not False
         try:
             if asks_generate:
-                response = await session.post(server.url + GENERATE, data=generated, headers=headers)
+                response = await session.post(server.url + GENERATE, data=payload(GENERATE), headers=headers)
                 if response.status == 404 or (response.status == 403 and "scale-out" in (await response.text()).lower()):
                     server.takes_generate, asks_generate = False, False
                     logger.warning("decode server %s has no generate endpoint (HTTP %d): its answers are asked of /v1/completions, "
                                    "which detokenize the whole prompt before the second token; start vLLM 0.32 with --enable-scale-out",
                                    server.url, response.status)  # fmt: skip
                     response.release()
-                    response = await session.post(server.url + COMPLETIONS, data=data, headers=headers)
+                    response = await session.post(server.url + COMPLETIONS, data=payload(COMPLETIONS), headers=headers)
                 elif response.status == 200:
                     server.takes_generate = True
             else:
-                response = await session.post(server.url + COMPLETIONS, data=data, headers=headers)
+                response = await session.post(server.url + COMPLETIONS, data=payload(COMPLETIONS), headers=headers)
         except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
             reasons.append(f"{server.url}: {type(exc).__name__}: {exc}")
             servers.eject(server, reasons[-1])

