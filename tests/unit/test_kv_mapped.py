@@ -153,6 +153,40 @@ def test_the_gpu_kernel_moves_every_layers_rows_bit_for_bit_into_caches_at_unrel
         copy_rows(source, [d.to(torch.float64) for d in dest], address_table(dest), src_rows, dst_rows)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float8_e4m3fn])
+def test_the_kernel_gathers_into_one_tensor_and_copies_between_two_tables_bit_for_bit(dtype):
+    """The same kernel's other two forms (``kv.tp_relay``'s): gather_rows, per-layer caches at unrelated
+    addresses into one ``[layers, rows, width]`` tensor (the staged relay's buffer), and copy_between,
+    per-layer caches into other per-layer caches at the same rows (a TP follower out of its leader's
+    mapped caches); each bit kept, nothing else written."""
+    from kv.mapped_triton import address_table, copy_between, gather_rows
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    layers, width, moved = 3, 72, 37
+    generator = torch.Generator().manual_seed(3)
+    bits = [torch.randint(0, 256, (60 + 5 * i, width * dtype.itemsize), dtype=torch.uint8, generator=generator).to(device) for i in range(layers)]
+    caches = [b.view(dtype) for b in bits]
+    rows = torch.from_numpy(np.random.default_rng(4).permutation(60)[:moved]).to(device)
+    out = torch.zeros(layers, moved + 5, width, dtype=dtype, device=device)
+    gather_rows(caches, address_table(caches), rows, out, torch.arange(moved, device=device))
+    out_bits = out.view(torch.uint8)
+    for layer in range(layers):
+        assert torch.equal(out_bits[layer, :moved], bits[layer][rows]), layer
+    assert not out_bits[:, moved:].any()
+    dest = [torch.zeros(80, width, dtype=dtype, device=device) for _ in range(layers)]
+    copy_between(address_table(caches), address_table(dest), dest[0], rows, width)
+    for layer, cache in enumerate(dest):
+        as_bits = cache.view(torch.uint8)
+        assert torch.equal(as_bits[rows], bits[layer][rows]), layer
+        untouched = torch.ones(80, dtype=torch.bool, device=device)
+        untouched[rows] = False
+        assert not as_bits[untouched].any(), layer
+    with pytest.raises(ValueError, match="3 source layers into a non-contiguous"):
+        gather_rows(caches, address_table(caches), rows, out.transpose(1, 2), torch.arange(moved, device=device))
+    with pytest.raises(ValueError, match="3 source layers, 2 destinations"):
+        copy_between(address_table(caches), address_table(dest[:2]), dest[0], rows, width)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU: Triton compiles the kernel for it")
 def test_on_a_gpu_the_kernel_compiles_at_warm_up_and_moves_61_layers_as_the_per_layer_ops_do():

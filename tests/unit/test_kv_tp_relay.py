@@ -1,10 +1,11 @@
 """``kv.tp_relay`` between two processes of one gloo group, as two TP ranks of a vLLM instance: the
 leader's loaded rows land in the same blocks of the follower's cache, in chunks of a bounded staging
 buffer (a chunk boundary inside a block, and a load of one token), in the order the leader's loads
-finish; a load that failed on the leader, or rows that could not be gathered, are reported failed on
+finish; a load that failed on the leader, or blocks past the leader's cache, are reported failed on
 the follower (every loaded block), and nothing else of the follower's cache is touched. (The relay
 inside real vLLM ranks: tests/ray/test_vllm_decode_tp.py.) On two GPUs the same runs with the caches
-on the GPUs and the rows over NCCL."""
+on the GPUs, twice: the follower copying out of the leader's caches mapped by CUDA IPC (``mapped``),
+and the rows staged over NCCL (``staged``), both through ``kv.mapped_triton``'s kernels."""
 
 import os
 import socket
@@ -26,13 +27,9 @@ LOADS = [  # (block ids in token order, start, end, failed on the leader)
     ([5, 30, 12], 20, 33, False),  # vLLM's own prefix hit before token 20
     ([6, 30], 15, 16, False),  # one token
     ([1, 2, 3], 0, 40, True),  # the leader's load failed
-    ([PAST, PAST + 1], 0, 20, False),  # gathered from a block the leader's cache does not have: the trailer says so (CPU only: on a GPU an index out of range is a device-side assert)
+    ([PAST, PAST + 1], 0, 20, False),  # blocks the leader's cache does not have: refused before any copy
     ([26, 27, 28], 10, 48, False),
 ]
-
-
-def _loads(device: str) -> list:
-    return LOADS if device == "cpu" else [load for load in LOADS if load[0][0] != PAST]
 
 
 def _cache(seed: int, device: str = "cpu") -> list[torch.Tensor]:
@@ -40,7 +37,7 @@ def _cache(seed: int, device: str = "cpu") -> list[torch.Tensor]:
     return [torch.randn(BLOCKS, BLOCK, WIDTH, generator=generator).to(device) for _ in range(LAYERS)]
 
 
-def _rank(rank: int, port: int, out: str, device: str) -> None:
+def _rank(rank: int, port: int, out: str, device: str, mapped: bool) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), **SAFE_NCCL_ENV)
     if device == "cuda":
         torch.cuda.set_device(rank)
@@ -49,36 +46,41 @@ def _rank(rank: int, port: int, out: str, device: str) -> None:
     layers = _cache(rank, device)
     if rank == 0:
         layers_short = [layer[:PAST] for layer in layers]  # its gather of block PAST fails
-        relay = TPRelay(layers_short, BLOCK, [0, 1], 0, on_received=lambda *_: None)
-        for block_ids, start, end, failed in reversed(_loads(device)):  # the order the leader's loads finished
+        relay = TPRelay(layers_short, BLOCK, [0, 1], 0, on_received=lambda *_: None, mapped=mapped)
+        for block_ids, start, end, failed in reversed(LOADS):  # the order the leader's loads finished
             relay.send(Relayed(f"r{block_ids[0]}", block_ids, start, end, failed))
         relay.close()
         relay.thread.join(60)
-        torch.save({"layers": [layer.cpu() for layer in layers], "chunk_tokens": relay.chunk_tokens}, out)
+        torch.save({"layers": [layer.cpu() for layer in layers], "chunk_tokens": relay.chunk_tokens, "mode": relay.mode}, out)
     else:
         received = []
-        relay = TPRelay(layers, BLOCK, [0, 1], 1, on_received=lambda request, failed: received.append((request, sorted(failed))))
+        relay = TPRelay(layers, BLOCK, [0, 1], 1, on_received=lambda request, failed: received.append((request, sorted(failed))), mapped=mapped)
         relay.thread.join(60)
         torch.save({"layers": [layer.cpu() for layer in layers], "received": received, "alive": relay.thread.is_alive()}, out)
     dist.destroy_process_group()
 
 
+TWO_GPUS = [pytest.mark.multi_gpu, pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs (CUDA IPC, NCCL)")]
+
+
 @pytest.fixture(scope="module", params=[
-    "cpu",
-    pytest.param("cuda", marks=[pytest.mark.multi_gpu, pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs (NCCL)")]),
-])  # fmt: skip
+    ("cpu", "staged"), pytest.param(("cuda", "mapped"), marks=TWO_GPUS), pytest.param(("cuda", "staged"), marks=TWO_GPUS),
+], ids=["cpu-staged", "cuda-mapped", "cuda-staged"])  # fmt: skip
 def relayed(request, tmp_path_factory):
+    device, mode = request.param
     with socket.create_server(("127.0.0.1", 0)) as sock:
         port = sock.getsockname()[1]
     out = tmp_path_factory.mktemp("relay")
     context = mp.get_context("spawn")
-    ranks = [context.Process(target=_rank, args=(rank, port, str(out / f"{rank}.pt"), request.param)) for rank in (0, 1)]
+    ranks = [context.Process(target=_rank, args=(rank, port, str(out / f"{rank}.pt"), device, mode == "mapped")) for rank in (0, 1)]
     for process in ranks:
         process.start()
     for process in ranks:
         process.join(120)
         assert process.exitcode == 0
-    return torch.load(out / "0.pt"), torch.load(out / "1.pt"), _loads(request.param)
+    leader = torch.load(out / "0.pt")
+    assert leader["mode"] == mode
+    return leader, torch.load(out / "1.pt"), LOADS
 
 
 def _rows(layers, block_ids, start, end) -> torch.Tensor:
@@ -106,6 +108,5 @@ def test_a_failed_load_and_rows_not_gathered_are_failed_blocks_on_the_follower(r
     _, follower, loads = relayed
     received = dict(follower["received"])
     assert received["r1"] == [1, 2, 3]  # the leader's load failed: every block of it
-    if any(ids[0] == PAST for ids, *_ in loads):  # the CPU's case
-        assert received[f"r{PAST}"] == [PAST, PAST + 1]  # the leader could not gather them
+    assert received[f"r{PAST}"] == [PAST, PAST + 1]  # past the leader's cache
     assert all(received[f"r{ids[0]}"] == [] for ids, _, _, failed in loads if not failed and ids[0] != PAST)
