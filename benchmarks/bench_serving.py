@@ -25,6 +25,15 @@ interrupted by its prefills as vLLM's own are by its chunked prefills; what it s
 the handoff under load (two processes, the KV load) against vLLM's own scheduling. A plot of latency
 against rate (both stacks) is written beside the JSON.
 
+``--pd`` (two GPUs; disaggregation's own benchmark): the tier with its pool on GPU 0 and its vLLM
+decode server alone on GPU 1 (``tier-pd``: decode steps no prefill interrupts, the KV read from GPU 0
+over NVLink), against vLLM alone with ``--data-parallel-size 2`` over both GPUs (``vllm-dp2``), each
+with ``--vllm-memory-whole`` of its GPUs; ``--input-range-ratio`` spreads the prompts' lengths (input
+17408 with 0.88: 2,089 to 32,727 tokens). ``slo_goodput`` in the JSON: per stack the request throughput
+at the highest rate whose TTFT p99 is within ``--slo-ttft-ms`` and whose ITL p99 is within
+``--itl-factor`` times that stack's unloaded ITL (its ITL p50 at the lowest rate), and the ratio of the
+two.
+
 ``soak``: the tier alone at one rate for ``--duration-s``, sampling every ``--sample-s`` the resident
 memory of the tier's processes (Ray's workers: Serve's controller, proxy and replica, the pool's
 workers) and of the vLLM server's processes, and each side's GPU memory where ``nvidia-smi`` runs.
@@ -80,9 +89,9 @@ main(parser.parse_args(sys.argv[1:]))
 REPLAY = """import collections, json, sys, urllib.error, urllib.request
 from transformers import AutoTokenizer
 from vllm.benchmarks.datasets import RandomDataset
-url, tokenizer, model, input_len, output_len, prompts, seed, key = json.loads(sys.argv[1])
+url, tokenizer, model, input_len, output_len, prompts, seed, key, range_ratio = json.loads(sys.argv[1])
 samples = RandomDataset(random_seed=seed).sample(tokenizer=AutoTokenizer.from_pretrained(tokenizer), num_requests=prompts,
-                                                 input_len=input_len, output_len=output_len, range_ratio=0.0)
+                                                 input_len=input_len, output_len=output_len, range_ratio=range_ratio)
 reasons = collections.Counter()
 for sample in samples:
     body = {"model": model, "prompt": sample.prompt, "max_tokens": output_len, "ignore_eos": True}
@@ -96,11 +105,11 @@ print(json.dumps(dict(reasons.most_common(3))))
 
 
 def failure_reasons(url: str, *, tokenizer: str, model: str, input_len: int, output_len: int, prompts: int, seed: int, key: str | None,
-                    env: dict[str, str]) -> dict[str, int]:  # fmt: skip
+                    env: dict[str, str], range_ratio: float = 0.0) -> dict[str, int]:  # fmt: skip
     """The refusals behind a point's failed requests: their prompts sent again, each refusal's status
     and body with its count (the three most common); empty when none was refused again (the failures
     were not refusals, a timeout or a broken connection, or did not recur)."""
-    arguments = json.dumps([url, tokenizer, model, input_len, output_len, prompts, seed, key])
+    arguments = json.dumps([url, tokenizer, model, input_len, output_len, prompts, seed, key, range_ratio])
     done = subprocess.run([sys.executable, "-c", REPLAY, arguments], env=env, capture_output=True, text=True, check=False)
     if done.returncode != 0:
         return {f"the replay failed: {done.stderr[-400:]}": 0}
@@ -109,14 +118,15 @@ def failure_reasons(url: str, *, tokenizer: str, model: str, input_len: int, out
 
 def run_point(url: str, *, tokenizer: str, model: str, input_len: int, output_len: int, rate: float, prompts: int, workdir: Path,
               key: str | None = None, slo_ttft_ms: float = 2000.0, slo_tpot_ms: float = 50.0, seed: int = 0,
-              vllm_pythonpath: str | None = None) -> dict:  # fmt: skip
+              vllm_pythonpath: str | None = None, range_ratio: float = 0.0) -> dict:  # fmt: skip
     """One run of vLLM's serving benchmark against ``url``; the figures kept from its result and, where
-    requests failed, why (``failures``: :func:`failure_reasons`)."""
+    requests failed, why (``failures``: :func:`failure_reasons`). ``range_ratio``: the prompts' lengths
+    drawn uniformly from ``input_len * (1 -+ range_ratio)`` (vLLM's ``--random-range-ratio``)."""
     workdir.mkdir(parents=True, exist_ok=True)
     name = f"bench-{input_len}-{rate}.json"
     args = ["--backend", "openai", "--base-url", url, "--endpoint", "/v1/completions", "--model", model, "--tokenizer", tokenizer,
             "--dataset-name", "random", "--random-input-len", str(input_len), "--random-output-len", str(output_len),
-            "--random-range-ratio", "0", "--ignore-eos", "--num-prompts", str(prompts), "--request-rate", str(rate), "--seed", str(seed),
+            "--random-range-ratio", str(range_ratio), "--ignore-eos", "--num-prompts", str(prompts), "--request-rate", str(rate), "--seed", str(seed),
             "--percentile-metrics", ",".join(METRICS), "--metric-percentiles", "50,99", "--goodput", f"ttft:{slo_ttft_ms}", f"tpot:{slo_tpot_ms}",
             "--save-result", "--result-dir", str(workdir), "--result-filename", name]  # fmt: skip
     env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "PYTHONPATH")}
@@ -128,7 +138,7 @@ def run_point(url: str, *, tokenizer: str, model: str, input_len: int, output_le
     if done.returncode != 0:
         raise RuntimeError(f"vLLM's benchmark failed against {url} (log: {workdir / f'{name}.log'}):\n{done.stderr[-3000:]}")
     raw = json.loads((workdir / name).read_text())
-    point = {"rate": rate, "input_len": input_len, "output_len": output_len, "prompts": prompts, "completed": raw["completed"],
+    point = {"rate": rate, "input_len": input_len, "range_ratio": range_ratio, "output_len": output_len, "prompts": prompts, "completed": raw["completed"],
              "failed": raw.get("failed", prompts - raw["completed"]), "duration_s": round(raw["duration"], 3),
              "request_throughput": round(raw["request_throughput"], 4), "output_throughput": round(raw["output_throughput"], 2),
              "request_goodput": None if raw.get("request_goodput") is None else round(raw["request_goodput"], 4)}  # fmt: skip
@@ -136,7 +146,7 @@ def run_point(url: str, *, tokenizer: str, model: str, input_len: int, output_le
         point[metric] = {p: round(raw[f"{p}_{metric}_ms"], 2) for p in ("p50", "p99") if f"{p}_{metric}_ms" in raw}
     if point["failed"]:
         point["failures"] = failure_reasons(url, tokenizer=tokenizer, model=model, input_len=input_len, output_len=output_len, prompts=prompts,
-                                            seed=seed, key=key, env=env)  # fmt: skip
+                                            seed=seed, key=key, env=env, range_ratio=range_ratio)  # fmt: skip
     return point
 
 
@@ -156,6 +166,31 @@ def sweep(stacks: dict[str, tuple[str, str | None]], inputs: list[int], rates: l
                 if save is not None:
                     save(results)
     return results
+
+
+def slo_goodput(results: dict, ttft_p99_ms: float, itl_factor: float) -> dict:
+    """Per stack and input length, the goodput at the SLOs of disaggregation's benchmark: the request
+    throughput at the highest rate whose TTFT p99 is within ``ttft_p99_ms`` and whose ITL p99 is within
+    ``itl_factor`` times the stack's unloaded ITL (its ITL p50 at the lowest finite rate), nothing
+    failed; 0 when no rate meets them. With two stacks, each input's ratio of the first to the second."""
+    out: dict = {}
+    for stack, by_input in results.items():
+        for input_len, points in by_input.items():
+            finite = sorted((p for p in points if np.isfinite(p["rate"])), key=lambda p: p["rate"])
+            if not finite:
+                continue
+            unloaded = finite[0]["itl"]["p50"]
+            met = [p for p in points if not p["failed"] and p["ttft"]["p99"] <= ttft_p99_ms and p["itl"]["p99"] <= itl_factor * unloaded]
+            best = max(met, key=lambda p: p["request_throughput"], default=None)
+            out.setdefault(input_len, {})[stack] = {
+                "unloaded_itl_ms": unloaded, "itl_p99_bound_ms": round(itl_factor * unloaded, 2), "ttft_p99_bound_ms": ttft_p99_ms,
+                "slo_rate": None if best is None else best["rate"], "goodput_req_s": 0.0 if best is None else best["request_throughput"],
+            }  # fmt: skip
+    for by_stack in out.values():
+        first, second = (list(by_stack.values()) + [None, None])[:2]
+        if first is not None and second is not None and second["goodput_req_s"]:
+            by_stack["ratio"] = round(first["goodput_req_s"] / second["goodput_req_s"], 3)
+    return out
 
 
 def plot(results: dict, path: Path) -> None:
@@ -324,6 +359,12 @@ def main() -> None:
     parser.add_argument("--slo-ttft-ms", type=float, default=2000.0)
     parser.add_argument("--slo-tpot-ms", type=float, default=50.0)
     parser.add_argument("--whole-gpu", action="store_true", help="sweep: then vLLM alone again with --vllm-memory-whole of the GPU")
+    parser.add_argument("--pd", action="store_true", help="sweep on two GPUs: the pool on GPU 0 and its vLLM decode server alone on GPU 1 "
+                        "(--vllm-memory-whole of it), then vLLM alone with --data-parallel-size 2 over both; the goodput at "
+                        "--slo-ttft-ms (as TTFT p99) and ITL p99 <= --itl-factor x each stack's unloaded ITL")  # fmt: skip
+    parser.add_argument("--itl-factor", type=float, default=2.0, help="--pd: the ITL p99 bound over the stack's unloaded ITL (default 2)")
+    parser.add_argument("--input-range-ratio", type=float, default=0.0,
+                        help="prompt lengths uniform in input x (1 -+ this): vLLM's --random-range-ratio (default 0: every prompt of the input length)")
     parser.add_argument("--vllm-memory-whole", type=float, default=0.9)
     parser.add_argument("--vllm-pythonpath", default=os.environ.get("VLLM_PYTHONPATH"), help="vLLM's site, first on its server's and benchmark's path")
     parser.add_argument("--vllm-memory", type=float, default=0.4, help="vLLM's --gpu-memory-utilization beside the pool (default 0.4)")
@@ -348,7 +389,13 @@ def main() -> None:
         parser.error(f"--vllm-tp and --vllm-dp must be >= 1, got {args.vllm_tp} and {args.vllm_dp}")
     if args.mode == "soak" and not np.isfinite(rates[0]):
         parser.error("soak needs a finite rate (the first of --rates)")
-    args.transport, args.moe_rounding = "auto", "reference"  # what start_vllm and start_tier read
+    if not 0 <= args.input_range_ratio < 1:
+        parser.error(f"--input-range-ratio must be in [0, 1), got {args.input_range_ratio}")
+    if args.pd and (args.mode != "sweep" or args.whole_gpu or args.vllm_tp > 1 or args.vllm_dp > 1):
+        parser.error("--pd is a sweep of its own two stacks: without --whole-gpu, --vllm-tp or --vllm-dp")
+    if args.pd and args.device == "cpu":
+        parser.error("--pd needs two GPUs")
+    args.transport, args.moe_rounding, args.vllm_gpus = "auto", "reference", None  # what start_vllm and start_tier read
     work = Path(tempfile.mkdtemp(prefix="bench-serving-"))
     if args.checkpoint is None and args.device != "cpu":
         parser.error("--checkpoint is needed on the GPU (benchmarks/write_checkpoint.py writes one)")
@@ -356,7 +403,7 @@ def main() -> None:
 
     checkpoint = args.checkpoint or tiny_vllm_checkpoint(work, args.seed)
     dtype = "float32" if args.device == "cpu" else "bfloat16"
-    args.max_len = max(args.inputs) + args.output_len + 16
+    args.max_len = int(max(args.inputs) * (1 + args.input_range_ratio)) + args.output_len + 16
     report = {"what": f"bench_serving {args.mode}: vLLM's serving benchmark against the tier's /v1/completions and vLLM alone",
               "date": datetime.date.today().isoformat(), "machine": machine(), "command": " ".join(sys.argv), "checkpoint": str(checkpoint),
               "vllm_mode": vllm_mode(args), "slo": {"ttft_ms": args.slo_ttft_ms, "tpot_ms": args.slo_tpot_ms}, "complete": False}  # fmt: skip
@@ -366,10 +413,13 @@ def main() -> None:
         args.out.write_text(json.dumps({**report, "complete": complete, "results": results}, indent=1) + "\n")
 
     point = {"tokenizer": str(checkpoint), "model": MODEL, "output_len": args.output_len, "workdir": work / "points", "slo_ttft_ms": args.slo_ttft_ms,
-             "slo_tpot_ms": args.slo_tpot_ms, "seed": args.seed, "vllm_pythonpath": args.vllm_pythonpath}  # fmt: skip
+             "slo_tpot_ms": args.slo_tpot_ms, "seed": args.seed, "vllm_pythonpath": args.vllm_pythonpath, "range_ratio": args.input_range_ratio}  # fmt: skip
     import ray
     from ray import serve
 
+    if args.pd:  # the decode server alone on GPU 1 (the pool's GPU listed second: it reads the pool's cache over NVLink)
+        args.vllm_gpus, args.vllm_memory, args.vllm_kv_cache_gib = "1,0", args.vllm_memory_whole, None
+        report["pd"] = {"tier-pd": "the pool on GPU 0, its vLLM decode server on GPU 1", "vllm-dp2": "vLLM alone, --data-parallel-size 2 on GPUs 0 and 1"}
     server = start_vllm(args, checkpoint, dtype, args.max_len, work)
     try:
         tier = start_tier(args, checkpoint, server.url, dtype, max_ongoing_requests=args.max_ongoing)
@@ -377,12 +427,21 @@ def main() -> None:
             results = soak(tier, pool="bench", vllm_pid=server.process.pid, duration_s=args.duration_s, rate=rates[0], sample_s=args.sample_s,
                            warmup_s=args.warmup_s, input_len=args.inputs[0], **point)  # fmt: skip
         else:
-            results = sweep({"tier": (tier, None), "vllm": (server.url, None)}, args.inputs, rates, save=save, prompts=args.prompts,
-                            point_s=args.point_s, **point)  # fmt: skip
+            stacks = {"tier-pd": (tier, None)} if args.pd else {"tier": (tier, None), "vllm": (server.url, None)}
+            results = sweep(stacks, args.inputs, rates, save=save, prompts=args.prompts, point_s=args.point_s, **point)
         serve.shutdown()
         ray.shutdown()
     finally:
         server.stop()
+    if args.pd:
+        args.vllm_gpus, args.vllm_dp = "0,1", 2
+        server = start_vllm(args, checkpoint, dtype, args.max_len, work, name="vllm-dp2")
+        try:
+            results |= sweep({"vllm-dp2": (server.url, None)}, args.inputs, rates, save=lambda r: save(results | r), prompts=args.prompts,
+                             point_s=args.point_s, **point)  # fmt: skip
+        finally:
+            server.stop()
+        report["slo_goodput"] = slo_goodput(results, args.slo_ttft_ms, args.itl_factor)
     if args.mode == "sweep" and args.whole_gpu:
         args.vllm_memory, args.vllm_kv_cache_gib = args.vllm_memory_whole, None
         server = start_vllm(args, checkpoint, dtype, args.max_len, work, name="vllm-whole")

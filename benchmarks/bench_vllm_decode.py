@@ -27,7 +27,8 @@ the tier's timeline, vLLM's connector's log and the client's clock), the endpoin
 fresh prompt of the same length (what the pool and the hop into the tier take; the same prompt would find its prefix cached), and from the connector's log lines the rate at which it loaded the KV into vLLM's cache and the
 time from the KV server's go-ahead (the prefill done) to the acknowledgement.
 ``--vllm-tp`` / ``--vllm-dp`` start vLLM with tensor / data parallelism (two GPUs: TP rank 0 loads and
-relays, ``kv.tp_relay``; the JSON gives the relay's time and rate, and the loads per DP rank); with any
+relays, ``kv.tp_relay``; the JSON gives the relay's time and rate, and the loads per DP rank, of the
+prompts sent one at a time and of a burst of 4 x DP sent at once, ``dp_burst``); with any
 layout the tier's count of KV bytes handed off is given over one copy of the prompts' rows
 (``kv_bytes_shipped_over_one_copy``: 1 when each row left the pool once). ``--vllm-gpus 1,0`` puts vLLM on
 the second GPU, the pool on the first: the KV read across GPUs.
@@ -308,7 +309,7 @@ def run_speed(args, checkpoint: Path, alone: str, tier: str, vllm_log: Path, sav
     for spec in args.lengths:
         n, count = (int(x) for x in spec.split("x"))
         prompts = [rng.integers(0, config["vocab_size"], size=n).tolist() for _ in range(count + 2)]
-        loads_before, relays_before = len(_loads(vllm_log)), len(_relays(vllm_log))
+        loads_before, relays_before, log_before = len(_loads(vllm_log)), len(_relays(vllm_log)), len(vllm_log.read_text())
         shipped_before = settled_counter(SHIPPED)
         times = {"alone": [], "alone_second_token": [], "endpoint": [], "endpoint_second_token": [], "tier_prefill": []}
         counted = []
@@ -346,12 +347,26 @@ def run_speed(args, checkpoint: Path, alone: str, tier: str, vllm_log: Path, sav
             "kv_load_after_prefill_s": percentiles([after for *_, after in loads]), "kv_load_transports": sorted({t for _, t, _, _ in loads}),
             "kv_loads": len(loads), "kv_relay_s": percentiles([seconds for _, seconds in relays]),
             "kv_relay_gib_per_s": percentiles([tokens * row_bytes / seconds / 2**30 for tokens, seconds in relays if seconds > 0]),
-            "kv_loads_per_dp_rank": _loads_per_dp_rank(vllm_log.read_text()) if args.vllm_dp > 1 else None,
+            "kv_loads_per_dp_rank": _loads_per_dp_rank(vllm_log.read_text()[log_before:]) if args.vllm_dp > 1 else None,
             "kv_bytes_shipped_over_one_copy": round((settled_counter(SHIPPED) - shipped_before) / one_copy, 4),
             "per_prompt_s": times,
         }  # fmt: skip
         save(out)
+    if args.vllm_dp > 1:  # one at a time, alternating with vLLM alone, the tier's requests may all land on one rank
+        out["dp_burst"] = dp_burst(tier, body, rng, config["vocab_size"], min(int(s.split("x")[0]) for s in args.lengths), 4 * args.vllm_dp, vllm_log)
+        save(out)
     return out
+
+
+def dp_burst(tier: str, body: dict, rng, vocab: int, n: int, count: int, vllm_log: Path) -> dict:
+    """``count`` prompts of ``n`` tokens through the tier at once: the loads each DP rank took."""
+    log_before = len(vllm_log.read_text())
+    prompts = [rng.integers(0, vocab, size=n).tolist() for _ in range(count)]
+    with ThreadPoolExecutor(count) as pool:
+        done = list(pool.map(lambda prompt: complete(tier, {**body, "prompt": prompt}), prompts))
+    time.sleep(1.0)  # the server's last log lines
+    return {"requests": count, "prompt_tokens": n, "failed": sum("error" in d for d in done),
+            "kv_loads_per_dp_rank": _loads_per_dp_rank(vllm_log.read_text()[log_before:])}  # fmt: skip
 
 
 LOAD_LINE = re.compile(r"(\d+) tokens loaded over (\w+) in ([\d.]+) s \(([\d.]+) s from the KV server's go-ahead")
@@ -458,8 +473,9 @@ def _loads(log: Path) -> list[tuple[int, str, float, float]]:
 
 
 def _relays(log: Path) -> list[tuple[int, float]]:
-    """TP rank 0's relays of loaded rows to the other ranks (``kv.tp_relay``): (tokens, seconds)."""
-    return [(int(m[1]), float(m[2])) for m in re.finditer(r"(\d+) tokens relayed to \d+ other TP ranks in ([\d.]+) s", log.read_text())]
+    """The other TP ranks' copies of rank 0's loaded rows (``kv.tp_relay``), from the header to the
+    rows in the rank's cache: (tokens, seconds), one per rank and load."""
+    return [(int(m[1]), float(m[2])) for m in re.finditer(r"(\d+) tokens received from TP rank \d+ \(\w+\) in ([\d.]+) s", log.read_text())]
 
 
 def _loads_per_dp_rank(text: str) -> dict[str, int]:

@@ -23,7 +23,8 @@
 # serving and soak; vLLM's default of 512 spent minutes in nvcc compiling DeepGEMM kernels for the FP8 slice as it captured
 # the graphs on 2026-11-26); VLLM_EAGER=1 gives it --enforce-eager; TP=2 / DP=2 give speed, speed-kv and truth (TP)
 # a vLLM decode instance of two GPUs (the two-GPU kinds); VLLM_GPUS=1,0 puts a TP1 vLLM on the second GPU (speed, speed-kv:
-# the KV read from the pool's GPU over NVLink); multi-gpu runs the suite's multi_gpu tests with the pool's site. speed needs an H200: the slice's 26.5 GiB of
+# the KV read from the pool's GPU over NVLink); multi-gpu runs the suite's multi_gpu tests with the pool's site; pd (two GPUs:
+# bench_serving.py --pd, the pool on GPU 0 and vLLM on GPU 1 against vLLM DP 2 on both, prompts of 2-32K, 256 tokens out). speed needs an H200: the slice's 26.5 GiB of
 # weights twice, and vLLM's 32K prefill, do not fit an H100 (vLLM held 57 GiB there at VLLM_MEMORY=0.45).
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
@@ -70,6 +71,9 @@ for step in "$@"; do
     serving) python3 benchmarks/bench_serving.py sweep --checkpoint ${CKPT:-/tmp/v3-5layers} --inputs ${INPUTS:-4096 32768} --output-len 128 \
                --rates ${RATES:-0.5 1 2 4 inf} --point-s ${POINT_S:-30} --whole-gpu --vllm-max-graph-batch ${VLLM_GRAPH_BATCH:-64} --vllm-memory ${VLLM_MEMORY:-0.4} --kv-cache-tokens 131072 \
                --out "$out/serving.json" ;;
+    pd) python3 benchmarks/bench_serving.py sweep --pd --checkpoint ${CKPT:-/tmp/v3-5layers} --inputs ${INPUTS:-17408} --input-range-ratio ${RANGE:-0.88} \
+          --output-len 256 --rates ${RATES:-0.5 1 2 4 8 inf} --point-s ${POINT_S:-30} --vllm-max-graph-batch ${VLLM_GRAPH_BATCH:-64} ${VLLM_EAGER:+--vllm-eager} \
+          --kv-cache-tokens 131072 --out "$out/serving-pd.json" ;;
     soak) python3 benchmarks/bench_serving.py soak --checkpoint ${CKPT:-/tmp/v3-5layers} --inputs 4096 --output-len 128 --rates ${SOAK_RATE:-2} \
             --duration-s 600 --vllm-max-graph-batch ${VLLM_GRAPH_BATCH:-64} --vllm-memory ${VLLM_MEMORY:-0.4} --kv-cache-tokens 131072 --out "$out/serving-soak.json" ;;
     resume) python3 benchmarks/bench_resume.py --checkpoint ${CKPT:-/tmp/v3-5layers} --prompt-len 4096 --probes ${PROBES:-5} \
