@@ -342,7 +342,7 @@ class PrefillServer:
             if finish is not None:
                 await self._discard(result)
                 return self._local_answer(parsed, head, len(token_ids), result.cached_tokens)
-            forward = self._forward(parsed, first.forwarded(parsed.passthrough), token_ids + [token], self._ticket(result))
+            forward = self._forward(parsed, first.forwarded(parsed.passthrough), token_ids + [token], self._ticket(result, describe=False))
             tokens = generate = generated = None
             if self.config.decode_endpoint == "generate" and TokenText.supports(self.tokenizer.tokenizer):  # token ids back, their text made here
                 tokens, generate = TokenText.maker(self.tokenizer.tokenizer, self._eos_id(), forward), generate_body(forward)
@@ -353,6 +353,7 @@ class PrefillServer:
             answer = self._decode_answer(parsed, forward, len(token_ids), result.cached_tokens, head, tokens)
             if parsed.stream:  # the first token goes out now, not once a decode server answers (vLLM answers with its first token)
                 return StreamingResponse(self._head_then_relay(head, opening, result, parsed, answer), media_type="text/event-stream")
+            self.kv.describe_ahead(result)
             upstream = await opening
         except BaseException:  # no decode server took it, or the client left
             await self._discard(result)
@@ -367,6 +368,7 @@ class PrefillServer:
         try:
             yield sse(client_chunk(head, parsed.chat, model, True))
             self.timeline.mark(request_id, "first_token_sent")
+            self.kv.describe_ahead(result)  # after the first token: the decode server's hello is milliseconds away
             try:
                 upstream = await opening
                 self.timeline.mark(request_id, "upstream_answered")
@@ -424,9 +426,9 @@ class PrefillServer:
             raise OpenAIError(exc.status, f"the prefill to go on failed: {exc}") from None
         return result, self._ticket(result)
 
-    def _ticket(self, result) -> dict[str, Any]:
-        """``kv_transfer_params`` of a decode request that takes ``result``'s KV."""
-        return {"mlapool": self.kv.ticket(result, host=self.ticket_host)}
+    def _ticket(self, result, describe: bool = True) -> dict[str, Any]:
+        """``kv_transfer_params`` of a decode request that takes ``result``'s KV (``describe``: KVServer.ticket's)."""
+        return {"mlapool": self.kv.ticket(result, host=self.ticket_host, describe=describe)}
 
     async def _discard(self, result) -> None:
         """Release a prefill's kept KV (the KV server's lock and the pool's call, off the event loop)."""

@@ -146,7 +146,7 @@ class TPRelay:
         if offer[0] is not None:
             logger.warning("TP rank %d: the ranks relay KV rows through a staging buffer; a rank could not map the leader's caches: %s",
                            self.rank, "; ".join(why for vote, why in votes if not vote and why))  # fmt: skip
-        self.leader_table = None
+        self.leader_table = self._mapper = None  # any mapping this rank made goes
         return "staged"
 
     def _warm(self) -> None:
@@ -262,6 +262,7 @@ class TPRelay:
         """Mapped: the request's rows of every layer from the leader's blocks into this rank's, one kernel."""
         try:
             self._check_inside(item, self.leader_rows, "the leader's")
+            self._check_inside(item, self.layers[0].shape[0] * self.block_size, "this rank's")
             slots = self._slots(item, item.start, item.end)
             self.kernels.copy_between(self.leader_table, self.table, self.layers[0], slots, self.width)
             self.stream.synchronize()  # the rows are in the cache before vLLM hears of them
@@ -271,17 +272,23 @@ class TPRelay:
 
     def _take_chunks(self, item: Relayed) -> str | None:
         """Staged: every chunk the leader broadcasts, scattered into this rank's blocks; the leader's trailer."""
-        error = None
+        try:
+            self._check_inside(item, self.layers[0].shape[0] * self.block_size, "this rank's")
+            error = None
+        except ValueError as exc:
+            error = repr(exc)
         for slots, rows in self._chunks(item):
             dist.broadcast(rows, src=self.ranks[0], group=self.data)
+            if error is not None:  # the remaining chunks are still taken, to stay in step
+                continue
             try:
                 if self.table is not None:
                     self.kernels.copy_rows(rows, self.layers, self.table, self.in_order[: len(slots)], slots)
                 else:
                     for layer, got in zip(self.layers, rows):
                         layer.view(-1, self.width).index_copy_(0, slots, got)
-            except Exception as exc:  # noqa: BLE001 -- the remaining chunks are still taken, to stay in step
-                error = error or repr(exc)
+            except Exception as exc:  # noqa: BLE001 -- said with the trailer's
+                error = repr(exc)
         if self.stream is not None:
             self.stream.synchronize()  # the rows are in the cache before vLLM hears of them
         trailer: list[str | None] = [None]

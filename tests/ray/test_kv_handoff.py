@@ -259,6 +259,22 @@ def test_a_receiver_that_disappears_after_the_begin_frees_the_kv(pool, server):
     assert _receiver(server, pool).fetch(_kept(pool).request_id).tokens == 130
 
 
+def test_holders_described_after_the_ticket_serve_the_receiver_and_a_description_after_the_transfer_keeps_nothing(pool, server):
+    """The OpenAI endpoint issues the ticket without asking the holders where the blocks are, and asks
+    once its first token is out (``describe_ahead``): the receiver's begin uses that answer; asked
+    again once the KV is gone, nothing is kept for it."""
+    result = _kept(pool)
+    expected = pool.fetch_kv(result)
+    ticket = server.ticket(result, describe=False)
+    assert ticket["request_id"] == result.request_id and result.request_id not in server._described
+    server.describe_ahead(result)
+    assert server._described[result.request_id][0] in ("mapped", "nixl")
+    kv = _receiver(server, pool).fetch(result.request_id)
+    assert torch.equal(kv.rows(), expected) and result.request_id not in server._described
+    server.describe_ahead(result)  # late: the KV was freed with the transfer
+    assert result.request_id not in server._described and _no_block_leaked(pool)
+
+
 def test_a_receiver_that_never_acks_times_out_and_the_kv_is_freed(pool):
     result = _kept(pool)
     with KVServer(pool, token=TOKEN, ack_timeout_s=1.0) as server, socket.create_connection((server.host, server.port), timeout=5) as sock:
