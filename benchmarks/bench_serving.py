@@ -393,8 +393,6 @@ def main() -> None:
         parser.error(f"--input-range-ratio must be in [0, 1), got {args.input_range_ratio}")
     if args.pd and (args.mode != "sweep" or args.whole_gpu or args.vllm_tp > 1 or args.vllm_dp > 1):
         parser.error("--pd is a sweep of its own two stacks: without --whole-gpu, --vllm-tp or --vllm-dp")
-    if args.pd and args.device == "cpu":
-        parser.error("--pd needs two GPUs")
     args.transport, args.moe_rounding, args.vllm_gpus = "auto", "reference", None  # what start_vllm and start_tier read
     work = Path(tempfile.mkdtemp(prefix="bench-serving-"))
     if args.checkpoint is None and args.device != "cpu":
