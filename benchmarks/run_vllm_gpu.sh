@@ -24,7 +24,8 @@
 # the graphs on 2026-11-26); VLLM_EAGER=1 gives it --enforce-eager; TP=2 / DP=2 give speed, speed-kv and truth (TP)
 # a vLLM decode instance of two GPUs (the two-GPU kinds); VLLM_GPUS=1,0 puts a TP1 vLLM on the second GPU (speed, speed-kv:
 # the KV read from the pool's GPU over NVLink); multi-gpu runs the suite's multi_gpu tests with the pool's site; pd (two GPUs:
-# bench_serving.py --pd, the pool on GPU 0 and vLLM on GPU 1 against vLLM DP 2 on both, prompts of 2-32K, 256 tokens out). speed needs an H200: the slice's 26.5 GiB of
+# bench_serving.py --pd, the pool on GPU 0 and vLLM on GPU 1 against vLLM DP 2 on both, prompts of 2-32K, 256 tokens out); chaos (two
+# GPUs: benchmarks/chaos.py, 2 replicas x TP 2, spare workers on as they are with GPUs: the pool's faults and fault-to-serving). speed needs an H200: the slice's 26.5 GiB of
 # weights twice, and vLLM's 32K prefill, do not fit an H100 (vLLM held 57 GiB there at VLLM_MEMORY=0.45).
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
@@ -80,6 +81,7 @@ for step in "$@"; do
               --out "$out/decode-resume.json" ;;
     probe-ingress) python3 benchmarks/probes/probe_ingress.py --device cuda --checkpoint ${CKPT:-/tmp/v3-5layers} --tokens ${PROBE_TOKENS:-2048} \
                      --out "$out/probe-ingress.json" ;;
+    chaos) python3 benchmarks/chaos.py --device cuda --worker-gpus 0.5 --out "$out/chaos.json" 2>&1 | tail -30 ;;
     multi-gpu) python3 -m pytest -q -m multi_gpu tests 2>&1 | tee "$out/pytest-multi-gpu.txt" | tail -5 ;;
     kv-load) python3 benchmarks/bench_kv_load.py --layers 61 5 --tokens 32768 4096 --chunk-rows 16384 65536 --out "$out/kv-load.json" ;;
     *) echo "unknown step $step"; exit 2 ;;
