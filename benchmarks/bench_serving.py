@@ -431,23 +431,23 @@ def main() -> None:
         ray.shutdown()
     finally:
         server.stop()
-    if args.pd:
-        args.vllm_gpus, args.vllm_dp = "0,1", 2
-        server = start_vllm(args, checkpoint, dtype, args.max_len, work, name="vllm-dp2")
+
+    def alone(stack: str) -> dict:
+        """The sweep of vLLM alone, started anew as ``args`` now say (the tier stopped)."""
+        server = start_vllm(args, checkpoint, dtype, args.max_len, work, name=stack)
         try:
-            results |= sweep({"vllm-dp2": (server.url, None)}, args.inputs, rates, save=lambda r: save(results | r), prompts=args.prompts,
-                             point_s=args.point_s, **point)  # fmt: skip
+            return sweep({stack: (server.url, None)}, args.inputs, rates, save=lambda r: save(results | r), prompts=args.prompts,
+                         point_s=args.point_s, **point)  # fmt: skip
         finally:
             server.stop()
+
+    if args.pd:
+        args.vllm_gpus, args.vllm_dp = "0,1", 2
+        results |= alone("vllm-dp2")
         report["slo_goodput"] = slo_goodput(results, args.slo_ttft_ms, args.itl_factor)
     if args.mode == "sweep" and args.whole_gpu:
         args.vllm_memory, args.vllm_kv_cache_gib = args.vllm_memory_whole, None
-        server = start_vllm(args, checkpoint, dtype, args.max_len, work, name="vllm-whole")
-        try:
-            results |= sweep({"vllm-whole-gpu": (server.url, None)}, args.inputs, rates, save=lambda r: save(results | r), prompts=args.prompts,
-                             point_s=args.point_s, **point)  # fmt: skip
-        finally:
-            server.stop()
+        results |= alone("vllm-whole-gpu")
     save(results, complete=True)
     if args.mode == "sweep":
         plot(results, args.out.with_suffix(".png"))

@@ -102,7 +102,7 @@ class KVServer:
         """Ask the holders now where a prefilled request's blocks are, over the transport a receiver on
         their host (mapped) or another (NIXL) takes: the answer is in when the receiver says hello,
         off the time between the first token and the second (a receiver that takes another transport,
-        or says hello first, is described then). A Ray call per holder: 0.3-0.5 ms of the event loop."""
+        or says hello first, is described then). A Ray call per holder, on the caller's thread."""
         try:
             source = self.pool.kv_source(result)
         except (ValueError, RuntimeError):

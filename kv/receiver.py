@@ -113,8 +113,8 @@ def place_rows(meta: dict, block_size: int, block_table: Sequence[int], start: i
     """Where the rows ``start ... tokens`` of the request go: token ``t`` is row ``t % B`` of pool
     block ``t // B`` (held by PCP rank ``(t // B) % pcp`` as its ``(t // B) // pcp``-th block) and
     goes to row ``t % block_size`` of destination block ``block_table[t // block_size]``. Built block
-    by block (a row's index is its block's base plus its offset): per-token division and modulo took
-    1 ms of a 32K load's control path."""
+    by block (a row's index is its block's base plus its offset): with a division and a modulo per
+    token it took 1.4 ms for 32K tokens on the 2-core CPU, 0.22 ms so."""
     pool_block, pcp, tokens = meta["block_size"], meta["pcp"], meta["tokens"]
     table = np.asarray(block_table[: -(-tokens // block_size)], dtype=np.int64)
     dst = (table[:, None] * block_size + np.arange(block_size, dtype=np.int64)).reshape(-1)[:tokens]  # by token

@@ -304,3 +304,31 @@ def test_a_new_caches_block_ids_keep_each_holders_blocks_in_one_run():
     for rank in range(2):
         ids = np.array(table[rank::2])
         assert (np.diff(ids) == 1).all()
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_place_rows_sends_each_token_from_its_holders_row_to_the_destinations_row(seed):
+    """``kv.receiver.place_rows`` (built block by block) against the rule said token by token: token
+    ``t`` is row ``t % B`` of pool block ``t // B``, held by PCP rank ``(t // B) % pcp`` as its
+    ``(t // B) // pcp``-th block, and goes to row ``t % b`` of destination block ``table[t // b]``;
+    tokens before ``start`` are not sent; a holder listing more blocks than the request uses, a
+    destination table longer than needed."""
+    from kv.receiver import place_rows
+
+    rng = np.random.default_rng(seed)
+    for _ in range(40):
+        pcp, pool_block, block = int(rng.integers(1, 5)), int(rng.choice([4, 16, 64])), int(rng.choice([3, 16, 64, 128]))
+        tokens = int(rng.integers(1, 700))
+        start = int(rng.integers(0, tokens + 1))
+        pool_blocks = -(-tokens // pool_block)
+        shards = [{"blocks": rng.permutation(5000)[: len(range(r, pool_blocks, pcp)) + int(rng.integers(0, 2))].tolist()} for r in range(pcp)]
+        table = rng.permutation(5000)[: -(-tokens // block) + int(rng.integers(0, 3))].tolist()
+        placed = place_rows({"block_size": pool_block, "pcp": pcp, "tokens": tokens, "shards": shards}, block, table, start)
+        for rank, part in enumerate(placed):
+            mine = [t for t in range(start, tokens) if (t // pool_block) % pcp == rank]
+            assert part.src.tolist() == [shards[rank]["blocks"][(t // pool_block) // pcp] * pool_block + t % pool_block for t in mine]
+            assert part.dst.tolist() == [table[t // block] * block + t % block for t in mine]
+            by_block = np.full((len(shards[rank]["blocks"]), pool_block), -1)
+            for t in mine:
+                by_block[(t // pool_block) // pcp, t % pool_block] = table[t // block] * block + t % block
+            assert np.array_equal(part.by_block, by_block)
