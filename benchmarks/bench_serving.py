@@ -372,6 +372,7 @@ def main() -> None:
     parser.add_argument("--vllm-max-graph-batch", type=int, default=0, help=GRAPH_BATCH_HELP + " (default 0)")
     parser.add_argument("--vllm-tp", type=int, default=1, help="vLLM's --tensor-parallel-size (default 1)")
     parser.add_argument("--vllm-dp", type=int, default=1, help="vLLM's --data-parallel-size (default 1)")
+    parser.add_argument("--vllm-args", default="", help="more arguments for vLLM's servers, as one string given with = (--vllm-args='--disable-custom-all-reduce')")
     parser.add_argument("--vllm-kv-cache-gib", type=float, help="vLLM's --kv-cache-memory-bytes, GiB (default: what its memory share leaves)")
     parser.add_argument("--pool-memory", type=float, default=0.9, help="the pool's gpu_memory_utilization, vLLM's share included (default 0.9)")
     parser.add_argument("--kv-cache-tokens", type=int, default=1 << 18, help="the pool's KV cache per worker (default 262144)")
@@ -404,7 +405,7 @@ def main() -> None:
     args.max_len = int(max(args.inputs) * (1 + args.input_range_ratio)) + args.output_len + 16
     report = {"what": f"bench_serving {args.mode}: vLLM's serving benchmark against the tier's /v1/completions and vLLM alone",
               "date": datetime.date.today().isoformat(), "machine": machine(), "command": " ".join(sys.argv), "checkpoint": str(checkpoint),
-              "vllm_mode": vllm_mode(args), "slo": {"ttft_ms": args.slo_ttft_ms, "tpot_ms": args.slo_tpot_ms}, "complete": False}  # fmt: skip
+              "vllm_mode": vllm_mode(args), "vllm_args": args.vllm_args, "slo": {"ttft_ms": args.slo_ttft_ms, "tpot_ms": args.slo_tpot_ms}, "complete": False}  # fmt: skip
     args.out.parent.mkdir(parents=True, exist_ok=True)
 
     def save(results: dict, complete: bool = False) -> None:

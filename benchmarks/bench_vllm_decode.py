@@ -42,6 +42,7 @@ import datetime
 import json
 import os
 import re
+import shlex
 import statistics
 import subprocess
 import sys
@@ -101,6 +102,7 @@ def start_vllm(args, checkpoint: Path, dtype: str, max_len: int, logs: Path, nam
             vllm += ["--kv-cache-memory-bytes", str(int(args.vllm_kv_cache_gib * 2**30))]
     if not (checkpoint / "tokenizer.json").exists():
         vllm.append("--skip-tokenizer-init")
+    vllm += shlex.split(args.vllm_args)
     env = {**GPU_ENV, "PYTHONPATH": os.pathsep.join(filter(None, [args.vllm_pythonpath, str(REPO)]))}
     if args.vllm_gpus:  # its device 0 is the first; the pool's GPU listed too lets it read the pool's cache over peer access
         env["CUDA_VISIBLE_DEVICES"] = args.vllm_gpus
@@ -498,6 +500,7 @@ def main() -> None:
     parser.add_argument("--vllm-memory", type=float, default=0.4, help="vLLM's --gpu-memory-utilization (default 0.4)")
     parser.add_argument("--vllm-tp", type=int, default=1, help="vLLM's --tensor-parallel-size (default 1; rank 0 loads, kv.tp_relay relays)")
     parser.add_argument("--vllm-dp", type=int, default=1, help="vLLM's --data-parallel-size (default 1)")
+    parser.add_argument("--vllm-args", default="", help="more arguments for vLLM's server, as one string given with = (--vllm-args='--disable-custom-all-reduce')")
     parser.add_argument("--vllm-gpus", help="CUDA_VISIBLE_DEVICES for vLLM (default: the pool's GPU first, as every process here): "
                         "'1,0' puts a TP1 vLLM on GPU 1 beside the pool on GPU 0, the KV read across GPUs")  # fmt: skip
     parser.add_argument("--pool-memory", type=float, default=0.9, help="the pool's gpu_memory_utilization: the share of the GPU in use once it is up, vLLM's included (default 0.9)")
@@ -563,7 +566,7 @@ def main() -> None:
         "command": " ".join(sys.argv), "checkpoint": str(checkpoint), "weights": args.weights if args.mode == "parity" else None,
         "moe_rounding": args.moe_rounding,
         "vllm_version": _vllm_version(args), "vllm_mode": vllm_mode(args), "ingress": args.ingress, "decode_endpoint": args.decode_endpoint,
-        "vllm_tp": args.vllm_tp, "vllm_dp": args.vllm_dp, "vllm_gpus": args.vllm_gpus,
+        "vllm_tp": args.vllm_tp, "vllm_dp": args.vllm_dp, "vllm_gpus": args.vllm_gpus, "vllm_args": args.vllm_args,
         "max_tokens": args.max_tokens, "complete": False, "results": {},
     }  # fmt: skip
     args.out.parent.mkdir(parents=True, exist_ok=True)
