@@ -65,10 +65,11 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "tests"))
 from vllm_server import GPU_ENV, VLLMServer, cpu_binding  # noqa: E402 -- tests/vllm_server.py
 
-from chaos_decode import ray_counter  # noqa: E402 -- benchmarks/chaos_decode.py
+from chaos_decode import metric_at_least  # noqa: E402 -- benchmarks/chaos_decode.py
 
 MODEL = "bench"
 SHIPPED = "ray_mlapool_kv_bytes_shipped_total"  # the tier's KV bytes handed to decode servers (cluster/metrics.py)
+SETTLE_S = 5.0  # reads of it this far apart that agree: Ray has exported what was counted (3 s apart once missed a load on the CPU)
 GRAPH_BATCH_HELP = ("vLLM's --max-cudagraph-capture-size, the largest decode batch it captures a CUDA graph for; 0: vLLM's default "
                     "(sizes up to 512). With block-FP8 linears vLLM 0.26 compiles DeepGEMM kernels with nvcc for each size as it "
                     "captures: on the H200 the 5-layer slice was still capturing after 4 minutes at vLLM's default")  # fmt: skip
@@ -311,8 +312,8 @@ def run_speed(args, checkpoint: Path, alone: str, tier: str, vllm_log: Path, sav
     for spec in args.lengths:
         n, count = (int(x) for x in spec.split("x"))
         prompts = [rng.integers(0, config["vocab_size"], size=n).tolist() for _ in range(count + 2)]
-        loads_before, relays_before, log_before = len(_loads(vllm_log)), len(_relays(vllm_log)), len(vllm_log.read_text())
-        shipped_before = settled_counter(SHIPPED)
+        log_before = len(vllm_log.read_text())  # this length's lines are those after it
+        shipped_before = metric_at_least(0, SHIPPED, settle_s=SETTLE_S)
         times = {"alone": [], "alone_second_token": [], "endpoint": [], "endpoint_second_token": [], "tier_prefill": []}
         counted = []
         for i, prompt in enumerate(prompts):
@@ -330,12 +331,12 @@ def run_speed(args, checkpoint: Path, alone: str, tier: str, vllm_log: Path, sav
             print(f"{n} tokens, prompt {i}: TTFT alone {own['ttft_s']:.3f} s, through the endpoint {ours['ttft_s']:.3f} s "
                   f"(second token {ours['second_token_s']:.3f} s; the tier's plain prefill {prefill:.3f} s)", flush=True)  # fmt: skip
         time.sleep(1.0)  # the server's last log lines
-        loads = _loads(vllm_log)[loads_before + 2 :]
-        relays = _relays(vllm_log)[relays_before + 2 :]
+        new = vllm_log.read_text()[log_before:]
+        loads, relays = _loads(new)[2:], _relays(new)[2:]  # the two warm-up prompts' left out
         rates = [tokens * row_bytes / seconds / 2**30 for tokens, _, seconds, _ in loads if seconds > 0]
         gaps = [b - a for a, b in zip(times["endpoint"], times["endpoint_second_token"])]
         alone_gaps = [b - a for a, b in zip(times["alone"], times["alone_second_token"])]
-        steps = handoff_steps(counted, tier_timeline(tier), vllm_log.read_text())
+        steps = handoff_steps(counted, tier_timeline(tier), new)
         one_copy = len(prompts) * n * row_bytes  # every prompt's rows once (n a multiple of the block sizes: whole blocks)
         out[f"{n}x{count}"] = {
             "e2e_second_token_gap_s": percentiles(gaps), "vllm_alone_second_token_gap_s": percentiles(alone_gaps),
@@ -349,8 +350,8 @@ def run_speed(args, checkpoint: Path, alone: str, tier: str, vllm_log: Path, sav
             "kv_load_after_prefill_s": percentiles([after for *_, after in loads]), "kv_load_transports": sorted({t for _, t, _, _ in loads}),
             "kv_loads": len(loads), "kv_relay_s": percentiles([seconds for _, seconds in relays]),
             "kv_relay_gib_per_s": percentiles([tokens * row_bytes / seconds / 2**30 for tokens, seconds in relays if seconds > 0]),
-            "kv_loads_per_dp_rank": _loads_per_dp_rank(vllm_log.read_text()[log_before:]) if args.vllm_dp > 1 else None,
-            "kv_bytes_shipped_over_one_copy": round((settled_counter(SHIPPED) - shipped_before) / one_copy, 4),
+            "kv_loads_per_dp_rank": _loads_per_dp_rank(new) if args.vllm_dp > 1 else None,
+            "kv_bytes_shipped_over_one_copy": round((metric_at_least(shipped_before + one_copy, SHIPPED, settle_s=SETTLE_S) - shipped_before) / one_copy, 4),
             "per_prompt_s": times,
         }  # fmt: skip
         save(out)
@@ -389,18 +390,6 @@ def loads_in_log(text: str, layers: int, width: int) -> list[dict]:
         out.append({"tokens": tokens, "transport": m[2], "seconds": seconds, "runs_per_layer": int(m[4]),
                     "gib_per_s": round(tokens * layers * width * 2 / seconds / 2**30, 1) if seconds else None, "steps": json.loads(m[5])})  # fmt: skip
     return out
-
-
-def settled_counter(name: str, every_s: float = 3.0, timeout_s: float = 60.0) -> float:
-    """A Ray counter of this node once two reads ``every_s`` apart agree (Ray exports a few seconds
-    behind the counts)."""
-    value, deadline = ray_counter(name), time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        time.sleep(every_s)
-        value, last = ray_counter(name), value
-        if value == last:
-            break
-    return value
 
 
 def tier_timeline(tier: str) -> dict:
@@ -466,18 +455,18 @@ def handoff_steps(completions: list[dict], timeline: dict, log: str) -> dict[str
     return out
 
 
-def _loads(log: Path) -> list[tuple[int, str, float, float]]:
-    """The connector's loads so far, from the vLLM server's log: (tokens, transport, seconds of READs
+def _loads(text: str) -> list[tuple[int, str, float, float]]:
+    """The connector's loads in the vLLM server's log ``text``: (tokens, transport, seconds of READs
     or pulls, seconds from the KV server's go-ahead, once the prefill was done, to the acknowledgement)."""
-    return [(int(m[1]), m[2], float(m[3]), float(m[4])) for m in LOAD_LINE.finditer(log.read_text())]
+    return [(int(m[1]), m[2], float(m[3]), float(m[4])) for m in LOAD_LINE.finditer(text)]
 
 
 
 
-def _relays(log: Path) -> list[tuple[int, float]]:
-    """The other TP ranks' copies of rank 0's loaded rows (``kv.tp_relay``), from the header to the
-    rows in the rank's cache: (tokens, seconds), one per rank and load."""
-    return [(int(m[1]), float(m[2])) for m in re.finditer(r"(\d+) tokens received from TP rank \d+ \(\w+\) in ([\d.]+) s", log.read_text())]
+def _relays(text: str) -> list[tuple[int, float]]:
+    """The other TP ranks' copies of rank 0's loaded rows (``kv.tp_relay``) in the log ``text``, from the
+    header to the rows in the rank's cache: (tokens, seconds), one per rank and load."""
+    return [(int(m[1]), float(m[2])) for m in re.finditer(r"(\d+) tokens received from TP rank \d+ \(\w+\) in ([\d.]+) s", text)]
 
 
 def _loads_per_dp_rank(text: str) -> dict[str, int]:

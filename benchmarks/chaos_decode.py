@@ -106,11 +106,18 @@ def ray_counter(name: str, *selectors: str) -> float:
     return sum(float(line.rsplit(" ", 1)[1]) for line in lines if line.startswith(name) and all(s in line for s in selectors))
 
 
-def _metric_at_least(at_least: float, name: str, *selectors: str, timeout_s: float = 60.0) -> float:
-    """:func:`ray_counter`, waited for until ``at_least`` (Ray's export runs a few seconds behind)."""
+def metric_at_least(at_least: float, name: str, *selectors: str, timeout_s: float = 60.0, settle_s: float = 0.0) -> float:
+    """:func:`ray_counter`, waited for until ``at_least`` (Ray's export runs a few seconds behind);
+    with ``settle_s``, then read again every ``settle_s`` until two reads agree (what was counted past
+    ``at_least`` exported too)."""
     deadline = time.monotonic() + timeout_s
     while (value := ray_counter(name, *selectors)) < at_least and time.monotonic() < deadline:
         time.sleep(1.0)
+    while settle_s and time.monotonic() < deadline:
+        time.sleep(settle_s)
+        value, last = ray_counter(name, *selectors), value
+        if value == last:
+            break
     return value
 
 
@@ -240,11 +247,11 @@ def run_decode_chaos(tier: str, servers: list[VLLMServer], *, requests: int = 40
         violations.append(f"{after['kv_kept_requests']} requests' KV still held by the tier")
     if any(s["outstanding"] for s in after["decode_servers"]):
         violations.append(f"answers still in flight: {[(s['url'], s['outstanding']) for s in after['decode_servers']]}")
-    resumed_metric = _metric_at_least(after["decode_resumptions"], "ray_mlapool_decode_server_events_total", 'event="resumed"')
+    resumed_metric = metric_at_least(after["decode_resumptions"], "ray_mlapool_decode_server_events_total", 'event="resumed"')
     if resumed_metric != after["decode_resumptions"]:
         violations.append(f"the metric counts {resumed_metric} resumptions, GET / {after['decode_resumptions']}")
     stalls = [s["stall_s"] for s in after["decode_resume_stalls"][len(before["decode_resume_stalls"]) :]]  # the streamed answers resumed
-    stall_metric = _metric_at_least(len(after["decode_resume_stalls"]), "ray_mlapool_decode_resume_stall_seconds_count")
+    stall_metric = metric_at_least(len(after["decode_resume_stalls"]), "ray_mlapool_decode_resume_stall_seconds_count")
     if stall_metric < len(after["decode_resume_stalls"]) or len(stalls) > resumed:  # GET / lists the last 64
         violations.append(f"{len(stalls)} stalls in GET / ({resumed} resumptions), the metric counts {stall_metric}")
     if not killed:

@@ -332,19 +332,17 @@ async def open_upstream(servers: DecodeServers, body: dict[str, Any], timeout_s:
         headers = {"Content-Type": "application/json"} | ({"Authorization": f"Bearer {server.api_key}"} if server.api_key else {})
         asks_generate = generate is not None and server.takes_generate is not False
         try:
-            if asks_generate:
-                response = await session.post(server.url + GENERATE, data=payload(GENERATE), headers=headers)
-                if response.status == 404 or (response.status == 403 and "scale-out" in (await response.text()).lower()):
-                    server.takes_generate, asks_generate = False, False
-                    logger.warning("decode server %s has no generate endpoint (HTTP %d): its answers are asked of /v1/completions, "
-                                   "which detokenize the whole prompt before the second token; start vLLM 0.32 with --enable-scale-out",
-                                   server.url, response.status)  # fmt: skip
-                    response.release()
-                    response = await session.post(server.url + COMPLETIONS, data=payload(COMPLETIONS), headers=headers)
-                elif response.status == 200:
-                    server.takes_generate = True
-            else:
+            path = GENERATE if asks_generate else COMPLETIONS
+            response = await session.post(server.url + path, data=payload(path), headers=headers)
+            if asks_generate and (response.status == 404 or (response.status == 403 and "scale-out" in (await response.text()).lower())):
+                server.takes_generate, asks_generate = False, False
+                logger.warning("decode server %s has no generate endpoint (HTTP %d): its answers are asked of /v1/completions, "
+                               "which detokenize the whole prompt before the second token; start vLLM 0.32 with --enable-scale-out",
+                               server.url, response.status)  # fmt: skip
+                response.release()
                 response = await session.post(server.url + COMPLETIONS, data=payload(COMPLETIONS), headers=headers)
+            elif asks_generate and response.status == 200:
+                server.takes_generate = True
         except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
             reasons.append(f"{server.url}: {type(exc).__name__}: {exc}")
             servers.eject(server, reasons[-1])

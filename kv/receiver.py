@@ -109,6 +109,15 @@ class HolderRows:
     by_block: np.ndarray  # int64 [its blocks, pool block size]: destination row of each row it sends, -1: none
 
 
+def token_rows(block_table: Sequence[int], block_size: int, begin: int, end: int) -> np.ndarray:
+    """The cache rows (``block * block_size + offset``) of tokens ``begin`` to ``end`` of a request whose
+    blocks are ``block_table`` (token order), built block by block: no division per token."""
+    first = begin // block_size
+    table = np.asarray(block_table[first : -(-end // block_size)], dtype=np.int64)
+    rows = (table[:, None] * block_size + np.arange(block_size, dtype=np.int64)).reshape(-1)
+    return rows[begin - first * block_size : end - first * block_size]
+
+
 def place_rows(meta: dict, block_size: int, block_table: Sequence[int], start: int) -> list[HolderRows]:
     """Where the rows ``start ... tokens`` of the request go: token ``t`` is row ``t % B`` of pool
     block ``t // B`` (held by PCP rank ``(t // B) % pcp`` as its ``(t // B) // pcp``-th block) and
@@ -116,8 +125,7 @@ def place_rows(meta: dict, block_size: int, block_table: Sequence[int], start: i
     by block (a row's index is its block's base plus its offset): with a division and a modulo per
     token it took 1.4 ms for 32K tokens on the 2-core CPU, 0.22 ms so."""
     pool_block, pcp, tokens = meta["block_size"], meta["pcp"], meta["tokens"]
-    table = np.asarray(block_table[: -(-tokens // block_size)], dtype=np.int64)
-    dst = (table[:, None] * block_size + np.arange(block_size, dtype=np.int64)).reshape(-1)[:tokens]  # by token
+    dst = token_rows(block_table, block_size, 0, tokens)  # by token
     pool_blocks = -(-tokens // pool_block)
     padded = np.full(pool_blocks * pool_block, -1, dtype=np.int64)
     padded[start:tokens] = dst[start:]

@@ -51,6 +51,7 @@ import torch
 import torch.distributed as dist
 
 from kv.mapped import MappedError, MappedRegion, Mapper, share_cache
+from kv.receiver import token_rows
 
 logger = logging.getLogger(f"vllm.{__name__}")  # under vLLM's logger, as the connector's
 
@@ -90,6 +91,7 @@ class TPRelay:
         self.on_received = on_received
         self.device = layers[0].device
         self.width = layers[0].shape[-1]
+        self.rows = layers[0].shape[0] * block_size  # rows of each of this rank's caches (a block past them is refused)
         # every rank of the TP group (and only they) creates these, in this order
         self.control = dist.new_group(self.ranks, backend="gloo", use_local_synchronization=True)
         self.stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
@@ -180,10 +182,7 @@ class TPRelay:
 
     def _slots(self, item: Relayed, begin: int, end: int) -> torch.Tensor:
         """The cache rows (of a layer seen as ``[blocks * block_size, width]``) of tokens ``begin`` to ``end``."""
-        first = begin // self.block_size
-        table = torch.tensor(item.block_ids[first : -(-end // self.block_size)])
-        rows = (table[:, None] * self.block_size + torch.arange(self.block_size)).reshape(-1)  # block by block, no per-row division
-        return rows[begin - first * self.block_size : end - first * self.block_size].to(self.device)
+        return torch.from_numpy(token_rows(item.block_ids, self.block_size, begin, end)).to(self.device)
 
     def _chunks(self, item: Relayed):
         """``(rows of the cache, the staging buffer seen as [layers, tokens, width])`` per chunk."""
@@ -209,7 +208,7 @@ class TPRelay:
                     continue
                 started, error = time.perf_counter(), None
                 try:
-                    self._check_inside(item, self.layers[0].shape[0] * self.block_size, "this rank's")
+                    self._check_inside(item, self.rows, "this rank's")
                 except ValueError as exc:
                     error = repr(exc)
                 for slots, rows in self._chunks(item):
@@ -262,7 +261,7 @@ class TPRelay:
         """Mapped: the request's rows of every layer from the leader's blocks into this rank's, one kernel."""
         try:
             self._check_inside(item, self.leader_rows, "the leader's")
-            self._check_inside(item, self.layers[0].shape[0] * self.block_size, "this rank's")
+            self._check_inside(item, self.rows, "this rank's")
             slots = self._slots(item, item.start, item.end)
             self.kernels.copy_between(self.leader_table, self.table, self.layers[0], slots, self.width)
             self.stream.synchronize()  # the rows are in the cache before vLLM hears of them
@@ -273,7 +272,7 @@ class TPRelay:
     def _take_chunks(self, item: Relayed) -> str | None:
         """Staged: every chunk the leader broadcasts, scattered into this rank's blocks; the leader's trailer."""
         try:
-            self._check_inside(item, self.layers[0].shape[0] * self.block_size, "this rank's")
+            self._check_inside(item, self.rows, "this rank's")
             error = None
         except ValueError as exc:
             error = repr(exc)
