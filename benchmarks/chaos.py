@@ -9,8 +9,9 @@ the schedule, drawn from ``--seed``:
   the start of a layer, while its peers are in that layer's collectives),
 - cancels requests at random moments after their submission,
 - hands kept requests' KV off: to a ``KVReceiver`` outside the cluster (admitted by the
-  ``KVServer``, it takes the blocks from the holders by TCP pulls or, where NIXL is installed,
-  NIXL READs), or to a ``DecodeActor`` that pulls it from the holders; some TCP receivers drop
+  ``KVServer``, it takes the blocks from the holders into the decode device by TCP pulls, by
+  mapping the holders' caches (``mapped``) or, where NIXL is installed, NIXL READs), or to a
+  ``DecodeActor`` that pulls it from the holders; some TCP receivers drop
   the connection mid-frame and some decode actors die mid-pull (then a fresh actor pulls the
   KV again, as do other handoffs that were pulling through the dying actor).
 
@@ -118,7 +119,8 @@ def _drop_mid_frame(server: KVServer, request_id: str) -> None:
 def run_chaos(config: PoolConfig, *, requests: int = 200, seed: int = 0, in_flight: int = 16, max_len: int = 300,
               decode_options: dict | None = None, decode_device: str = "cpu", log=print) -> dict:  # fmt: skip
     """Run the reference pass and the chaos pass on one pool (Ray must be initialized); the
-    summary (see the module docstring). Raises nothing for a broken invariant: the summary says
+    summary (see the module docstring). ``decode_device``: where the decode actors and the outside
+    receivers put the KV. Raises nothing for a broken invariant: the summary says
     ``ok`` and lists the ``violations``."""
     model_config = config.model_config()
     work = plan(requests, seed, max_len, model_config.vocab_size, nixl=nixl_unavailable() is None)
@@ -171,8 +173,10 @@ def run_chaos(config: PoolConfig, *, requests: int = 200, seed: int = 0, in_flig
                             time.sleep(0.05)
                         handoffs[i] = "dropped, freed" if pool.kept_result(rid) is None else "dropped, still held"
                         return
-                    receiver = KVReceiver(server.host, server.port, model_fingerprint=model_config.fingerprint(), transport=handoff[i])
-                    got = receiver.fetch(rid).rows()
+                    # into the decode device, as a decode server's cache: a mapped copy reads GPU holders only into a GPU
+                    receiver = KVReceiver(server.host, server.port, model_fingerprint=model_config.fingerprint(), transport=handoff[i],
+                                          device=decode_device)  # fmt: skip
+                    got = receiver.fetch(rid).rows().cpu()
                     handoffs[i] = handoff[i] if _close(got, ref_kv[i], rtol) else f"{handoff[i]}, KV differs"
                     return
                 if i in work["decode_kills"]:

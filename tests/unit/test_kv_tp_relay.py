@@ -51,11 +51,13 @@ def _rank(rank: int, port: int, out: str, device: str, mapped: bool) -> None:
             relay.send(Relayed(f"r{block_ids[0]}", block_ids, start, end, failed))
         relay.close()
         relay.thread.join(60)
+        dist.barrier()  # mapped: the follower reads this rank's caches until its last copy; they must outlive it
         torch.save({"layers": [layer.cpu() for layer in layers], "chunk_tokens": relay.chunk_tokens, "mode": relay.mode}, out)
     else:
         received = []
         relay = TPRelay(layers, BLOCK, [0, 1], 1, on_received=lambda request, failed: received.append((request, sorted(failed))), mapped=mapped)
         relay.thread.join(60)
+        dist.barrier()
         torch.save({"layers": [layer.cpu() for layer in layers], "received": received, "alive": relay.thread.is_alive()}, out)
     dist.destroy_process_group()
 
