@@ -1,5 +1,5 @@
 """What the pool hands back (``cluster.pool``): a prefilled request's result, the pool's counters, and
-the errors that refuse a request at submit."""
+the errors that refuse a request at submit (and the HTTP error the Serve tier answers with)."""
 
 from __future__ import annotations
 
@@ -9,6 +9,14 @@ from dataclasses import dataclass, field
 import torch
 
 from cluster.scheduler import Recovery
+
+
+class HTTPError(Exception):
+    """A request the Serve tier refuses or fails, as the HTTP status it answers and why."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
 
 
 class PromptTooLong(ValueError):

@@ -23,7 +23,7 @@ HTTP API (JSON, or msgpack with ``content-type: application/msgpack``; the answe
     A client that disconnects cancels its request: it leaves the pool before its next chunk and
     its KV is freed.
 ``POST /v1/completions``, ``POST /v1/chat/completions`` OpenAI's API, decoded by the configured vLLM
-    servers from this replica's KV (``cluster.openai_api``, ``cluster.first_token``).
+    servers from this replica's KV (``cluster.openai_serving``: the request's life; ``cluster.openai_api``, ``cluster.first_token``).
 ``GET /v1/models``, ``GET /v1/models/{id}`` the served model, as vLLM lists its own (``max_model_len``:
     the longest prompt the pool takes).
 ``GET /`` the model, layout, backend and limits of this replica, and its request counters.
@@ -43,13 +43,10 @@ when a worker failed).
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import logging
-import time
 import uuid
 import warnings
-from collections.abc import Callable
 from typing import Any
 
 import msgpack
@@ -58,32 +55,20 @@ import ray
 from ray import serve
 from ray.util import get_current_placement_group
 from starlette.requests import Request
-from starlette.responses import Response, StreamingResponse
+from starlette.responses import Response
 
-from cluster.decode_answer import DecodeAnswer
-from cluster.decode_tokens import TokenText, generate_body
 from cluster.kv_server import KVServer
 from cluster.metrics import PoolMetrics
-from cluster.first_token import FirstToken, first_chunk, generation_defaults, shift, token_text, usage
-from cluster.openai_api import (
-    CHAT, COMPLETIONS, MODELS, DecodeServers, OpenAIError, Parsed, Tokenizer, Upstream, chat_answer, client_chunk, encoded_forward, open_upstream,
-    parse_request, prompt_json, Timeline, model_card, sse, with_cached_tokens,
-)  # fmt: skip
+from cluster.openai_api import CHAT, COMPLETIONS, MODELS, OpenAIError
+from cluster.openai_serving import OpenAIServing
 from cluster.pool import PrefillPool
-from cluster.results import PromptTooLong
+from cluster.results import HTTPError, PromptTooLong
 from configs.secrets import matches
 from configs.serve import ServeConfig
 
 logger = logging.getLogger("ray.serve")
 MSGPACK = ("application/msgpack", "application/x-msgpack")
 KEYS = {"token_ids", "request_id", "handoff", "return_logits"}
-COMPLETION_MAX_TOKENS = 16  # vLLM's completions' max_tokens when a request gives none (its chats': the rest of the context)
-
-
-class HTTPError(Exception):
-    def __init__(self, status: int, message: str) -> None:
-        super().__init__(message)
-        self.status = status
 
 
 def parse_prefill(body: bytes, content_type: str) -> dict[str, Any]:
@@ -135,15 +120,7 @@ class PrefillServer:
         self.api_keys = [key.reveal() for key in config.api_keys]  # ValueError names a variable or file that lacks one
         self.ticket_host = ray.util.get_node_ip_address() if config.kv_host in ("0.0.0.0", "::") else self.kv.host
         self.fingerprint = self.pool.model_config.fingerprint()
-        self.decoders = DecodeServers.of([(url, key.reveal() if (key := config.decode_key(url)) else None) for url in config.decode_servers],
-                                         probe_interval_s=config.decode_probe_interval_s, on_event=self.metrics.decode_event,
-                                         on_stall=self.metrics.resume_stalled)  # fmt: skip
-        self.timeline = Timeline()  # the steps of recent requests handed to decode servers
-        self.started = int(time.time())  # the served model's "created" in /v1/models
-        self.tokenizer = Tokenizer(config.tokenizer or config.pool.checkpoint)
-        if config.decode_servers:  # the OpenAI endpoint, its user, answers only with decode servers
-            self.tokenizer.available  # noqa: B018 -- loaded now: else the first request waits for transformers' import (2-3 s)
-        self.generation = generation_defaults(config.pool.checkpoint)  # vLLM's sampling defaults for the first token
+        self.openai = OpenAIServing(config, self.pool, self.kv, self.ticket_host, self.metrics, self._submit, self._wait, self._body)
 
     async def __call__(self, request: Request) -> Response:
         path = request.url.path
@@ -154,10 +131,10 @@ class PrefillServer:
         if path in (COMPLETIONS, CHAT) or path == MODELS or path.startswith(MODELS + "/"):
             try:
                 if path.startswith(MODELS):
-                    return self._models(request.method, path)
+                    return self.openai.models(request.method, path)
                 if request.method != "POST":
                     raise OpenAIError(405, f"{request.method} {path}: use POST")
-                return await self._openai(request, chat=path == CHAT)
+                return await self.openai.answer(request, chat=path == CHAT)
             except OpenAIError as exc:
                 return Response(json.dumps(exc.body()), status_code=exc.status, media_type="application/json")
         content_type = request.headers.get("content-type", "").split(";")[0].strip().lower()
@@ -176,19 +153,6 @@ class PrefillServer:
             return _response(200, answer, reply)
         except HTTPError as exc:
             return _response(exc.status, {"error": str(exc)}, reply)
-
-    def _models(self, method: str, path: str) -> Response:
-        """``GET /v1/models`` (the served model, as vLLM lists it) and ``GET /v1/models/{id}``."""
-        if method != "GET":
-            raise OpenAIError(405, f"{method} {path}: use GET")
-        name = self.config.model_name
-        card = model_card(name, self.config.pool.checkpoint or self.config.pool.model, self.pool.max_prompt_tokens, self.started)
-        wanted = path[len(MODELS) + 1 :]
-        if not wanted:
-            return Response(json.dumps({"object": "list", "data": [card]}), media_type="application/json")
-        if wanted != name:
-            raise OpenAIError(404, f"model {wanted!r} is not served here; this endpoint serves {name!r}")
-        return Response(json.dumps(card), media_type="application/json")
 
     def info(self) -> dict[str, Any]:
         cfg, info = self.config.pool, self.pool.worker_infos[0][0]
@@ -209,10 +173,7 @@ class PrefillServer:
             "prefix_cache": self.pool.prefix_report()[0],
             "kv_kept_requests": len(self.pool.kept_results()),
             "kv_transfers": dict(self.kv.transfers),
-            "decode_servers": self.decoders.report(),
-            "decode_resumptions": self.decoders.resumptions,
-            "decode_resume_stalls": list(self.decoders.stalls),
-            "handoff_timeline": self.timeline.recent(),
+            **self.openai.report(),
         }
 
     def check_health(self) -> None:
@@ -281,225 +242,6 @@ class PrefillServer:
         except Exception as exc:  # noqa: BLE001 -- a failed prefill fails this request alone
             logger.warning("prefill failed", extra={"mlapool_request_id": request_id, "error": str(exc)})
             raise HTTPError(500, f"prefill failed: {exc}") from None
-
-    async def _openai(self, request: Request, chat: bool) -> Response:
-        """An OpenAI completion or chat completion: prefill here with the KV kept, decode on a vLLM
-        decode server that loads it (``cluster.openai_api``). When the tier reproduces the request's
-        sampling (``cluster.first_token``), the first token is sampled here from the prefill's logits
-        and sent at once, and the decode server gets the prompt followed by it. Otherwise the request
-        goes to the decode server with a ticket issued ahead (``KVServer.ticket_ahead``) as soon as the
-        prefill is submitted: vLLM takes it in, allocates its blocks and asks for the KV while the pool
-        prefills, and computes the first token itself."""
-        received = time.time()
-        if not self.decoders.servers:
-            raise OpenAIError(503, "this tier has no decode servers (ServeConfig.decode_servers)")
-        try:
-            body = json.loads(await self._body(request))
-        except HTTPError as exc:
-            raise OpenAIError(exc.status, str(exc)) from None
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            raise OpenAIError(400, f"body is not valid JSON ({exc})") from None
-        parsed = parse_request(body, chat, self.config.model_name)
-        token_ids = self.tokenizer.encode(parsed)
-        default_max = None if chat else COMPLETION_MAX_TOKENS
-        first = FirstToken.plan(parsed.passthrough, self.generation, self._eos_id(), default_max) if self.tokenizer.available else "no tokenizer"
-        if isinstance(first, FirstToken):
-            return await self._openai_first_token(parsed, token_ids, first, received)
-        try:
-            request_id, future = self._submit(token_ids, None, keep_kv=True)
-        except HTTPError as exc:
-            raise OpenAIError(exc.status, str(exc)) from None
-        forward = self._forward(parsed, parsed.passthrough, token_ids, {"mlapool": self.kv.ticket_ahead(request_id, token_ids, host=self.ticket_host)})
-        result, upstream = await self._prefill_and_forward(request_id, future, forward)
-        answer = self._decode_answer(parsed, forward, len(token_ids), result.cached_tokens, None)
-        logger.info("decoding", extra={"mlapool_request_id": request_id, "decode_server": upstream.server.url, "first_token": first})
-        return await self._answer(upstream, result, parsed, answer)
-
-    async def _openai_first_token(self, parsed: Parsed, token_ids: list[int], first: FirstToken, received: float) -> Response:
-        """Prefill, sample the first token here, and send the rest to a decode server (or end here).
-        The decode request's prompt is serialized while the prefill runs: neither the first token nor
-        the forward beside it waits for it (3.7 ms for 32K ids on the 2-core CPU)."""
-        encoding = asyncio.ensure_future(asyncio.to_thread(prompt_json, token_ids))
-        try:
-            result = await self._run(token_ids, None, keep_kv=True)
-        except HTTPError as exc:
-            raise OpenAIError(exc.status, str(exc)) from None
-        finally:
-            prompt = await encoding
-        self.timeline.mark(result.request_id, "received", received)
-        self.timeline.mark(result.request_id, "prefilled")
-        self.timeline.mark(result.request_id, "pool_ttft_s", result.ttft_s)  # the pool's part of the TTFT
-        try:
-            token = first.sample(result.logits) if first.greedy else await asyncio.to_thread(first.sample, result.logits)
-            finish = first.finish(token)
-            text = "" if finish == "stop" else token_text(self.tokenizer.tokenizer, token_ids, token)
-            if text is None:  # not whole on its own: vLLM samples the first token after all
-                forward = self._forward(parsed, parsed.passthrough, token_ids, self._ticket(result))
-                upstream = await open_upstream(self.decoders, forward, self.config.decode_timeout_s)
-                return await self._answer(upstream, result, parsed, self._decode_answer(parsed, forward, len(token_ids), result.cached_tokens, None))
-            head = first_chunk("cmpl-" + result.request_id, self.config.model_name, int(time.time()), text, token, finish,
-                               token_ids if first.return_token_ids else None)  # fmt: skip
-            if finish is not None:
-                await self._discard(result)
-                return self._local_answer(parsed, head, len(token_ids), result.cached_tokens)
-            forward = self._forward(parsed, first.forwarded(parsed.passthrough), token_ids + [token], self._ticket(result, describe=False))
-            tokens = generate = generated = None
-            if self.config.decode_endpoint == "generate" and TokenText.supports(self.tokenizer.tokenizer):  # token ids back, their text made here
-                tokens, generate = TokenText.maker(self.tokenizer.tokenizer, self._eos_id(), forward), generate_body(forward)
-                generated = encoded_forward(generate, prompt, token, "token_ids")
-            self.timeline.mark(result.request_id, "forwarded")
-            opening = asyncio.ensure_future(open_upstream(self.decoders, forward, self.config.decode_timeout_s, encoded_forward(forward, prompt, token),
-                                                          generate, generated))  # fmt: skip
-            answer = self._decode_answer(parsed, forward, len(token_ids), result.cached_tokens, head, tokens)
-            if parsed.stream:  # the first token goes out now, not once a decode server answers (vLLM answers with its first token)
-                return StreamingResponse(self._head_then_relay(head, opening, result, parsed, answer), media_type="text/event-stream")
-            self.kv.describe_ahead(result)
-            upstream = await opening
-        except BaseException:  # no decode server took it, or the client left
-            await self._discard(result)
-            raise
-        return await self._answer(upstream, result, parsed, answer)
-
-    async def _head_then_relay(self, head: dict[str, Any], opening: asyncio.Future, result, parsed: Parsed, answer: DecodeAnswer):
-        """A streamed answer whose first token is the tier's: that token at once, then the decode
-        server's tokens (``answer``: going on on another server if one breaks off). A failure to
-        reach one comes as an error event (the answer has begun)."""
-        model, upstream, request_id = self.config.model_name, None, result.request_id
-        try:
-            yield sse(client_chunk(head, parsed.chat, model, True))
-            self.timeline.mark(request_id, "first_token_sent")
-            self.kv.describe_ahead(result)  # after the first token: the decode server's hello is milliseconds away
-            try:
-                upstream = await opening
-                self.timeline.mark(request_id, "upstream_answered")
-            except OpenAIError as exc:
-                yield sse(exc.body())
-                yield b"data: [DONE]\n\n"
-                return
-            if upstream.response.status != 200:
-                text = (await upstream.response.text())[:500]
-                yield sse(OpenAIError(upstream.response.status, f"the decode server refused the rest of the answer: {text}").body())
-                yield b"data: [DONE]\n\n"
-                return
-            second, relay = True, answer.stream(upstream, result)
-            upstream = result = None  # the answer's own from here: it closes and releases them however it ends
-            async with contextlib.aclosing(relay):
-                async for event in relay:
-                    yield event
-                    if second:  # vLLM's first event is the answer's second token
-                        self.timeline.mark(request_id, "second_token_sent")
-                        second = False
-        finally:
-            if upstream is not None:
-                await upstream.close()
-            elif not opening.done():
-                opening.cancel()  # the client left first: open_upstream gives the server back
-            elif not opening.cancelled():
-                opening.exception()  # retrieved: it was answered as an error event
-            if result is not None:
-                await self._discard(result)
-
-    def _forward(self, parsed: Parsed, params: dict[str, Any], prompt: list[int], ticket: dict[str, Any]) -> dict[str, Any]:
-        """The completion request for a decode server (a stream's with its tokens' ids: where it goes on
-        if the server breaks it off, ``cluster.decode_answer``)."""
-        forward = {**params, "model": self.config.decode_model_name or self.config.model_name, "prompt": prompt, "stream": parsed.stream,
-                   "kv_transfer_params": ticket}  # fmt: skip
-        if "max_completion_tokens" in forward:  # a chat's name for it; vLLM's completions take max_tokens
-            forward.setdefault("max_tokens", forward.pop("max_completion_tokens"))
-        if parsed.stream:
-            forward.update(stream_options={"include_usage": parsed.include_usage}, return_token_ids=True)
-        return forward
-
-    def _decode_answer(self, parsed: Parsed, forward: dict[str, Any], prompt_tokens: int, cached_tokens: int, head: dict[str, Any] | None,
-                       tokens: Callable[[list[int]], TokenText] | None = None) -> DecodeAnswer:  # fmt: skip
-        return DecodeAnswer(
-            self.decoders, forward, prompt_tokens=prompt_tokens, cached_tokens=cached_tokens, chat=parsed.chat, model=self.config.model_name,
-            head=head, token_ids_asked=parsed.passthrough.get("return_token_ids") is True, resumptions=self.config.decode_resumptions,
-            timeout_s=self.config.decode_timeout_s, prefill=self._prefill_kept, discard=self._discard, tokens=tokens,
-        )  # fmt: skip
-
-    async def _prefill_kept(self, token_ids: list[int]) -> tuple[Any, dict[str, Any]]:
-        """A prefill whose KV is kept for a decode server, and its ticket (an answer going on elsewhere)."""
-        try:
-            result = await self._run(token_ids, None, keep_kv=True)
-        except HTTPError as exc:
-            raise OpenAIError(exc.status, f"the prefill to go on failed: {exc}") from None
-        return result, self._ticket(result)
-
-    def _ticket(self, result, describe: bool = True) -> dict[str, Any]:
-        """``kv_transfer_params`` of a decode request that takes ``result``'s KV (``describe``: KVServer.ticket's)."""
-        return {"mlapool": self.kv.ticket(result, host=self.ticket_host, describe=describe)}
-
-    async def _discard(self, result) -> None:
-        """Release a prefill's kept KV (the KV server's lock and the pool's call, off the event loop)."""
-        await asyncio.to_thread(self.kv.discard, result)
-
-    def _eos_id(self) -> int | None:
-        eos = self.tokenizer.tokenizer.eos_token_id
-        return eos if type(eos) is int else None
-
-    def _local_answer(self, parsed: Parsed, head: dict[str, Any], prompt_tokens: int, cached_tokens: int) -> Response:
-        """The answer of a request whose first token ended it."""
-        model, counts = self.config.model_name, usage(prompt_tokens, 1, cached_tokens)
-        if not parsed.stream:
-            answer = {**head, "usage": counts}
-            return Response(json.dumps(chat_answer(answer, model) if parsed.chat else answer), media_type="application/json")
-        events = [sse(client_chunk(head, parsed.chat, model, True))]
-        if parsed.include_usage:
-            events.append(sse(client_chunk({**head, "choices": [], "usage": counts}, parsed.chat, model, False)))
-        return StreamingResponse(iter([*events, b"data: [DONE]\n\n"]), media_type="text/event-stream")
-
-    async def _answer(self, upstream: Upstream, result, parsed: Parsed, answer: DecodeAnswer) -> Response:
-        """The decode servers' answer, as the client's (behind ``answer.head``, the first token's chunk,
-        when it was the tier's); the KV is released when it ends however it ends."""
-        model, cached = self.config.model_name, result.cached_tokens
-        if upstream.response.status == 200 and parsed.stream:
-            return StreamingResponse(answer.stream(upstream, result), media_type="text/event-stream")
-        if upstream.response.status != 200:  # vLLM judging the request (open_upstream passed over failing servers)
-            try:
-                status, body = upstream.response.status, await upstream.response.read()
-            finally:
-                await upstream.close()
-                await self._discard(result)
-            return Response(body, status_code=status, media_type="application/json")
-        status, body = await answer.whole(upstream, result)
-        if status == 200:
-            completion = json.loads(body)
-            if answer.head is not None:
-                completion = shift(completion, answer.head["id"], answer.head)
-            completion = with_cached_tokens(completion, cached)
-            body = json.dumps(chat_answer(completion, model) if parsed.chat else {**completion, "model": model}).encode()
-        return Response(body, status_code=status, media_type="application/json")
-
-    async def _prefill_and_forward(self, request_id: str, future, forward: dict[str, Any]):
-        """The prefill and the decode server's answer (its headers), run at once. The prefill failing
-        (or the client leaving) abandons the decode request; no decode server taking it cancels the
-        prefill; either way nothing is left held."""
-        prefill = asyncio.ensure_future(self._wait(request_id, future))
-        decode = asyncio.ensure_future(open_upstream(self.decoders, forward, self.config.decode_timeout_s))
-        try:
-            await asyncio.wait({prefill, decode}, return_when=asyncio.FIRST_COMPLETED)
-            if decode.done() and decode.exception() is not None:
-                raise decode.exception()
-            result = await prefill
-        except BaseException as exc:
-            for task in (prefill, decode):
-                task.cancel()
-            if decode.done() and not decode.cancelled() and decode.exception() is None:
-                await decode.result().close()  # the decode server aborts the request: its load is refused
-            with contextlib.suppress(BaseException):
-                await prefill  # a cancelled prefill leaves the pool before its next chunk, its KV freed
-            kept = self.pool.kept_result(request_id)
-            if kept is not None:  # prefilled just before the decode request failed
-                await self._discard(kept)
-            if isinstance(exc, HTTPError):
-                raise OpenAIError(exc.status, str(exc)) from None
-            raise
-        try:
-            return result, await decode
-        except BaseException:  # no decode server took it, or the client left
-            await self._discard(result)
-            raise
 
 
 def _bearer(request: Request) -> str | None:
