@@ -29,4 +29,6 @@ def test_every_request_is_accounted_for_once_and_nothing_leaks_under_chaos(ray_c
     # receivers outside the cluster took KV from the holders over every transport (the suite installs NIXL)
     assert summary["handoffs"].get("tcp", 0) >= 1 and summary["handoffs"].get("nixl", 0) >= 1 and summary["handoffs"].get("mapped", 0) >= 1
     assert summary["leaked_blocks"] == 0 and summary["leaked_actors"] == 0 and summary["leaked_threads"] == []
-    assert summary["max_fault_to_serving_s"] < 10.0
+    # the slowest replacement served again within a bound only a hang would exceed, not a speed target (the
+    # benchmark reports speed, docs/faults.md): its processes take 3-10 s to start on 2 loaded cores
+    assert summary["max_fault_to_serving_s"] < 30.0
