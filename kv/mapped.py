@@ -136,8 +136,13 @@ class MappedRegion:
 
     @property
     def key(self) -> tuple:
-        """What identifies the mapping (a restarted holder comes with a new file or handle)."""
-        return (self.host, self.path, None if self.ipc is None else bytes(self.ipc["handle"]))
+        """What identifies the mapping (a restarted holder comes with a new file or handle). A CUDA IPC
+        handle names the allocator's whole segment, which several caches may share (tensors under 10 MB
+        share 20 MB segments; a TP leader's small per-layer caches did, and each mapped as the first),
+        so the cache's offsets in it are part of the key."""
+        if self.ipc is None:
+            return (self.host, self.path, None)
+        return (self.host, self.path, bytes(self.ipc["handle"]), self.ipc["storage_offset"], self.ipc["offset"])
 
 
 def share_cache(cache: torch.Tensor, path: Path | None = None) -> MappedRegion:

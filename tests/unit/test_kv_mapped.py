@@ -198,3 +198,14 @@ def test_on_a_gpu_the_kernel_compiles_at_warm_up_and_moves_61_layers_as_the_per_
     src_rows, dst_rows = torch.randperm(4096, device="cuda")[:3000], torch.randperm(8192, device="cuda")[:3000]
     copy_rows(source, dest, address_table(dest), src_rows, dst_rows)
     assert all(torch.equal(layer[dst_rows], source[i][src_rows]) for i, layer in enumerate(dest))
+
+
+def test_caches_in_one_cuda_segment_are_mapped_apart():
+    """A CUDA IPC handle names the allocator's segment, which small caches share: the mapper keys each
+    cache by its offsets in it too, else the second maps as the first (a TP follower read layer 0's rows
+    for every layer on two H100s: tests/unit/test_kv_tp_relay.py's cuda-mapped case)."""
+    ipc = {"handle": b"segment", "storage_offset": 0, "offset": 0}
+    first = MappedRegion(host_identity(), "VRAM", "GPU-0", (1, 4, 16, 8), "float32", ipc=ipc)
+    second = dataclasses.replace(first, ipc={**ipc, "storage_offset": 1 << 20})
+    assert first.key != second.key
+    assert first.key == dataclasses.replace(first, ipc=dict(ipc)).key
