@@ -106,6 +106,10 @@ def add_pool_arguments(parser: argparse.ArgumentParser) -> None:
     pool.add_argument("--replicas", type=int, default=DEFAULTS.replicas, help="independent TP x PCP groups serving in parallel (default: 1)")
     pool.add_argument("--no-prefix-caching", dest="prefix_caching", action="store_false",
                       help="prefill every prompt from its first token (default: prompts reuse the KV of full blocks cached from earlier ones)")  # fmt: skip
+    pool.add_argument("--cuda-graph-tokens", type=int, nargs="*", default=list(DEFAULTS.cuda_graph_tokens), metavar="N",
+                      help="token counts at which a one-GPU replica captures its forward as CUDA graphs; a single prompt up to "
+                           f"the largest is replayed, not launched kernel by kernel (none given: always eager; default: "
+                           f"{' '.join(map(str, DEFAULTS.cuda_graph_tokens))})")  # fmt: skip
 
 
 def pool_config(args: argparse.Namespace) -> PoolConfig:
@@ -130,6 +134,7 @@ def pool_config(args: argparse.Namespace) -> PoolConfig:
         max_batch_tokens=max(args.chunk_tokens, DEFAULTS.max_batch_tokens),
         workspace_tokens=args.workspace_tokens,
         prefix_caching=args.prefix_caching,
+        cuda_graph_tokens=tuple(args.cuda_graph_tokens),
         seed=args.seed,
     )
 

@@ -77,6 +77,11 @@ class PoolConfig:
                      0: never wait, take what is queued (docs/prefix-cache.md has both measured)
     prefix_caching   reuse the KV of prompts' full blocks cached from earlier requests on the same replica
                      (cluster.prefix_cache), and route a request to the replica holding most of its prefix
+    cuda_graph_tokens  token counts at which a GPU worker of a one-worker replica captures its forward as a
+                     CUDA graph at start (workers.cuda_graphs): a batch of one prompt with no cached context,
+                     up to the largest count, is padded to the next count and replayed, not launched kernel by
+                     kernel. () runs every batch eagerly. Counts above chunk_tokens or the model's positions
+                     are not captured
     workspace_tokens bound on cached-context rows up-projected at once (see attention.mla)
     block_size       tokens per block of the paged latent KV cache
     kv_cache_tokens  KV cache capacity per worker in tokens (under PCP a prompt's KV is striped over the
@@ -122,6 +127,7 @@ class PoolConfig:
     max_batch_tokens: int = 32768
     batch_wait_ms: float = 2.0
     prefix_caching: bool = True
+    cuda_graph_tokens: tuple[int, ...] = (64, 128, 256, 512, 1024, 2048)
     workspace_tokens: int = 16384
     block_size: int = 64
     kv_cache_tokens: int | None = None
@@ -187,6 +193,10 @@ class PoolConfig:
             raise ValueError(f"pool config: nixl {self.nixl!r} is not one of {', '.join(NIXL_MODES)}")
         if not isinstance(self.prefix_caching, bool):
             raise ValueError(f"pool config: prefix_caching must be true or false, got {self.prefix_caching!r}")
+        graphs = self.cuda_graph_tokens
+        if not isinstance(graphs, (tuple, list)) or any(not isinstance(n, int) or isinstance(n, bool) or n < 1 for n in graphs):
+            raise ValueError(f"pool config: cuda_graph_tokens must be a list of positive token counts (empty: none), got {graphs!r}")
+        object.__setattr__(self, "cuda_graph_tokens", tuple(sorted(set(graphs))))  # a YAML list, in any order
         if self.batch_wait_ms < 0:
             raise ValueError(f"pool config: batch_wait_ms must be >= 0, got {self.batch_wait_ms}")
 

@@ -262,6 +262,23 @@ class DeepseekPrefillModel(nn.Module):
         self.check_tokens(token_ids, batch)
         if any(batch.context_lens) and (context is None or len(context) != self.config.num_hidden_layers):
             raise ValueError(f"the batch has cached context: pass one context tensor per layer ({self.config.num_hidden_layers})")
+        return self.run_layers(token_ids, batch, context, compute_logits=compute_logits, on_layer=on_layer)
+
+    @torch.no_grad()
+    def run_layers(
+        self,
+        token_ids: torch.Tensor,
+        batch: PrefillBatch | PCPPlan,
+        context: Sequence[torch.Tensor] | None = None,
+        *,
+        compute_logits: bool = True,
+        on_layer: Callable[[int], None] | None = None,
+        last_index: torch.Tensor | None = None,
+    ) -> PrefillOutput:
+        """:meth:`forward` without its checks of the inputs (they read the token ids on the host: a
+        device sync, which a CUDA graph capture cannot hold; ``workers.cuda_graphs`` checks them before
+        a replay). ``last_index`` names the rows whose final states and logits are returned (default:
+        the last token of each sequence): a prompt padded to a captured length names its real last one."""
         h = self.model.embed_tokens(token_ids)
         latents = []
         for i, layer in enumerate(self.model.layers):
@@ -279,7 +296,7 @@ class DeepseekPrefillModel(nn.Module):
             latents.append(latent)
             if on_layer is not None:
                 on_layer(i)
-        last = self.model.norm(h[batch.last_token_index])
+        last = self.model.norm(h[batch.last_token_index if last_index is None else last_index])
         logits = self.lm_head(last).float() if compute_logits else None
         return PrefillOutput(last_hidden=last, logits=logits, latents=latents)
 

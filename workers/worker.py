@@ -45,7 +45,7 @@ from torch.distributed.distributed_c10d import _set_pg_timeout
 from attention.backends.base import DeviceCapability, MLAPrefillSelectorConfig
 from attention.backends.selector import get_mla_prefill_backend
 from attention.backends.torch_sdpa import TorchSDPAPrefillBackend
-from attention.mla import plan_prefill_batch
+from attention.mla import PrefillBatch, plan_prefill_batch
 from configs.model import ModelConfig
 from configs.pool import PoolConfig
 from kv.laps import Laps
@@ -54,7 +54,8 @@ from workers.collectives import expert_parallel_group, grid_groups
 from workers.fp8 import fp8_gemm_supported
 from workers.kv_cache import PagedKVCache, blocks_for
 from workers.kv_holder import KVHolder
-from workers.model import DeepseekPrefillModel, TPShard
+from workers.cuda_graphs import PrefillGraphs, graph_reasons
+from workers.model import DeepseekPrefillModel, PrefillOutput, TPShard
 from workers.expert_parallel import EPGroup
 from workers.pcp import PCPCostModel, PCPGroup, PCPPlan, measure_cost_model
 from workers.pcp_layout import shard_rows
@@ -136,6 +137,7 @@ class WorkerInfo:
     device_uuid: str | None = None  # the GPU's UUID (None on the CPU): who else uses this GPU
     host_id: str = ""  # kv.mapped.host_identity(): the host name and its kernel's boot id
     kv_transports: tuple[str, ...] = ()  # how it serves its KV shards to decode servers (workers.kv_export)
+    cuda_graph_tokens: tuple[int, ...] = ()  # the token counts its forward is captured at (workers.cuda_graphs)
     start_phases_s: dict | None = None  # seconds of each step of setup(), in order
 
 
@@ -159,6 +161,7 @@ class PrefillWorker(KVHolder):
         self.model: DeepseekPrefillModel | None = None
         self.pcp = PCPGroup()
         self.cost_model: PCPCostModel | None = None
+        self.graphs: PrefillGraphs | None = None  # the captured forward of short prompts (workers.cuda_graphs)
         self._groups: list = []  # every process group of the replica this rank is in
         self._rendezvous: torch.distributed.TCPStore | None = None  # rank 0's, hosted by rendezvous_address
         self._batches = 0
@@ -246,6 +249,8 @@ class PrefillWorker(KVHolder):
         laps.lap("model")
         report = load_weights(self.model, config.checkpoint, config.seed)
         laps.lap("load")
+        self.graphs = self._capture_graphs(model_config, device)  # before the KV cache: it is sized around them
+        laps.lap("cuda_graphs")
         if self.pcp.size > 1:
             attn = self.model.model.layers[0].self_attn
             self.cost_model = measure_cost_model(self.pcp, torch.distributed.group.WORLD, attn)
@@ -282,6 +287,7 @@ class PrefillWorker(KVHolder):
             device_uuid=str(torch.cuda.get_device_properties(device).uuid) if device.type == "cuda" else None,
             host_id=host_identity(),
             kv_transports=self.export.transports if self.export is not None else (),
+            cuda_graph_tokens=tuple(self.graphs.sizes) if self.graphs is not None else (),
             start_phases_s=laps.phases,
         )
 
@@ -358,31 +364,10 @@ class PrefillWorker(KVHolder):
                     self.kv.reserve(piece.request_id, self._rows(piece.total_len), table, self._rows(piece.context_len))
                 elif piece.context_len == 0:  # the worker's own warm-up and profile runs
                     self.kv.reserve(piece.request_id, self._rows(piece.total_len))
-        seq_lens, context_lens = [len(p.token_ids) for p in pieces], [p.context_len for p in pieces]
-        token_ids = torch.from_numpy(np.concatenate([p.token_ids for p in pieces]).astype(np.int64)).to(device)
-        if self.pcp.size > 1:
-            batch = PCPPlan(
-                seq_lens,
-                context_lens,
-                pcp=self.pcp,
-                block_size=self.kv.block_size,
-                num_heads=model.backend.num_heads,
-                dims=model.backend.dims,
-                latent_width=model.config.attention.latent_dim,
-                element_size=model.dtype.itemsize,
-                workspace_tokens=self.config.workspace_tokens,
-                device=device,
-                strategy=self.config.pcp_strategy,
-                cost_model=self.cost_model,
-                backend=model.backend,
-            )
-            token_ids = token_ids[batch.local_index]
+        if self._replays(pieces):
+            batch, out = None, self.graphs.run(pieces[0].token_ids)
         else:
-            batch = plan_prefill_batch(
-                seq_lens, context_lens, workspace_tokens=self.config.workspace_tokens, device=device, backend=model.backend
-            )
-        context = _PackedContext(self.kv, [(p.request_id, self._rows(p.context_len)) for p in pieces if p.context_len])
-        out = model(token_ids, batch, context if any(context_lens) else None)
+            batch, out = self._run_eagerly(model, pieces, device)
         start = 0
         for i, piece in enumerate(pieces):
             if isinstance(batch, PCPPlan):
@@ -410,6 +395,69 @@ class PrefillWorker(KVHolder):
         layers = model.config.num_hidden_layers
         return BatchOutput(results, batch.strategy, int(batch.comm_bytes_per_layer * layers))
 
+    def _replays(self, pieces: Sequence[ChunkPiece]) -> bool:
+        """Whether this batch runs from the captured graphs: one prompt with no cached context that fits
+        one, and no fault armed (its hook runs in the eager forward only)."""
+        return (
+            self.graphs is not None and self._fault is None and len(pieces) == 1 and pieces[0].context_len == 0
+            and self.graphs.size_for(len(pieces[0].token_ids)) is not None
+        )  # fmt: skip
+
+    def _run_eagerly(
+        self, model: DeepseekPrefillModel, pieces: Sequence[ChunkPiece], device: torch.device
+    ) -> tuple[PrefillBatch | PCPPlan, PrefillOutput]:
+        """The batch's plan and its forward, launched kernel by kernel."""
+        seq_lens, context_lens = [len(p.token_ids) for p in pieces], [p.context_len for p in pieces]
+        token_ids = torch.from_numpy(np.concatenate([p.token_ids for p in pieces]).astype(np.int64)).to(device)
+        if self.pcp.size > 1:
+            batch = PCPPlan(
+                seq_lens,
+                context_lens,
+                pcp=self.pcp,
+                block_size=self.kv.block_size,
+                num_heads=model.backend.num_heads,
+                dims=model.backend.dims,
+                latent_width=model.config.attention.latent_dim,
+                element_size=model.dtype.itemsize,
+                workspace_tokens=self.config.workspace_tokens,
+                device=device,
+                strategy=self.config.pcp_strategy,
+                cost_model=self.cost_model,
+                backend=model.backend,
+            )
+            token_ids = token_ids[batch.local_index]
+        else:
+            batch = plan_prefill_batch(
+                seq_lens, context_lens, workspace_tokens=self.config.workspace_tokens, device=device, backend=model.backend
+            )
+        context = _PackedContext(self.kv, [(p.request_id, self._rows(p.context_len)) for p in pieces if p.context_len])
+        return batch, model(token_ids, batch, context if any(context_lens) else None)
+
+    def _capture_graphs(self, model_config: ModelConfig, device: torch.device) -> PrefillGraphs | None:
+        """The forward captured at ``cuda_graph_tokens`` (those within a chunk and the model's positions),
+        or None where it is not (said once, by rank 0, at start)."""
+        limit = min(self.config.chunk_tokens, model_config.max_position_embeddings)
+        sizes = [n for n in self.config.cuda_graph_tokens if n <= limit]
+        if not sizes:
+            return None
+        reasons = graph_reasons(self._model(), device, self.world_size)
+        if reasons:
+            if self.rank == 0 and device.type == "cuda":
+                logger.info("%s: every batch runs eagerly: %s", model_config.name, "; ".join(reasons))
+            return None
+        start = time.perf_counter()
+        try:
+            graphs = PrefillGraphs.capture(self._model(), sizes, device)
+        except RuntimeError as error:  # a kernel that cannot be captured (a host sync in a backend's library)
+            torch.cuda.empty_cache()
+            logger.warning("rank %d: capturing the forward failed, every batch runs eagerly: %s", self.rank, error)
+            return None
+        logger.info(
+            "rank %d: forward captured as CUDA graphs for prompts of %s tokens in %.1f s, %.0f MiB",
+            self.rank, "/".join(map(str, graphs.sizes)), time.perf_counter() - start, graphs.pool_bytes / 2**20,
+        )  # fmt: skip
+        return graphs
+
     def _rows(self, tokens: int) -> int:
         """KV rows of a request's first ``tokens`` tokens that this worker stores (its PCP stripes)."""
         return shard_rows(tokens, self.pcp.rank, self.pcp.size, self.config.block_size)
@@ -436,7 +484,8 @@ class PrefillWorker(KVHolder):
             peak = torch.cuda.max_memory_allocated(device)
             del self.kv
             torch.cuda.empty_cache()
-            budget = torch.cuda.get_device_properties(device).total_memory * config.gpu_memory_utilization - peak
+            graphs = self.graphs.pool_bytes if self.graphs is not None else 0  # held apart, beside the peak
+            budget = torch.cuda.get_device_properties(device).total_memory * config.gpu_memory_utilization - peak - graphs
             num_blocks = int(budget // per_block)
             if num_blocks < 1:
                 raise ValueError(
