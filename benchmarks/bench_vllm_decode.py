@@ -58,6 +58,7 @@ from machine import machine  # benchmarks/machine.py
 from timing import percentiles  # benchmarks/timing.py
 
 from configs.model import MOE_ROUNDINGS
+from configs.pool import PoolConfig
 from configs.serve import DECODE_ENDPOINTS
 from workers.worker import SAFE_NCCL_ENV
 
@@ -134,7 +135,6 @@ def start_tier(args, checkpoint: Path, decode_url: str, dtype: str, max_ongoing_
         os.environ["RAY_SERVE_THROUGHPUT_OPTIMIZED"] = "1"  # Ray's processes take this process's environment
 
     from cluster.serve import build_app
-    from configs.pool import PoolConfig
     from configs.serve import ServeConfig
     from workers.worker import rendezvous_address
 
@@ -294,11 +294,14 @@ def scatter(args, alone: str, tier: str, vocab: int) -> dict:
         return [{"model": MODEL, "prompt": rng.integers(0, vocab, size=int(rng.integers(shortest, longest + 1))).tolist(),
                  "max_tokens": int(rng.integers(1, 33)), "temperature": 0.0, "ignore_eos": True} for _ in range(args.scatter)]  # fmt: skip
 
-    failed = {}
+    failed, handed_off = {}, 0
     for side, url, requests in (("vllm", alone, bodies(min(64, longest), longest)), ("tier", tier, bodies(64, min(2048, longest)))):
         with ThreadPoolExecutor(8) as pool:
-            failed[side] = sum("error" in done for done in pool.map(complete, [url] * len(requests), requests))
-    return {"requests_each": args.scatter, "vllm_failed": failed["vllm"], "tier_failed": failed["tier"]}
+            done = list(pool.map(complete, [url] * len(requests), requests))
+        failed[side] = sum("error" in d for d in done)
+        if side == "tier":  # the tier answers a one-token request itself: no KV leaves it
+            handed_off = sum(len(r["prompt"]) for r, d in zip(requests, done) if "error" not in d and r["max_tokens"] > 1)
+    return {"requests_each": args.scatter, "vllm_failed": failed["vllm"], "tier_failed": failed["tier"], "tier_tokens_handed_off": handed_off}
 
 
 def run_speed(args, checkpoint: Path, alone: str, tier: str, vllm_log: Path, save) -> dict:
@@ -313,7 +316,9 @@ def run_speed(args, checkpoint: Path, alone: str, tier: str, vllm_log: Path, sav
         n, count = (int(x) for x in spec.split("x"))
         prompts = [rng.integers(0, config["vocab_size"], size=n).tolist() for _ in range(count + 2)]
         log_before = len(vllm_log.read_text())  # this length's lines are those after it
-        shipped_before = metric_at_least(0, SHIPPED, settle_s=SETTLE_S)
+        # the scatter's handoffs counted first (Ray exports the counter seconds behind: a settled read once
+        # fell between exports and counted them in the first length)
+        shipped_before = metric_at_least(out.get("scatter", {}).get("tier_tokens_handed_off", 0) * row_bytes, SHIPPED, settle_s=SETTLE_S)
         times = {"alone": [], "alone_second_token": [], "endpoint": [], "endpoint_second_token": [], "tier_prefill": []}
         counted = []
         for i, prompt in enumerate(prompts):
@@ -554,6 +559,7 @@ def main() -> None:
         "date": datetime.date.today().isoformat(), "machine": machine(),
         "command": " ".join(sys.argv), "checkpoint": str(checkpoint), "weights": args.weights if args.mode == "parity" else None,
         "moe_rounding": args.moe_rounding,
+        "pool_cuda_graph_tokens": list(PoolConfig().cuda_graph_tokens),  # the pool's default: single prompts up to the largest replayed
         "vllm_version": _vllm_version(args), "vllm_mode": vllm_mode(args), "ingress": args.ingress, "decode_endpoint": args.decode_endpoint,
         "vllm_tp": args.vllm_tp, "vllm_dp": args.vllm_dp, "vllm_gpus": args.vllm_gpus, "vllm_args": args.vllm_args,
         "max_tokens": args.max_tokens, "complete": False, "results": {},
