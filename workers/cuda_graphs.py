@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import bisect
 import logging
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -119,3 +120,30 @@ class PrefillGraphs:
         for moe in self._moe_layers:  # what MoE._compute counts eagerly (one rank holds every expert)
             moe.pairs += n * moe.config.num_experts_per_tok
         return PrefillOutput(g.out.last_hidden, g.out.logits, [latent[:n] for latent in g.out.latents])
+
+
+def capture_forward(
+    model: DeepseekPrefillModel, sizes: Sequence[int], limit: int, device: torch.device, world_size: int, rank: int
+) -> PrefillGraphs | None:
+    """A worker's graphs: its forward captured at ``sizes`` up to ``limit`` tokens (its chunk, the model's
+    positions), or None where it is not captured (why said once at start, by rank 0)."""
+    sizes = [n for n in sizes if n <= limit]
+    if not sizes:
+        return None
+    reasons = graph_reasons(model, device, world_size)
+    if reasons:
+        if rank == 0 and device.type == "cuda":
+            logger.info("%s: every batch runs eagerly: %s", model.config.name, "; ".join(reasons))
+        return None
+    start = time.perf_counter()
+    try:
+        graphs = PrefillGraphs.capture(model, sizes, device)
+    except RuntimeError as error:  # a kernel that cannot be captured (a host sync in a backend's library)
+        torch.cuda.empty_cache()
+        logger.warning("rank %d: capturing the forward failed, every batch runs eagerly: %s", rank, error)
+        return None
+    logger.info(
+        "rank %d: forward captured as CUDA graphs for prompts of %s tokens in %.1f s, %.0f MiB",
+        rank, "/".join(map(str, graphs.sizes)), time.perf_counter() - start, graphs.pool_bytes / 2**20,
+    )  # fmt: skip
+    return graphs

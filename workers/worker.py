@@ -54,7 +54,7 @@ from workers.collectives import expert_parallel_group, grid_groups
 from workers.fp8 import fp8_gemm_supported
 from workers.kv_cache import PagedKVCache, blocks_for
 from workers.kv_holder import KVHolder
-from workers.cuda_graphs import PrefillGraphs, graph_reasons
+from workers.cuda_graphs import PrefillGraphs, capture_forward
 from workers.model import DeepseekPrefillModel, PrefillOutput, TPShard
 from workers.expert_parallel import EPGroup
 from workers.pcp import PCPCostModel, PCPGroup, PCPPlan, measure_cost_model
@@ -249,7 +249,9 @@ class PrefillWorker(KVHolder):
         laps.lap("model")
         report = load_weights(self.model, config.checkpoint, config.seed)
         laps.lap("load")
-        self.graphs = self._capture_graphs(model_config, device)  # before the KV cache: it is sized around them
+        self.graphs = capture_forward(  # before the KV cache: it is sized around them
+            self.model, config.cuda_graph_tokens, min(config.chunk_tokens, model_config.max_position_embeddings), device, self.world_size, self.rank
+        )  # fmt: skip
         laps.lap("cuda_graphs")
         if self.pcp.size > 1:
             attn = self.model.model.layers[0].self_attn
@@ -432,31 +434,6 @@ class PrefillWorker(KVHolder):
             )
         context = _PackedContext(self.kv, [(p.request_id, self._rows(p.context_len)) for p in pieces if p.context_len])
         return batch, model(token_ids, batch, context if any(context_lens) else None)
-
-    def _capture_graphs(self, model_config: ModelConfig, device: torch.device) -> PrefillGraphs | None:
-        """The forward captured at ``cuda_graph_tokens`` (those within a chunk and the model's positions),
-        or None where it is not (said once, by rank 0, at start)."""
-        limit = min(self.config.chunk_tokens, model_config.max_position_embeddings)
-        sizes = [n for n in self.config.cuda_graph_tokens if n <= limit]
-        if not sizes:
-            return None
-        reasons = graph_reasons(self._model(), device, self.world_size)
-        if reasons:
-            if self.rank == 0 and device.type == "cuda":
-                logger.info("%s: every batch runs eagerly: %s", model_config.name, "; ".join(reasons))
-            return None
-        start = time.perf_counter()
-        try:
-            graphs = PrefillGraphs.capture(self._model(), sizes, device)
-        except RuntimeError as error:  # a kernel that cannot be captured (a host sync in a backend's library)
-            torch.cuda.empty_cache()
-            logger.warning("rank %d: capturing the forward failed, every batch runs eagerly: %s", self.rank, error)
-            return None
-        logger.info(
-            "rank %d: forward captured as CUDA graphs for prompts of %s tokens in %.1f s, %.0f MiB",
-            self.rank, "/".join(map(str, graphs.sizes)), time.perf_counter() - start, graphs.pool_bytes / 2**20,
-        )  # fmt: skip
-        return graphs
 
     def _rows(self, tokens: int) -> int:
         """KV rows of a request's first ``tokens`` tokens that this worker stores (its PCP stripes)."""
