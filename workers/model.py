@@ -34,7 +34,7 @@ copy of an FP8 weight is ever allocated.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -104,7 +104,7 @@ class PrefillOutput:
     """What one forward pass returns: per-sequence last hidden state and logits, per-layer latents."""
 
     last_hidden: torch.Tensor  # [B, hidden]
-    logits: torch.Tensor | None  # [B, vocab] float32
+    logits: torch.Tensor  # [B, vocab] float32
     latents: list[torch.Tensor]  # per layer [T, kv_lora_rank + qk_rope_head_dim]
 
 
@@ -241,19 +241,11 @@ class DeepseekPrefillModel(nn.Module):
         return [(i, layer.mlp) for i, layer in enumerate(self.model.layers) if isinstance(layer.mlp, MoE)]
 
     @torch.no_grad()
-    def forward(
-        self,
-        token_ids: torch.Tensor,
-        batch: PrefillBatch | PCPPlan,
-        context: Sequence[torch.Tensor] | None = None,
-        *,
-        compute_logits: bool = True,
-        on_layer: Callable[[int], None] | None = None,
-    ) -> PrefillOutput:
+    def forward(self, token_ids: torch.Tensor, batch: PrefillBatch | PCPPlan, context: Sequence[torch.Tensor] | None = None) -> PrefillOutput:
         """Prefill ``token_ids [T]`` (a ragged batch described by ``batch``).
 
         ``context`` holds one packed ``[C, latent]`` tensor of cached rows per
-        layer when the batch has context. ``on_layer(i)`` is called after each layer.
+        layer when the batch has context.
         Under prefill context parallelism ``batch`` is this rank's :class:`PCPPlan`:
         ``token_ids`` are then the rank's zigzag share, ``context`` its KV shard,
         the latents the whole batch's, and last states and logits are those of the last tokens this rank
@@ -262,19 +254,13 @@ class DeepseekPrefillModel(nn.Module):
         self.check_tokens(token_ids, batch)
         if any(batch.context_lens) and (context is None or len(context) != self.config.num_hidden_layers):
             raise ValueError(f"the batch has cached context: pass one context tensor per layer ({self.config.num_hidden_layers})")
-        return self.run_layers(token_ids, batch, context, compute_logits=compute_logits, on_layer=on_layer)
+        return self.run_layers(token_ids, batch, context)
 
     @torch.no_grad()
     def run_layers(
-        self,
-        token_ids: torch.Tensor,
-        batch: PrefillBatch | PCPPlan,
-        context: Sequence[torch.Tensor] | None = None,
-        *,
-        compute_logits: bool = True,
-        on_layer: Callable[[int], None] | None = None,
+        self, token_ids: torch.Tensor, batch: PrefillBatch | PCPPlan, context: Sequence[torch.Tensor] | None = None, *,
         last_index: torch.Tensor | None = None,
-    ) -> PrefillOutput:
+    ) -> PrefillOutput:  # fmt: skip
         """:meth:`forward` without its checks of the inputs (they read the token ids on the host: a
         device sync, which a CUDA graph capture cannot hold; ``workers.cuda_graphs`` checks them before
         a replay). ``last_index`` names the rows whose final states and logits are returned (default:
@@ -294,10 +280,8 @@ class DeepseekPrefillModel(nn.Module):
             else:
                 h = h + self.tp.all_reduce(layer.mlp(x))
             latents.append(latent)
-            if on_layer is not None:
-                on_layer(i)
         last = self.model.norm(h[batch.last_token_index if last_index is None else last_index])
-        logits = self.lm_head(last).float() if compute_logits else None
+        logits = self.lm_head(last).float()
         return PrefillOutput(last_hidden=last, logits=logits, latents=latents)
 
     def _moe(self, moe: MoE, h: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
