@@ -39,6 +39,16 @@ def seconds_per_call(fn, repeats: int = 10, *, synced: bool = False) -> float:
     return statistics.median(start.elapsed_time(end) for start, end in events) / 1e3
 
 
+def spread_ms(seconds: list[float]) -> dict:
+    """p50, p10 and p90 of some timings in milliseconds, and how many there were."""
+    ordered = sorted(seconds)
+
+    def at(q: float) -> float:
+        return round(ordered[min(len(ordered) - 1, int(q * len(ordered)))] * 1e3, 3)
+
+    return {"p50_ms": round(statistics.median(ordered) * 1e3, 3), "p10_ms": at(0.1), "p90_ms": at(0.9), "n": len(ordered)}
+
+
 def percentiles(values: list[float]) -> dict:
     """p50 and p99 of some timings (or rates), and how many there were ({} for none)."""
     if not values:

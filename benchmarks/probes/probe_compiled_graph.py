@@ -27,19 +27,12 @@ sys.path[:0] = [str(Path(__file__).resolve().parents[1]), str(Path(__file__).res
 import numpy as np
 import ray
 from machine import machine  # benchmarks/machine.py
+from timing import spread_ms  # benchmarks/timing.py
 
 from cluster.pool import PrefillPool
 from cluster.replica import gather
 from configs.pool import PoolConfig
 from workers.worker import SAFE_NCCL_ENV, ChunkPiece
-
-
-def spread(seconds: list[float]) -> dict:
-    ordered = sorted(seconds)
-    def at(q: float) -> float:
-        return round(ordered[min(len(ordered) - 1, int(q * len(ordered)))] * 1e3, 3)
-
-    return {"p50_ms": round(statistics.median(ordered) * 1e3, 3), "p10_ms": at(0.1), "p90_ms": at(0.9), "n": len(ordered)}
 
 
 def timed(call, workers, tokens: int, batches: int, vocab: int, tag: str) -> list[float]:
@@ -85,7 +78,7 @@ def main() -> None:
             for tokens in args.tokens:
                 tasks = timed(lambda p: gather([w.prefill.remote(p) for w in workers]), workers, tokens, args.batches, vocab, "tasks")
                 graphed = timed(lambda p: ray.get(compiled.execute(p), timeout=60), workers, tokens, args.batches, vocab, "graph")
-                report["results"][str(tokens)] = {"ray_tasks": spread(tasks), "compiled_graph": spread(graphed),
+                report["results"][str(tokens)] = {"ray_tasks": spread_ms(tasks), "compiled_graph": spread_ms(graphed),
                                                   "saved_p50_ms": round((statistics.median(tasks) - statistics.median(graphed)) * 1e3, 3)}  # fmt: skip
                 print(tokens, report["results"][str(tokens)], flush=True)
         finally:

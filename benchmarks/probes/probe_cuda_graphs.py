@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -25,18 +24,10 @@ sys.path[:0] = [str(Path(__file__).resolve().parents[1]), str(Path(__file__).res
 
 import numpy as np
 from machine import machine  # benchmarks/machine.py
+from timing import spread_ms  # benchmarks/timing.py
 
 from configs.pool import PoolConfig
 from workers.worker import ChunkPiece, PrefillWorker
-
-
-def spread(seconds: list[float]) -> dict:
-    ordered = sorted(seconds)
-
-    def at(q: float) -> float:
-        return round(ordered[min(len(ordered) - 1, int(q * len(ordered)))] * 1e3, 3)
-
-    return {"p50_ms": round(statistics.median(ordered) * 1e3, 3), "p10_ms": at(0.1), "p90_ms": at(0.9), "n": len(ordered)}
 
 
 def main() -> None:
@@ -79,7 +70,7 @@ def main() -> None:
                     times[way].append(elapsed)
         worker.graphs = graphs
         diff = np.abs(logits["replayed"] - logits["eager"])
-        entry = {way: spread(t) for way, t in times.items()}
+        entry = {way: spread_ms(t) for way, t in times.items()}
         entry.update(
             replayed_path="replay" if graphs and graphs.size_for(tokens) else "eager (longer than every graph)",
             speedup=round(entry["eager"]["p50_ms"] / entry["replayed"]["p50_ms"], 3),
