@@ -278,22 +278,31 @@ def _make_chunk(
 
 
 class RMSNorm(nn.Module):
-    """``x / rms(x) * weight`` in float32, rounded once to ``x``'s dtype (why once, not twice as DeepSeek's
-    reference rounds: ``attention.rms_norm_triton``). On CUDA one pass of a Triton kernel (rows up to
-    8192 wide); elsewhere torch's fused ``rms_norm`` with the weight inside."""
+    """``x / rms(x) * weight`` in float32, rounded once to the weight's dtype (why once, not twice as
+    DeepSeek's reference rounds: ``attention.rms_norm_triton``). With ``residual``: ``residual += x`` (in
+    place, in float32 when ``residual`` is: the decoder's residual stream, ``workers.model``) and the new
+    ``residual`` normalized. On CUDA one pass of a Triton kernel (rows up to 8192 wide); elsewhere
+    torch's fused ``rms_norm`` with the weight inside."""
 
     def __init__(self, dim: int, eps: float = 1e-6, *, dtype: torch.dtype | None = None, device=None) -> None:
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim, dtype=dtype, device=device))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        width = x.shape[-1]
         if x.is_cuda:
-            from attention.rms_norm_triton import MAX_WIDTH, rms_norm
+            from attention.rms_norm_triton import MAX_WIDTH, add_rms_norm, rms_norm
 
-            if x.shape[-1] <= MAX_WIDTH:
-                rows = x if x.dim() == 2 and x.stride(-1) == 1 else x.reshape(-1, x.shape[-1])
-                return rms_norm(rows, self.weight, self.eps).view(x.shape)
+            if width <= MAX_WIDTH:
+                rows = x if x.dim() == 2 and x.stride(-1) == 1 else x.reshape(-1, width)
+                if residual is None:
+                    return rms_norm(rows, self.weight, self.eps).view(x.shape)
+                return add_rms_norm(rows, residual.view(-1, width), self.weight, self.eps).view(x.shape)
+        if residual is not None:
+            x = residual.add_(x)
+        if x.dtype != self.weight.dtype:
+            return F.rms_norm(x.float(), self.weight.shape, self.weight.float(), eps=self.eps).to(self.weight.dtype)
         return F.rms_norm(x, self.weight.shape, self.weight, eps=self.eps)
 
 

@@ -2,8 +2,10 @@
 
 One program normalizes ``BLOCK_M`` rows, each read once and held in registers (``WIDTH``: the row
 width rounded up to a power of two, at most :data:`MAX_WIDTH`): the mean square, the normalization
-and the weight in float32, rounded once to the output dtype. Rows are read through their stride (a
-column slice of wider rows works). Offsets are 64-bit.
+and the weight in float32, rounded once to the weight's dtype. Rows are read through their stride (a
+column slice of wider rows works). Offsets are 64-bit. With a residual (:func:`add_rms_norm`, the
+decoder's float32 residual stream: ``workers.model``) the same pass first adds the rows into it, in
+float32, and writes the sum back: one read of each, not an add and then a norm.
 
 Rounded once, not as DeepSeek's reference (the normalized row rounded, then times the weight and
 rounded again): the truth is float32, and the second rounding added about a fifth to the cached
@@ -30,14 +32,18 @@ VALUES_PER_PROGRAM = 8192
 # the row count varies with every batch: not specialized on (the kernel compiles once)
 @triton.jit(do_not_specialize=["M"])
 def _rms_norm_kernel(
-    x_ptr, w_ptr, out_ptr, M, D, x_stride, out_stride, eps,
-    WIDTH: tl.constexpr, BLOCK_M: tl.constexpr,
+    x_ptr, w_ptr, out_ptr, res_ptr, M, D, x_stride, out_stride, res_stride, eps,
+    WIDTH: tl.constexpr, BLOCK_M: tl.constexpr, ADD: tl.constexpr,
 ):  # fmt: skip
     rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M).to(tl.int64)
     cols = tl.arange(0, WIDTH)
     col_ok = cols < D
     mask = (rows < M)[:, None] & col_ok[None, :]
     x = tl.load(x_ptr + rows[:, None] * x_stride + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    if ADD:  # the residual stream's new value: normalized below, and kept
+        res = res_ptr + rows[:, None] * res_stride + cols[None, :]
+        x += tl.load(res, mask=mask, other=0.0).to(tl.float32)
+        tl.store(res, x.to(res_ptr.dtype.element_ty), mask=mask)
     scale = tl.math.rsqrt(tl.sum(x * x, axis=1) / D + eps)
     weight = tl.load(w_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
     out = (x * scale[:, None] * weight[None, :]).to(out_ptr.dtype.element_ty)  # the one rounding
@@ -45,15 +51,30 @@ def _rms_norm_kernel(
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """``x [M, D]`` (last dim contiguous, ``D <= MAX_WIDTH``) normalized, times ``weight [D]``: a new ``[M, D]``."""
+    """``x [M, D]`` (last dim contiguous, ``D <= MAX_WIDTH``) normalized, times ``weight [D]``: a new
+    ``[M, D]`` in the weight's dtype."""
+    return _launch(x, weight, eps, None)
+
+
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """``residual += x`` in float32 (``residual [M, D]``, any float dtype, updated in place), and
+    ``residual`` normalized, times ``weight``: a new ``[M, D]`` in the weight's dtype. One pass."""
+    if residual.shape != x.shape or residual.stride(1) != 1:
+        raise ValueError(f"add_rms_norm needs a residual of x's shape {tuple(x.shape)} with a contiguous last dim, got {tuple(residual.shape)}, strides {residual.stride()}")
+    return _launch(x, weight, eps, residual)
+
+
+def _launch(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None) -> torch.Tensor:
     rows, width = x.shape
     if x.stride(1) != 1 or width > MAX_WIDTH:
         raise ValueError(f"rms_norm needs a contiguous last dim of at most {MAX_WIDTH}, got shape {tuple(x.shape)}, strides {x.stride()}")
-    out = torch.empty(rows, width, dtype=x.dtype, device=x.device)
+    out = torch.empty(rows, width, dtype=weight.dtype, device=x.device)
     if rows:
         constants = rms_norm_constants(width)
         grid = (triton.cdiv(rows, constants["BLOCK_M"]),)
-        _rms_norm_kernel[grid](x, weight, out, rows, width, x.stride(0), out.stride(0), eps, **constants)
+        add = residual is not None
+        res = residual if add else out  # not read without ADD
+        _rms_norm_kernel[grid](x, weight, out, res, rows, width, x.stride(0), out.stride(0), res.stride(0), eps, ADD=add, **constants)
     return out
 
 

@@ -25,7 +25,12 @@ GATHER_SUM = {"src_ptr": "*bf16", "index_ptr": "*i64", "out_ptr": "*bf16", "H": 
 QUANTIZE = {"x_ptr": "*bf16", "w_ptr": "*fp32", "q_ptr": "*fp8e4nv", "s_ptr": "*fp32", "dest_ptr": "*i64",
             "M": "i32", "M_PAD": "i32", "K": "i32", "x_stride": "i32", "q_stride": "i32", "s_stride_g": "i32"}  # fmt: skip
 KEYS = {"kv_ptr": "*bf16", "pe_ptr": "*bf16", "k_ptr": "*bf16", "T": "i32", "H": "i32", "kv_stride_t": "i32", "kv_stride_h": "i32", "pe_stride_t": "i32"}
-RMS_NORM = {"x_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": "*bf16", "M": "i32", "D": "i32", "x_stride": "i32", "out_stride": "i32", "eps": "fp32"}
+RMS_NORM = {"x_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": "*bf16", "res_ptr": "*bf16", "M": "i32", "D": "i32", "x_stride": "i32", "out_stride": "i32",
+            "res_stride": "i32", "eps": "fp32"}  # fmt: skip
+RESIDUAL_NORMS = {  # the decoder's float32 residual stream (workers.model): its first norm, and each add with its norm
+    "float32-rows": ({**RMS_NORM, "x_ptr": "*fp32"}, False),
+    "add": ({**RMS_NORM, "res_ptr": "*fp32"}, True),
+}
 SILU_MUL = {"x_ptr": "*bf16", "w_ptr": "*fp32", "out_ptr": "*bf16", "M": "i32", "K": "i32", "x_stride": "i32", "out_stride": "i32"}
 ROTATE = {"x_ptr": "*bf16", "cos_ptr": "*fp32", "sin_ptr": "*fp32", "T": "i32", "H": "i32", "stride_t": "i32", "stride_h": "i32"}
 QUANTIZE_CASES = {  # group, silu_mul, row_weight, scatter: as fp8.py and moe.py call it
@@ -50,7 +55,10 @@ def cases() -> dict:
     for nope, rope, heads in ((128, 64, 128), (128, 64, 16), (16, 8, 4)):  # TP 1 and 8; the tests' tiny models
         out[f"keys-{nope}+{rope}-{heads}-heads"] = (mla_triton._keys_kernel, KEYS, mla_triton.keys_constants(nope, rope, heads))
     for width in (7168, 5120, 2048, 1536, 512):  # hidden sizes (V3, V2, V2-Lite), q and kv LoRA ranks
-        out[f"rms-norm-{width}"] = (rms_norm_triton._rms_norm_kernel, RMS_NORM, rms_norm_triton.rms_norm_constants(width))
+        out[f"rms-norm-{width}"] = (rms_norm_triton._rms_norm_kernel, RMS_NORM, {**rms_norm_triton.rms_norm_constants(width), "ADD": False})
+    for width in (7168, 5120, 2048):  # the hidden sizes again, on the residual stream
+        for kind, (types, add) in RESIDUAL_NORMS.items():
+            out[f"rms-norm-{width}-{kind}"] = (rms_norm_triton._rms_norm_kernel, types, {**rms_norm_triton.rms_norm_constants(width), "ADD": add})
     for weighted in (False, True):  # a dense MLP's activation, the experts' (times each pair's weight)
         out[f"silu-mul{'-weighted' if weighted else ''}"] = (activation_triton._silu_mul_kernel, SILU_MUL, activation_triton.silu_mul_constants(weighted))
     out["gather-sum"] = (moe_triton._gather_sum_kernel, GATHER_SUM, {"SLOTS": 8, "BLOCK": moe_triton.BLOCK_H})

@@ -1,6 +1,6 @@
 """The DeepSeek-architecture decoder as one rank of a replica runs it for prefill.
 
-    h = embed_tokens(ids)                                        [T, hidden]
+    h = embed_tokens(ids)                                        [T, hidden] float32
     for each layer:
         a, latent = self_attn(input_layernorm(h))                (MLA, this rank's heads)
         h = h + all_reduce(a)
@@ -14,6 +14,15 @@
                       h_r = h[r] + routed(x[r]) + reduce_scatter(shared(x))[r];  h = all_gather(h_r)
     last = norm(h)[last token of each sequence]                  [B, hidden]
     logits = lm_head(last)                                       [B, vocab] float32
+
+The residual stream ``h`` is float32 whatever the model's dtype (vLLM and DeepSeek's reference keep
+it in the model's: bf16, rounded at every add); the norms' outputs, the layers' inputs, are in the
+model's dtype, and each add is done by the next norm in its own pass (``RMSNorm``'s residual: one
+read of ``h``). On one H200, three DeepSeek-width checkpoints in bf16, this took the latent rows of
+the second and third layers from 0.0037 and 0.0044 of the float32 rows to 0.0029 and 0.0030 (relative
+L2; the first layer's, 0.0029, is the rows' own rounding to bf16), where vLLM 0.26's own are 0.0037
+and 0.0044 (``benchmarks/results/2026-11-27-h200-vllm-decode-truth-fp32-residual.json``,
+``docs/vllm-decode.md``). Under TP the MoE layers' all-gather moves float32 rows (twice the bytes).
 
 Tensor parallelism (Megatron style) over ``tp.size`` ranks: ``q_b_proj``/
 ``q_proj``, ``kv_b_proj`` and ``gate_up_proj`` (each of its halves) are split by output
@@ -265,29 +274,28 @@ class DeepseekPrefillModel(nn.Module):
         device sync, which a CUDA graph capture cannot hold; ``workers.cuda_graphs`` checks them before
         a replay). ``last_index`` names the rows whose final states and logits are returned (default:
         the last token of each sequence): a prompt padded to a captured length names its real last one."""
-        h = self.model.embed_tokens(token_ids)
-        latents = []
+        h = self.model.embed_tokens(token_ids).float()
+        latents, pending = [], None  # pending: a layer's output, added into h by the next norm
         for i, layer in enumerate(self.model.layers):
-            x, layer_context = layer.input_layernorm(h), context[i] if context else None
+            x = layer.input_layernorm(h) if pending is None else layer.input_layernorm(pending, h)
+            layer_context = context[i] if context else None
             if isinstance(batch, PCPPlan):
                 attn, latent = context_parallel_attention(layer.self_attn, x, batch, layer_context)
             else:
                 attn, latent = layer.self_attn(x, batch, layer_context)
-            h = h + self.tp.all_reduce(attn)
-            x = layer.post_attention_layernorm(h)
-            if isinstance(layer.mlp, MoE):
-                h = self._moe(layer.mlp, h, x)
+            x = layer.post_attention_layernorm(self.tp.all_reduce(attn), h)
+            if isinstance(layer.mlp, MoE) and self.tp.size > 1:
+                h, pending = self._moe(layer.mlp, h, x), None
             else:
-                h = h + self.tp.all_reduce(layer.mlp(x))
+                pending = self.tp.all_reduce(layer.mlp(x))
             latents.append(latent)
-        last = self.model.norm(h[batch.last_token_index if last_index is None else last_index])
+        index = batch.last_token_index if last_index is None else last_index
+        last = self.model.norm(h[index]) if pending is None else self.model.norm(pending[index], h[index])
         logits = self.lm_head(last).float()
         return PrefillOutput(last_hidden=last, logits=logits, latents=latents)
 
     def _moe(self, moe: MoE, h: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        """``h + moe(x)`` with each TP rank routing its 1/tp of the tokens (see the module docstring)."""
-        if self.tp.size == 1:
-            return h + moe(x)
+        """``h + moe(x)`` under TP, each rank routing its 1/tp of the tokens (see the module docstring)."""
         mine = self.tp.my_tokens(x.shape[0])
         finish = moe.start_routed(x[mine])
         local = h[mine]

@@ -160,6 +160,38 @@ def test_rms_norm_kernel_rounds_once(width, strided, device, dtype):
 @pytest.mark.parametrize(
     "device", ["cpu"] + ([pytest.param("cuda", marks=pytest.mark.gpu)] if torch.cuda.is_available() else [])
 )
+def test_rms_norm_adds_into_a_float32_residual_in_its_own_pass(device):
+    """The decoder's residual stream: ``residual += x`` in float32 (x bf16), written back, and the new
+    residual normalized and rounded once to the weight's dtype; the kernel (Triton's interpreter on
+    CPU) and RMSNorm's torch path both, and a float32 stream normalized into bf16 without an add."""
+    from attention.rms_norm_triton import add_rms_norm, rms_norm
+
+    gen = torch.Generator().manual_seed(3)
+    residual = (torch.randn(37, 2048, generator=gen) * 2).to(device)
+    x = torch.randn(37, 2048, generator=gen).to(device, torch.bfloat16)
+    weight = (1 + 0.1 * torch.randn(2048, generator=gen)).to(device, torch.bfloat16)
+    total = residual + x.float()
+    expected = (total * torch.rsqrt(total.pow(2).mean(-1, keepdim=True) + 1e-6) * weight.float()).to(torch.bfloat16)
+    kernel_residual, module_residual = residual.clone(), residual.clone()
+    got = add_rms_norm(x, kernel_residual, weight, 1e-6)
+    assert got.dtype == torch.bfloat16 and torch.equal(kernel_residual, total)
+    torch.testing.assert_close(got, expected, rtol=1.6e-2, atol=1e-5)  # one bf16 rounding (the interpreter's casts truncate)
+    torch.testing.assert_close(rms_norm(total, weight, 1e-6), expected, rtol=1.6e-2, atol=1e-5)  # float32 rows in, bf16 out
+    module = RMSNorm(2048, 1e-6, dtype=torch.bfloat16, device=device)
+    with torch.no_grad():
+        module.weight.copy_(weight)
+        through_module = module(x, module_residual)
+    assert torch.equal(module_residual, total) and through_module.dtype == torch.bfloat16
+    torch.testing.assert_close(through_module, expected, rtol=1.6e-2, atol=1e-5)
+    if device == "cuda":
+        assert (got != expected).float().mean().item() < 1e-3
+    with pytest.raises(ValueError, match=r"add_rms_norm needs a residual of x's shape \(37, 2048\)"):
+        add_rms_norm(x, residual[:, :1024], weight, 1e-6)
+
+
+@pytest.mark.parametrize(
+    "device", ["cpu"] + ([pytest.param("cuda", marks=pytest.mark.gpu)] if torch.cuda.is_available() else [])
+)
 def test_key_kernel_builds_the_key_rows_of_every_head(device):
     """The key kernel (Triton's interpreter on CPU) writes each head's up-projected ``k_nope`` and the
     row's shared ``k_pe`` (a column slice of the latent rows), exactly as the two torch copies do."""
