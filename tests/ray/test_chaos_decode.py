@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from hf_models import write_vllm_checkpoint
 from ray import serve
-from vllm_server import VLLMServer, running
+from vllm_server import ONE_PROCESS, VLLMServer, running
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 from bench_resume import probe_resumptions  # noqa: E402
@@ -26,13 +26,16 @@ def servers(tmp_path_factory):
     checkpoint = tmp_path_factory.mktemp("v3-mla-widths")
     write_vllm_checkpoint(checkpoint, seed=3)
     logs = tmp_path_factory.mktemp("vllm-logs")
-    with running([VLLMServer(checkpoint, logs, name, vllm_args()) for name in ("a", "b")]) as pair:
-        yield pair
+    with running([VLLMServer(checkpoint, logs, name, vllm_args(), env=ONE_PROCESS) for name in ("a", "b")], wait=False) as pair:
+        yield pair  # up once the tier is
 
 
 @pytest.fixture(scope="module")
 def tier(ray_cluster, servers):
-    yield start_tier(servers[0].checkpoint, servers)
+    url = start_tier(servers[0].checkpoint, servers)  # while vLLM boots
+    for server in servers:
+        server.wait_up(900)
+    yield url
     serve.shutdown()
 
 

@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 from hf_models import write_vllm_checkpoint
 from ray import serve
-from vllm_server import GENERATED, KillMidAnswer, VLLMServer, running
+from vllm_server import GENERATED, ONE_PROCESS, KillMidAnswer, VLLMServer, running
 from vllm_server import stream_events as events
 
 from cluster.serve import build_app
@@ -53,8 +53,8 @@ def servers(tmp_path_factory):
     write_vllm_checkpoint(checkpoint, seed=3)
     logs = tmp_path_factory.mktemp("vllm-logs")
     # a serves vLLM's generate endpoint, b does not: the tier asks a for token ids and b for completions
-    with running([VLLMServer(checkpoint, logs, name, VLLM_ARGS, scale_out=name == "a") for name in ("a", "b")]) as pair:
-        yield pair
+    with running([VLLMServer(checkpoint, logs, name, VLLM_ARGS, env=ONE_PROCESS, scale_out=name == "a") for name in ("a", "b")], wait=False) as pair:
+        yield pair  # up once the tier is
 
 
 @pytest.fixture(scope="module")
@@ -65,7 +65,9 @@ def tier(ray_cluster, servers):
                       device="cpu", use_gpus=True)  # fmt: skip
     config = ServeConfig(pool=pool, name="resume", decode_servers=tuple(s.url for s in servers), served_model_name=MODEL, kv_ttl_s=60.0,
                          replica_cpus=0.1, decode_probe_interval_s=0.5, decode_resumptions=2)  # fmt: skip
-    serve.run(build_app(config), name="resume", route_prefix="/")
+    serve.run(build_app(config), name="resume", route_prefix="/")  # while vLLM boots
+    for server in servers:
+        server.wait_up(900)
     yield f"http://127.0.0.1:{port}"
     serve.shutdown()
 

@@ -26,7 +26,7 @@ from pathlib import Path
 import pytest
 from hf_models import write_vllm_checkpoint
 from ray import serve
-from vllm_server import VLLMServer, free_port, running
+from vllm_server import ONE_PROCESS, VLLMServer, free_port, running
 
 from cluster.serve import build_app
 from configs.pool import PoolConfig
@@ -62,19 +62,22 @@ def checkpoint(tmp_path_factory):
 @pytest.fixture(scope="module")
 def vllm_server(checkpoint, tmp_path_factory):
     server = VLLMServer(checkpoint, tmp_path_factory.mktemp("vllm-server"), "vllm", ["--api-key", VLLM_KEY, *VLLM_ARGS],
-                        connector={"token_env": "MLAPOOL_TEST_KV_TOKEN"})  # fmt: skip
+                        connector={"token_env": "MLAPOOL_TEST_KV_TOKEN"}, env=ONE_PROCESS)  # fmt: skip
     os.environ["MLAPOOL_TEST_VLLM_URL"] = server.url  # call() sends vLLM's key to it
-    with running([server]):
+    with running([server], wait=False):  # up once the tier is, or vllm_url asked for
         yield server
 
 
 @pytest.fixture(scope="module")
 def vllm_url(vllm_server):
+    vllm_server.wait_up(900)
     return vllm_server.url
 
 
 @pytest.fixture(scope="module")
-def tier(ray_cluster, checkpoint, vllm_url):
+def tier(ray_cluster, checkpoint, vllm_server):
+    """The tier's apps, started while vLLM boots; vLLM up when it is yielded."""
+    vllm_url = vllm_server.url
     port = rendezvous_address()[1]
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     dead = [f"http://127.0.0.1:{free_port()}", f"http://127.0.0.1:{free_port()}"]
@@ -87,6 +90,7 @@ def tier(ray_cluster, checkpoint, vllm_url):
     serve.run(build_app(ServeConfig(pool=small, name="no-decoders", decode_servers=tuple(dead), **common)), name="dead", route_prefix="/dead")
     wrong = {**common, "decode_api_key": "not-vllms-key"}  # vLLM refuses it: a configuration error
     serve.run(build_app(ServeConfig(pool=small, name="wrong-key", decode_servers=(vllm_url,), **wrong)), name="wrong", route_prefix="/wrong")
+    vllm_server.wait_up(900)
     yield f"http://127.0.0.1:{port}"
     serve.shutdown()
 

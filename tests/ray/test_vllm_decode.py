@@ -29,6 +29,7 @@ import ray
 import torch
 from hf_models import write_vllm_checkpoint
 from vllm_job import CPU_ENGINE, own_and_loaded_steps, random_prompt, run_vllm
+from vllm_server import ONE_PROCESS
 
 from cluster.kv_server import KVServer
 from cluster.pool import PrefillPool
@@ -83,7 +84,7 @@ def run(ray_cluster, tmp_path_factory):
 
         workdir = tmp_path_factory.mktemp("vllm")
         extra_config = {"token": TOKEN, "timeout_s": 5.0, "transport": os.environ.get("MLAPOOL_TEST_TRANSPORT", "auto")}
-        out = run_vllm({"model": str(model), "extra_config": extra_config, "engine": ENGINE, "max_tokens": STEPS, "steps": steps}, workdir)
+        out = run_vllm({"model": str(model), "extra_config": extra_config, "engine": ENGINE, "max_tokens": STEPS, "steps": steps}, workdir, env=ONE_PROCESS)
         silent.close()
         unclaimed = [r.request_id for r in pool.kept_results()]
         for result in pool.kept_results():  # b's ticket was never redeemed: it would expire
