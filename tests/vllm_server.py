@@ -187,19 +187,26 @@ class KillMidAnswer(threading.Thread):
         self.error = f"no server generated {self.after_tokens} tokens of an answer still running within {self.timeout_s} s"
 
 
+def all_up(servers: list[VLLMServer]) -> None:
+    """Each of ``servers`` answering ``/health`` (up to 900 s each: several starting at once on the 2-core
+    CPU take minutes)."""
+    for server in servers:
+        server.wait_up(900)
+
+
 @contextlib.contextmanager
 def running(servers: list[VLLMServer], *, one_at_a_time: bool = False, wait: bool = True):
     """``servers`` started (together, or each once the one before is up: on a GPU each measures the
     memory the others left) and up; killed on the way out, those still running. ``wait=False``: yielded
     as soon as they are started, for the caller to start what else it needs while they boot and then
-    ``wait_up`` each."""
+    wait for them (:func:`all_up`)."""
     try:
         for server in servers:
             server.start()
             if one_at_a_time:
                 server.wait_up(900)
-        for server in servers if wait else ():
-            server.wait_up(900)
+        if wait:
+            all_up(servers)
         yield servers
     finally:
         for server in servers:

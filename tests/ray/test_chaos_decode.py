@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from hf_models import write_vllm_checkpoint
 from ray import serve
-from vllm_server import ONE_PROCESS, VLLMServer, running
+from vllm_server import ONE_PROCESS, VLLMServer, all_up, running
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 from bench_resume import probe_resumptions  # noqa: E402
@@ -33,8 +33,7 @@ def servers(tmp_path_factory):
 @pytest.fixture(scope="module")
 def tier(ray_cluster, servers):
     url = start_tier(servers[0].checkpoint, servers)  # while vLLM boots
-    for server in servers:
-        server.wait_up(900)
+    all_up(servers)
     yield url
     serve.shutdown()
 

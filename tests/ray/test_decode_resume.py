@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 from hf_models import write_vllm_checkpoint
 from ray import serve
-from vllm_server import GENERATED, ONE_PROCESS, KillMidAnswer, VLLMServer, running
+from vllm_server import GENERATED, ONE_PROCESS, KillMidAnswer, VLLMServer, all_up, running
 from vllm_server import stream_events as events
 
 from cluster.serve import build_app
@@ -66,8 +66,7 @@ def tier(ray_cluster, servers):
     config = ServeConfig(pool=pool, name="resume", decode_servers=tuple(s.url for s in servers), served_model_name=MODEL, kv_ttl_s=60.0,
                          replica_cpus=0.1, decode_probe_interval_s=0.5, decode_resumptions=2)  # fmt: skip
     serve.run(build_app(config), name="resume", route_prefix="/")  # while vLLM boots
-    for server in servers:
-        server.wait_up(900)
+    all_up(servers)
     yield f"http://127.0.0.1:{port}"
     serve.shutdown()
 

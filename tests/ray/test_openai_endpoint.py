@@ -26,7 +26,7 @@ from pathlib import Path
 import pytest
 from hf_models import write_vllm_checkpoint
 from ray import serve
-from vllm_server import ONE_PROCESS, VLLMServer, free_port, running
+from vllm_server import ONE_PROCESS, VLLMServer, all_up, free_port, running
 
 from cluster.serve import build_app
 from configs.pool import PoolConfig
@@ -70,7 +70,7 @@ def vllm_server(checkpoint, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def vllm_url(vllm_server):
-    vllm_server.wait_up(900)
+    all_up([vllm_server])
     return vllm_server.url
 
 
@@ -90,7 +90,7 @@ def tier(ray_cluster, checkpoint, vllm_server):
     serve.run(build_app(ServeConfig(pool=small, name="no-decoders", decode_servers=tuple(dead), **common)), name="dead", route_prefix="/dead")
     wrong = {**common, "decode_api_key": "not-vllms-key"}  # vLLM refuses it: a configuration error
     serve.run(build_app(ServeConfig(pool=small, name="wrong-key", decode_servers=(vllm_url,), **wrong)), name="wrong", route_prefix="/wrong")
-    vllm_server.wait_up(900)
+    all_up([vllm_server])
     yield f"http://127.0.0.1:{port}"
     serve.shutdown()
 
