@@ -187,8 +187,14 @@ def try_send(sock: socket.socket, kind: str, header: dict[str, Any]) -> None:
 
 def prompt_digest(token_ids: Sequence[int] | np.ndarray) -> str:
     """What a prefill pool and a decode server compare to know they hold the same prompt: SHA-256
-    of the token ids as little-endian int64."""
-    return hashlib.sha256(np.asarray(token_ids, dtype="<i8").tobytes()).hexdigest()
+    of the token ids as little-endian int64. A list (vLLM's ``prompt_token_ids``; the digest is
+    checked on its scheduler thread) is packed by ``struct``, three times faster than numpy converts
+    it: 0.7 ms instead of 2.2 for 32K ids on a 2-core CPU, the hash itself 0.24 ms."""
+    if isinstance(token_ids, np.ndarray):
+        data = np.ascontiguousarray(token_ids, dtype="<i8").tobytes()
+    else:
+        data = struct.pack(f"<{len(token_ids)}q", *token_ids)
+    return hashlib.sha256(data).hexdigest()
 
 
 def config_fingerprint(config: dict[str, Any]) -> str:

@@ -24,6 +24,17 @@ def test_a_ticket_for_this_prompt_and_model_is_taken():
     assert ticket.refusal(PROMPT + [42], "abc", NOW) is None  # the prefilled prompt and the tier's first token
 
 
+def test_a_prompt_has_one_digest_as_the_tier_holds_it_and_as_vllm_does():
+    """The pool digests numpy arrays, the connector vLLM's lists of ints (packed another way, for speed)."""
+    import numpy as np
+
+    ids = [0, 1, 129_279, 2**31 + 7, 2**40]  # past int32 too: the digest is over int64
+    digest = prompt_digest(ids)
+    assert digest == prompt_digest(np.array(ids, dtype=np.int64)) == prompt_digest(tuple(ids))
+    assert digest == prompt_digest(np.repeat(np.array(ids), 2)[::2])  # a strided view
+    assert prompt_digest(ids[:-1]) != digest and prompt_digest([]) == prompt_digest(np.array([], dtype=np.int64))
+
+
 @pytest.mark.parametrize("prompt, fingerprint, later, match", [
     (PROMPT, "xyz", 0, "it is for model 'abc'; this decode server runs 'xyz'"),
     ([5, 9], "abc", 0, "a prompt of 3 tokens; the request's has 2"),
