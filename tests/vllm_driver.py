@@ -1,9 +1,10 @@
 """Runs stock vLLM (``LLM``, offline) with mlapool's connector in a process of its own, for the tests
 and ``benchmarks/bench_vllm_truth.py`` (``vllm_job.run_vllm`` starts it):
 
-    python tests/vllm_driver.py job.json out.pt
+    python tests/vllm_driver.py job.json out.pt < steps.json
 
-``job.json``: ``{"model", "extra_config", "engine": {LLM keywords}, "max_tokens", "steps": [...]}``; a
+``job.json``: ``{"model", "extra_config", "engine": {LLM keywords}, "max_tokens"}``; the steps, a JSON
+list read from stdin once vLLM is up (``vllm_job.VLLMRun``: vLLM boots while they are made); a
 step is ``{"name", "prompts": [[ids], ...], "tickets": [ticket or null, ...]}`` and runs its prompts
 in one ``generate`` call (one at a time when a step has one prompt). For every request ``out.pt``
 holds its greedy tokens and its prompt's KV rows as vLLM's cache holds them once it finished,
@@ -63,7 +64,7 @@ def main(job_path: str, out_path: str) -> None:
     llm = LLM(model=job["model"], kv_transfer_config=transfer, **job["engine"])
     greedy = SamplingParams(max_tokens=job["max_tokens"], temperature=0.0, ignore_eos=True)
     results = {}
-    for step in job["steps"]:
+    for step in json.load(sys.stdin):
         requests = [{"prompt_token_ids": ids} for ids in step["prompts"]]
         params = [greedy.clone() for _ in requests]
         for param, ticket in zip(params, step["tickets"]):

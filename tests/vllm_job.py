@@ -39,18 +39,49 @@ def own_and_loaded_steps(kept, lengths: tuple[int, ...], batch: tuple[int, ...])
     return steps
 
 
+class VLLMRun:
+    """``tests/vllm_driver.py`` started on ``job`` without its steps: vLLM boots (half a minute and more
+    on the 2-core CPU) while the caller makes them (the pool's prefills, their tickets); :meth:`run`
+    hands them over and waits for the results. ``vllm_pythonpath``: vLLM's site, first on its path;
+    ``env``: more of its environment; its log in ``workdir/driver.log``."""
+
+    def __init__(self, job: dict, workdir: Path, *, vllm_pythonpath: str | None = None, env: dict | None = None) -> None:
+        job_path, self.out, self.log_path = workdir / "job.json", workdir / "out.pt", workdir / "driver.log"
+        job_path.write_text(json.dumps(job))
+        here = Path(__file__).resolve().parent
+        environment = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "PYTHONPATH")}
+        environment.update(PYTHONPATH=os.pathsep.join(filter(None, [vllm_pythonpath, str(here), str(here.parent)])), OMP_NUM_THREADS="1",
+                           VLLM_ALLOW_INSECURE_SERIALIZATION="1", **(env or {}))  # fmt: skip
+        with open(self.log_path, "w") as log:  # the driver's own from here
+            self.process = subprocess.Popen([sys.executable, str(here / "vllm_driver.py"), str(job_path), str(self.out)], env=environment,
+                                            stdin=subprocess.PIPE, stdout=log, stderr=subprocess.STDOUT, text=True)  # fmt: skip
+
+    def run(self, steps: list[dict], timeout_s: float = 900) -> dict:
+        """``out.pt``'s results of ``steps`` and the driver's log."""
+        try:
+            self.process.communicate(json.dumps(steps), timeout=timeout_s)
+        finally:
+            self.close()
+        log = self.log_path.read_text()
+        if self.process.returncode != 0:
+            raise RuntimeError(f"vLLM failed (whole log: {self.log_path}):\n" + log[-4000:])
+        return {"results": torch.load(self.out), "log": log}
+
+    def close(self) -> None:
+        """Killed if still running (a caller that failed before :meth:`run`)."""
+        if self.process.poll() is None:
+            self.process.kill()
+            self.process.wait()
+
+    def __enter__(self) -> "VLLMRun":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
 def run_vllm(job: dict, workdir: Path, *, vllm_pythonpath: str | None = None, timeout_s: float = 900, env: dict | None = None) -> dict:
-    """Run ``job`` in a vLLM process of its own (``vllm_pythonpath``: vLLM's site, first on its path;
-    ``env``: more of its environment); returns ``out.pt``'s results and the process's log (also in
-    ``workdir/driver.log``)."""
-    job_path, out = workdir / "job.json", workdir / "out.pt"
-    job_path.write_text(json.dumps(job))
-    here = Path(__file__).resolve().parent
-    environment = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "PYTHONPATH")}
-    environment.update(PYTHONPATH=os.pathsep.join(filter(None, [vllm_pythonpath, str(here), str(here.parent)])), OMP_NUM_THREADS="1",
-                       VLLM_ALLOW_INSECURE_SERIALIZATION="1", **(env or {}))  # fmt: skip
-    done = subprocess.run([sys.executable, str(here / "vllm_driver.py"), str(job_path), str(out)], env=environment, capture_output=True, text=True, timeout=timeout_s, check=False)
-    (workdir / "driver.log").write_text(done.stdout + done.stderr)
-    if done.returncode != 0:
-        raise RuntimeError(f"vLLM failed (whole log: {workdir / 'driver.log'}):\n" + done.stderr[-4000:])
-    return {"results": torch.load(out), "log": done.stdout + done.stderr}
+    """Run ``job`` (its steps included) in a vLLM process of its own (:class:`VLLMRun`)."""
+    engine = {k: v for k, v in job.items() if k != "steps"}
+    with VLLMRun(engine, workdir, vllm_pythonpath=vllm_pythonpath, env=env) as vllm:
+        return vllm.run(job["steps"], timeout_s)

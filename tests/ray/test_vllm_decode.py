@@ -14,7 +14,8 @@ ticketed requests in one batch get their rows too. Tickets that cannot be used (
 prompt, expired, reused, a KV server that is gone or never answers) never give a wrong token: vLLM
 prefills or recomputes the prompt itself, and its tokens and rows are its own prefill's.
 
-vLLM runs in a process of its own (``tests/vllm_driver.py``), once for the whole module.
+vLLM runs in a process of its own (``tests/vllm_driver.py``), once for the whole module, booting while
+the pools start and prefill.
 """
 
 import os
@@ -28,7 +29,7 @@ import pytest
 import ray
 import torch
 from hf_models import write_vllm_checkpoint
-from vllm_job import CPU_ENGINE, own_and_loaded_steps, random_prompt, run_vllm
+from vllm_job import CPU_ENGINE, VLLMRun, own_and_loaded_steps, random_prompt
 from vllm_server import ONE_PROCESS
 
 from cluster.kv_server import KVServer
@@ -46,12 +47,16 @@ ENGINE = CPU_ENGINE
 
 @pytest.fixture(scope="module")
 def run(ray_cluster, tmp_path_factory):
-    """Prefill every prompt on the pool (KV kept), then one vLLM run of every step; the pool stays up."""
+    """Prefill every prompt on the pool (KV kept), then one vLLM run of every step (vLLM booting
+    meanwhile); the pool stays up."""
     model = tmp_path_factory.mktemp("v3-mla-widths")
     write_vllm_checkpoint(model, seed=3)
+    extra_config = {"token": TOKEN, "timeout_s": 5.0, "transport": os.environ.get("MLAPOOL_TEST_TRANSPORT", "auto")}
+    engine = {"model": str(model), "extra_config": extra_config, "engine": ENGINE, "max_tokens": STEPS}
     config = PoolConfig(checkpoint=str(model), tp=2, pcp=2, chunk_tokens=256, block_size=64, kv_cache_tokens=8192, worker_cpus=0.25, device="cpu")
     victim_config = config.replace(tp=1, pcp=1, use_gpus=False)  # a pool of its own whose holder is killed mid-load
     with (
+        VLLMRun(engine, tmp_path_factory.mktemp("vllm"), env=ONE_PROCESS) as vllm,
         PrefillPool(config).start() as pool, KVServer(pool, token=TOKEN, ack_timeout_s=60) as server,
         PrefillPool(victim_config).start() as victim, KillingKVServer(victim, token=TOKEN, ack_timeout_s=60) as killer,
     ):  # fmt: skip
@@ -82,9 +87,7 @@ def run(ray_cluster, tmp_path_factory):
         steps += [{"name": "own-killed", "prompts": [killed], "tickets": [None]},
                   {"name": "killed", "prompts": [killed], "tickets": [killer.ticket(victim.prefill(killed, keep_kv=True))]}]  # fmt: skip
 
-        workdir = tmp_path_factory.mktemp("vllm")
-        extra_config = {"token": TOKEN, "timeout_s": 5.0, "transport": os.environ.get("MLAPOOL_TEST_TRANSPORT", "auto")}
-        out = run_vllm({"model": str(model), "extra_config": extra_config, "engine": ENGINE, "max_tokens": STEPS, "steps": steps}, workdir, env=ONE_PROCESS)
+        out = vllm.run(steps)
         silent.close()
         unclaimed = [r.request_id for r in pool.kept_results()]
         for result in pool.kept_results():  # b's ticket was never redeemed: it would expire

@@ -7,14 +7,15 @@ theirs. A load that fails on rank 0 (its ticket already used) is a load error on
 recomputes the prompt, and both ranks hold its own rows. Each request's KV crosses from the tier once
 per instance: one load, on rank 0, one transfer completed at the KV server.
 
-vLLM runs in a process of its own (``tests/vllm_driver.py``), once for the module.
+vLLM runs in a process of its own (``tests/vllm_driver.py``), once for the module, booting while the
+pool prefills.
 """
 
 import re
 
 import pytest
 from hf_models import write_vllm_checkpoint
-from vllm_job import CPU_ENGINE, own_and_loaded_steps, random_prompt, run_vllm
+from vllm_job import CPU_ENGINE, VLLMRun, own_and_loaded_steps, random_prompt
 from vllm_server import cpu_binding
 
 from cluster.kv_server import KVServer
@@ -37,7 +38,11 @@ def run(ray_cluster, tmp_path_factory):
     write_vllm_checkpoint(model, seed=3)
     config = PoolConfig(checkpoint=str(model), tp=1, pcp=1, chunk_tokens=256, block_size=64, kv_cache_tokens=8192, worker_cpus=0.25,
                         device="cpu", use_gpus=False)  # fmt: skip
-    with PrefillPool(config).start() as pool, KVServer(pool, token=TOKEN, ack_timeout_s=60) as server:
+    engine = {"model": str(model), "extra_config": {"token": TOKEN, "timeout_s": 30.0}, "engine": ENGINE, "max_tokens": STEPS}
+    with (
+        VLLMRun(engine, tmp_path_factory.mktemp("vllm-tp2"), env=cpu_binding(2)) as vllm,  # booting while the pool prefills
+        PrefillPool(config).start() as pool, KVServer(pool, token=TOKEN, ack_timeout_s=60) as server,
+    ):  # fmt: skip
 
         def kept(name: str, prompt: list[int]) -> dict:
             return server.ticket(pool.prefill(prompt, keep_kv=True, request_id=name))
@@ -47,9 +52,7 @@ def run(ray_cluster, tmp_path_factory):
         ticket = kept("used", used)
         steps += [{"name": "own-used", "prompts": [used], "tickets": [None]}, {"name": "first-use", "prompts": [used], "tickets": [ticket]},
                   {"name": "reused", "prompts": [used], "tickets": [ticket]}]  # fmt: skip
-        extra_config = {"token": TOKEN, "timeout_s": 30.0}
-        job = {"model": str(model), "extra_config": extra_config, "engine": ENGINE, "max_tokens": STEPS, "steps": steps}
-        out = run_vllm(job, tmp_path_factory.mktemp("vllm-tp2"), env=cpu_binding(2))
+        out = vllm.run(steps)
         capacity = [info.kv_blocks for info in pool.worker_infos[0]]
         free = [w["kv_free_blocks"] for w in pool.health()[0]]
         yield {**out, "transfers": dict(server.transfers), "leak_free": free == capacity}
