@@ -189,7 +189,7 @@ def prompt_digest(token_ids: Sequence[int] | np.ndarray) -> str:
     """What a prefill pool and a decode server compare to know they hold the same prompt: SHA-256
     of the token ids as little-endian int64. A list (vLLM's ``prompt_token_ids``; the digest is
     checked on its scheduler thread) is packed by ``struct``, three times faster than numpy converts
-    it: 0.7 ms instead of 2.2 for 32K ids on a 2-core CPU, the hash itself 0.24 ms."""
+    it: the digest of 32K ids takes 0.6-0.9 ms instead of 1.7-2.5 on a 2-core CPU."""
     if isinstance(token_ids, np.ndarray):
         data = np.ascontiguousarray(token_ids, dtype="<i8").tobytes()
     else:
