@@ -90,7 +90,7 @@ from vllm.benchmarks.serve import add_cli_args, main
 parser = FlexibleArgumentParser()
 add_cli_args(parser)
 
-def refusals(url, tokenizer, model, input_len, output_len, prompts, seed, key, range_ratio):
+def refusals(url, tokenizer, model, input_len, output_len, prompts, seed, key, range_ratio):  # each run's "replay"
     samples = RandomDataset(random_seed=seed).sample(tokenizer=AutoTokenizer.from_pretrained(tokenizer), num_requests=prompts,
                                                      input_len=input_len, output_len=output_len, range_ratio=range_ratio)
     reasons = collections.Counter()
@@ -109,9 +109,9 @@ for run in json.loads(sys.argv[1]):
     if run["key"] or inherited:
         os.environ["OPENAI_API_KEY"] = run["key"] or inherited
     result = main(parser.parse_args(run["args"]))
-    if result.get("failed", 0) or result["completed"] < run["replay"][5]:
+    if result["completed"] < run["replay"]["prompts"]:  # a request is completed or failed
         try:
-            reasons = refusals(*run["replay"])
+            reasons = refusals(**run["replay"])
         except Exception as error:  # the run's figures stand without them
             reasons = {f"the replay failed: {error!r}"[:400]: 0}
         with open(run["failures"], "w") as out:
@@ -129,7 +129,8 @@ def _bench_run(index: int, url: str, *, tokenizer: str, model: str, input_len: i
             "--percentile-metrics", ",".join(METRICS), "--metric-percentiles", "50,99", "--goodput", f"ttft:{slo_ttft_ms}", f"tpot:{slo_tpot_ms}",
             "--save-result", "--result-dir", str(workdir), "--result-filename", name]  # fmt: skip
     return {"args": args, "key": key, "result": str(workdir / name), "failures": str(workdir / f"{name}.failures.json"),
-            "replay": [url, tokenizer, model, input_len, output_len, prompts, seed, key, range_ratio],
+            "replay": {"url": url, "tokenizer": tokenizer, "model": model, "input_len": input_len, "output_len": output_len, "prompts": prompts,
+                       "seed": seed, "key": key, "range_ratio": range_ratio},
             "point": {"rate": rate, "input_len": input_len, "range_ratio": range_ratio, "output_len": output_len, "prompts": prompts}}  # fmt: skip
 
 
@@ -165,16 +166,12 @@ def _point(spec: dict) -> dict:
     return point
 
 
-def run_point(url: str, *, tokenizer: str, model: str, input_len: int, output_len: int, rate: float, prompts: int, workdir: Path,
-              key: str | None = None, slo_ttft_ms: float = 2000.0, slo_tpot_ms: float = 50.0, seed: int = 0,
-              vllm_pythonpath: str | None = None, range_ratio: float = 0.0) -> dict:  # fmt: skip
-    """One run of vLLM's serving benchmark against ``url``; the figures kept from its result and, where
-    requests failed, why (``failures``: the refusals of its prompts sent again, see ``BENCH``).
-    ``range_ratio``: the prompts' lengths drawn uniformly from ``input_len * (1 -+ range_ratio)``
-    (vLLM's ``--random-range-ratio``)."""
-    run = {"url": url, "tokenizer": tokenizer, "model": model, "input_len": input_len, "output_len": output_len, "rate": rate, "prompts": prompts,
-           "key": key, "slo_ttft_ms": slo_ttft_ms, "slo_tpot_ms": slo_tpot_ms, "seed": seed, "range_ratio": range_ratio}  # fmt: skip
-    return run_points([run], workdir=workdir, vllm_pythonpath=vllm_pythonpath)[0]
+def run_point(url: str, *, workdir: Path, vllm_pythonpath: str | None = None, **run) -> dict:
+    """One run of vLLM's serving benchmark against ``url`` (``run``: ``_bench_run``'s keywords); the
+    figures kept from its result and, where requests failed, why (``failures``: the refusals of its
+    prompts sent again, see ``BENCH``). ``range_ratio``: the prompts' lengths drawn uniformly from
+    ``input_len * (1 -+ range_ratio)`` (vLLM's ``--random-range-ratio``)."""
+    return run_points([{"url": url, **run}], workdir=workdir, vllm_pythonpath=vllm_pythonpath)[0]
 
 
 def sweep(stacks: dict[str, tuple[str, str | None]], inputs: list[int], rates: list[float], *, prompts: int, point_s: float, log=print,

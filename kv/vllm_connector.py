@@ -54,6 +54,7 @@ import os
 import re
 import threading
 import time
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -114,7 +115,7 @@ class Ticket:
             raise ValueError(f"an mlapool ticket's expires_at must be a Unix time, got {expires!r}")
         return cls(**{key: raw[key] for key in kinds}, expires_at=expires)
 
-    def refusal(self, prompt: list[int], fingerprint: str, now: float) -> str | None:
+    def refusal(self, prompt: Sequence[int], fingerprint: str, now: float) -> str | None:
         """Why this ticket cannot load ``prompt`` into a decode server of model ``fingerprint``, or None.
         The prefilled prompt must be ``prompt`` or its beginning (the tier's first token may follow it)."""
         if self.model_fingerprint != fingerprint:
@@ -220,7 +221,7 @@ class MlapoolConnector(KVConnectorBase_V1):
             return self._checked[request.request_id]
         try:
             ticket = Ticket.parse(params[TICKET_KEY])
-            why = ticket.refusal(list(request.prompt_token_ids or []), self.fingerprint, time.time())
+            why = ticket.refusal(request.prompt_token_ids or [], self.fingerprint, time.time())
         except ValueError as exc:
             why = str(exc)
         if why is not None:

@@ -12,7 +12,8 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 # Serve's controller kills a proxy that has not answered its readiness check within 5 s, three times
 # (ray.serve._private.constants.PROXY_READY_CHECK_TIMEOUT_S), and serve.start() then fails with
 # ActorDiedError. On the 2-core CI machine a proxy starting beside vLLM servers that boot takes longer
-# (CI, 2026-11-27: the decode chaos test, now in test_decode_resume). Ray's workers inherit this environment, the controller with them.
+# (CI, 2026-11-27: the decode chaos test, now in test_decode_resume). Ray's workers inherit this
+# environment, the controller with them (benchmarks/autoscaling.py sets it for its own cluster).
 os.environ.setdefault("RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S", "60")
 
 
