@@ -60,6 +60,7 @@ import argparse
 import datetime
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -175,21 +176,36 @@ def run_point(url: str, *, workdir: Path, vllm_pythonpath: str | None = None, **
 
 
 def sweep(stacks: dict[str, tuple[str, str | None]], inputs: list[int], rates: list[float], *, prompts: int, point_s: float, log=print,
-          save=None, **point) -> dict:  # fmt: skip
+          save=None, server=None, **point) -> dict:  # fmt: skip
     """``run_point`` for every stack (name: (url, key)), input length and rate: ``rate * point_s``
-    prompts (at least 16) at a finite rate, ``prompts`` at saturation; ``save(results)`` after each."""
+    prompts (at least 16) at a finite rate, ``prompts`` at saturation; ``save(results)`` after each.
+    ``server``: the vLLM server the stacks decode on; a point with failed requests whose server has
+    exited says so (``server_died``: its exit code and last error lines) and ends the sweep."""
     results: dict = {}
     for stack, (url, key) in stacks.items():
         for input_len in inputs:
             for rate in rates:
                 count = max(16, round(rate * point_s)) if np.isfinite(rate) else prompts
                 got = run_point(url, key=key, input_len=input_len, rate=rate, prompts=count, **point)
+                if got["failed"] and server is not None and server.process.poll() is not None:
+                    got["server_died"] = died(server)
                 results.setdefault(stack, {}).setdefault(str(input_len), []).append(got)
                 log(f"{stack} {input_len} tokens at {rate}/s: {got['completed']} done, {got['failed']} failed, "
                     f"TTFT p50 {got['ttft'].get('p50')} ms, ITL p99 {got['itl'].get('p99')} ms, {got['output_throughput']} tok/s")  # fmt: skip
                 if save is not None:
                     save(results)
+                if "server_died" in got:
+                    log(f"{stack}: the vLLM server exited ({got['server_died']['exit_code']}); the sweep ends here, its log: {server.log_path}")
+                    return results
     return results
+
+
+def died(server) -> dict:
+    """How a vLLM server that exited ended: its exit code and the exceptions its log names (each
+    once, in order: ``RuntimeError: ...``, a bare ``NotImplementedError``), not their tracebacks."""
+    raised = re.compile(r"\b[A-Z]\w*(Error|Exception)\b(: .*)?$")
+    errors = [found.group(0) for line in server.log.splitlines() if (found := raised.search(line)) and 'File "' not in line and "WARNING" not in line]
+    return {"exit_code": server.process.returncode, "log": str(server.log_path), "errors": list(dict.fromkeys(errors))[-8:]}
 
 
 def slo_goodput(results: dict, ttft_p99_ms: float, itl_factor: float) -> dict:
@@ -451,7 +467,7 @@ def main() -> None:
                            warmup_s=args.warmup_s, input_len=args.inputs[0], **point)  # fmt: skip
         else:
             stacks = {"tier-pd": (tier, None)} if args.pd else {"tier": (tier, None), "vllm": (server.url, None)}
-            results = sweep(stacks, args.inputs, rates, save=save, prompts=args.prompts, point_s=args.point_s, **point)
+            results = sweep(stacks, args.inputs, rates, save=save, prompts=args.prompts, point_s=args.point_s, server=server, **point)
         serve.shutdown()
         ray.shutdown()
     finally:
@@ -462,7 +478,7 @@ def main() -> None:
         server = start_vllm(args, checkpoint, dtype, args.max_len, work, name=stack)
         try:
             return sweep({stack: (server.url, None)}, args.inputs, rates, save=lambda r: save(results | r), prompts=args.prompts,
-                         point_s=args.point_s, **point)  # fmt: skip
+                         point_s=args.point_s, server=server, **point)  # fmt: skip
         finally:
             server.stop()
 

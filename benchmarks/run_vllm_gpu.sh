@@ -47,6 +47,11 @@ profile_vllm() {
       /tmp/tools/bin/py-spy record -p $2 -r 200 -d 3600 -f raw -o "$out/pyspy-$1.txt" --nonblocking > "$out/pyspy-$1.log" 2>&1 &
     done; wait ) &
 }
+# the DeepSeek-V3 5-layer FP8 slice the steps below run on ($CKPT), written first where it is missing
+slice_ckpt() {
+  ckpt=${CKPT:-/tmp/v3-5layers}
+  [ -f "$ckpt/model.safetensors.index.json" ] || python3 benchmarks/write_checkpoint.py --model deepseek-v3 --num-layers 5 --out "$ckpt" | tail -1
+}
 for step in "$@"; do
   case $step in
     install) for set in gpu vllm; do
@@ -59,8 +64,7 @@ for step in "$@"; do
              PYTHONPATH=/tmp/vllm-site:$PWD python3 -c "import vllm, kv.vllm_connector; print('vllm site ok', vllm.__version__)" ;;
     probe-moe) PYTHONPATH=/tmp/vllm-site:$PWD python3 benchmarks/probes/probe_vllm_moe.py --out "$out/vllm-moe-rounding.json" ;;
     parity-bf16|parity-fp8) python3 benchmarks/bench_vllm_decode.py parity --weights ${step#parity-} --out "$out/vllm-decode-parity-${step#parity-}.json" ;;
-    speed) ckpt=${CKPT:-/tmp/v3-5layers}; profile_vllm
-           [ -f "$ckpt/model.safetensors.index.json" ] || python3 benchmarks/write_checkpoint.py --model deepseek-v3 --num-layers 5 --out "$ckpt" | tail -1
+    speed) slice_ckpt; profile_vllm
            python3 benchmarks/bench_vllm_decode.py speed --checkpoint "$ckpt" --lengths ${LENGTHS:-32768x16 8192x16 4096x32 2048x32 512x32} \
              --scatter ${SCATTER:-200} --kv-cache-tokens 131072 --vllm-kv-cache-gib 2 --vllm-memory ${VLLM_MEMORY:-0.4} ${VLLM_EAGER:+--vllm-eager} --vllm-max-graph-batch ${VLLM_GRAPH_BATCH:-8} --ingress ${INGRESS:-proxy} --decode-endpoint ${DECODE_ENDPOINT:-generate} --vllm-tp ${TP:-1} --vllm-dp ${DP:-1} ${VLLM_GPUS:+--vllm-gpus $VLLM_GPUS} --vllm-args="${VLLM_ARGS:-}" --out "$out/vllm-decode-speed.json" ;;
     speed-kv) ckpt=/tmp/v3-kv-shaped; profile_vllm
@@ -69,21 +73,21 @@ for step in "$@"; do
              --scatter ${SCATTER:-200} --kv-cache-tokens 131072 --vllm-kv-cache-gib 8 --vllm-memory ${VLLM_MEMORY:-0.4} ${VLLM_EAGER:+--vllm-eager} --vllm-max-graph-batch ${VLLM_GRAPH_BATCH:-8} --ingress ${INGRESS:-proxy} --decode-endpoint ${DECODE_ENDPOINT:-generate} --vllm-tp ${TP:-1} --vllm-dp ${DP:-1} ${VLLM_GPUS:+--vllm-gpus $VLLM_GPUS} --vllm-args="${VLLM_ARGS:-}" --out "$out/vllm-decode-speed-kv-shaped.json" ;;
     truth) python3 benchmarks/bench_vllm_truth.py --checkpoints ${CHECKPOINTS:-1 2:one-scale 3:one-scale} --vllm-tp ${TP:-1} \
              --max-len ${TRUTH_MAX_LEN:-4096} --out "$out/vllm-decode-truth.json" ;;
-    probe-graphs) python3 benchmarks/probes/probe_cuda_graphs.py --checkpoint ${CKPT:-/tmp/v3-5layers} --tokens ${PROBE_TOKENS:-16 512 1024 2048 4096} \
+    probe-graphs) slice_ckpt; python3 benchmarks/probes/probe_cuda_graphs.py --checkpoint "$ckpt" --tokens ${PROBE_TOKENS:-16 512 1024 2048 4096} \
                    --out "$out/probe-cuda-graphs.json" ;;
-    probe-cg) python3 benchmarks/probes/probe_compiled_graph.py --device cuda --tp 1 --checkpoint ${CKPT:-/tmp/v3-5layers} --tokens 16 512 4096 \
+    probe-cg) slice_ckpt; python3 benchmarks/probes/probe_compiled_graph.py --device cuda --tp 1 --checkpoint "$ckpt" --tokens 16 512 4096 \
                --out "$out/probe-compiled-graph.json" ;;
-    serving) python3 benchmarks/bench_serving.py sweep --checkpoint ${CKPT:-/tmp/v3-5layers} --inputs ${INPUTS:-4096 32768} --output-len 128 \
+    serving) slice_ckpt; python3 benchmarks/bench_serving.py sweep --checkpoint "$ckpt" --inputs ${INPUTS:-4096 32768} --output-len 128 \
                --rates ${RATES:-0.5 1 2 4 inf} --point-s ${POINT_S:-30} --whole-gpu --vllm-max-graph-batch ${VLLM_GRAPH_BATCH:-64} --vllm-memory ${VLLM_MEMORY:-0.4} --kv-cache-tokens 131072 \
                --out "$out/serving.json" ;;
-    pd) python3 benchmarks/bench_serving.py sweep --pd --checkpoint ${CKPT:-/tmp/v3-5layers} --inputs ${INPUTS:-17408} --input-range-ratio ${RANGE:-0.88} \
+    pd) slice_ckpt; python3 benchmarks/bench_serving.py sweep --pd --checkpoint "$ckpt" --inputs ${INPUTS:-17408} --input-range-ratio ${RANGE:-0.88} \
           --output-len 256 --rates ${RATES:-0.5 1 2 4 8 inf} --point-s ${POINT_S:-30} --vllm-max-graph-batch ${VLLM_GRAPH_BATCH:-64} ${VLLM_EAGER:+--vllm-eager} \
           --kv-cache-tokens 131072 --vllm-args="${VLLM_ARGS:-}" --out "$out/serving-pd.json" ;;
-    soak) python3 benchmarks/bench_serving.py soak --checkpoint ${CKPT:-/tmp/v3-5layers} --inputs 4096 --output-len 128 --rates ${SOAK_RATE:-2} \
+    soak) slice_ckpt; python3 benchmarks/bench_serving.py soak --checkpoint "$ckpt" --inputs 4096 --output-len 128 --rates ${SOAK_RATE:-2} \
             --duration-s 600 --vllm-max-graph-batch ${VLLM_GRAPH_BATCH:-64} --vllm-memory ${VLLM_MEMORY:-0.4} --kv-cache-tokens 131072 --out "$out/serving-soak.json" ;;
-    resume) python3 benchmarks/bench_resume.py --checkpoint ${CKPT:-/tmp/v3-5layers} --prompt-len 4096 --probes ${PROBES:-5} \
+    resume) slice_ckpt; python3 benchmarks/bench_resume.py --checkpoint "$ckpt" --prompt-len 4096 --probes ${PROBES:-5} \
               --out "$out/decode-resume.json" ;;
-    probe-ingress) python3 benchmarks/probes/probe_ingress.py --device cuda --checkpoint ${CKPT:-/tmp/v3-5layers} --tokens ${PROBE_TOKENS:-2048} \
+    probe-ingress) slice_ckpt; python3 benchmarks/probes/probe_ingress.py --device cuda --checkpoint "$ckpt" --tokens ${PROBE_TOKENS:-2048} \
                      --out "$out/probe-ingress.json" ;;
     chaos) python3 benchmarks/chaos.py --device cuda --worker-gpus 0.5 --out "$out/chaos.json" 2>&1 | tail -30 ;;
     multi-gpu) python3 -m pytest -q -m multi_gpu tests 2>&1 | tee "$out/pytest-multi-gpu.txt" | tail -5 ;;

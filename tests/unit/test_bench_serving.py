@@ -1,12 +1,14 @@
 """``benchmarks/bench_serving.slo_goodput``: disaggregation's goodput from a sweep's points (the
-GPU run of two stacks, ``--pd``, reports it; its figures are only as right as this reading)."""
+GPU run of two stacks, ``--pd``, reports it; its figures are only as right as this reading); and
+``died``: what a sweep whose vLLM server exited says of it."""
 
 import math
+import subprocess
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
-from bench_serving import slo_goodput  # noqa: E402
+from bench_serving import died, slo_goodput  # noqa: E402
 
 
 def _point(rate: float, throughput: float, ttft_p99: float, itl_p50: float, itl_p99: float, failed: int = 0) -> dict:
@@ -33,3 +35,26 @@ def test_a_stack_that_meets_no_rate_has_no_goodput_and_no_ratio_is_divided_by_it
     got = slo_goodput(results, ttft_p99_ms=2000, itl_factor=2)["4096"]
     assert got["vllm-dp2"]["slo_rate"] is None and got["vllm-dp2"]["goodput_req_s"] == 0.0
     assert got["tier-pd"]["goodput_req_s"] == 1.0 and "ratio" not in got
+
+
+class _Exited:
+    """What ``died`` reads of a vLLM server: its process (run to its end) and its log."""
+
+    def __init__(self, log_path: Path, code: int) -> None:
+        self.process = subprocess.Popen([sys.executable, "-c", f"raise SystemExit({code})"])
+        self.process.wait()
+        self.log_path, self.log = log_path, log_path.read_text()
+
+
+def test_a_server_that_exited_is_told_by_its_exit_code_and_the_exceptions_its_log_names_not_their_frames(tmp_path):
+    log = tmp_path / "vllm-dp2-1.log"
+    log.write_text(
+        "(APIServer pid=1) WARNING [system_utils.py:255] ... with error current limit: `OSError: [Errno 24] Too many open files`.\n"
+        "(Worker_DP1 pid=3) ERROR [multiproc_executor.py:1063] Traceback (most recent call last):\n"
+        '(Worker_DP1 pid=3) ERROR [multiproc_executor.py:1063]   File "moe_runner.py", line 924, in _forward_impl\n'
+        "(Worker_DP1 pid=3) ERROR [multiproc_executor.py:1063] NotImplementedError\n"
+        "(Worker_DP0 pid=4) ERROR [multiproc_executor.py:1063] NotImplementedError\n"
+        "(EngineCore_DP1 pid=2) ERROR [core.py:1512] RuntimeError: Worker failed with error '', please check the stack trace above\n"
+    )  # fmt: skip
+    got = died(_Exited(log, 3))
+    assert got == {"exit_code": 3, "log": str(log), "errors": ["NotImplementedError", "RuntimeError: Worker failed with error '', please check the stack trace above"]}
