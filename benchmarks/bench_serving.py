@@ -27,8 +27,9 @@ against rate (both stacks) is written beside the JSON.
 
 ``--pd`` (two GPUs; disaggregation's own benchmark): the tier with its pool on GPU 0 and its vLLM
 decode server alone on GPU 1 (``tier-pd``: decode steps no prefill interrupts, the KV read from GPU 0
-over NVLink), against vLLM alone with ``--data-parallel-size 2`` over both GPUs (``vllm-dp2``), each
-with ``--vllm-memory-whole`` of its GPUs; ``--input-range-ratio`` spreads the prompts' lengths (input
+over NVLink), against vLLM alone with ``--data-parallel-size 2`` over both GPUs (``vllm-dp2``) or,
+with ``--pd-baseline two-servers``, a vLLM server per GPU with the requests sent to them in turn
+(``vllm-2x1``, ``benchmarks/round_robin.py``), each with ``--vllm-memory-whole`` of its GPUs; ``--input-range-ratio`` spreads the prompts' lengths (input
 17408 with 0.88: 2,089 to 32,727 tokens). ``slo_goodput`` in the JSON: per stack the request throughput
 at the highest rate whose TTFT p99 is within ``--slo-ttft-ms`` and whose ITL p99 is within
 ``--itl-factor`` times that stack's unloaded ITL (its ITL p50 at the lowest rate), and the ratio of the
@@ -57,6 +58,7 @@ requests the benchmark completed (Ray's Prometheus endpoint).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import json
 import os
@@ -66,12 +68,14 @@ import sys
 import tempfile
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
 from bench_vllm_decode import GRAPH_BATCH_HELP, MODEL, REPO, start_tier, start_vllm, vllm_mode  # benchmarks/bench_vllm_decode.py
 from chaos_decode import ray_counter, tier_info  # benchmarks/chaos_decode.py
 from machine import machine  # benchmarks/machine.py
+from round_robin import RoundRobin  # benchmarks/round_robin.py
 
 METRICS = ("ttft", "tpot", "itl")
 # vLLM's benchmark, as `vllm bench serve` runs it (the module, as a console script may be missing), once for
@@ -176,26 +180,27 @@ def run_point(url: str, *, workdir: Path, vllm_pythonpath: str | None = None, **
 
 
 def sweep(stacks: dict[str, tuple[str, str | None]], inputs: list[int], rates: list[float], *, prompts: int, point_s: float, log=print,
-          save=None, server=None, **point) -> dict:  # fmt: skip
+          save=None, servers=(), **point) -> dict:  # fmt: skip
     """``run_point`` for every stack (name: (url, key)), input length and rate: ``rate * point_s``
     prompts (at least 16) at a finite rate, ``prompts`` at saturation; ``save(results)`` after each.
-    ``server``: the vLLM server the stacks decode on; a point with failed requests whose server has
-    exited says so (``server_died``: its exit code and last error lines) and ends the sweep."""
+    ``servers``: the vLLM servers the stacks decode on; a point with failed requests whose server has
+    exited says so (``server_died``: its exit code and the exceptions its log names) and ends the sweep."""
     results: dict = {}
     for stack, (url, key) in stacks.items():
         for input_len in inputs:
             for rate in rates:
                 count = max(16, round(rate * point_s)) if np.isfinite(rate) else prompts
                 got = run_point(url, key=key, input_len=input_len, rate=rate, prompts=count, **point)
-                if got["failed"] and server is not None and server.process.poll() is not None:
-                    got["server_died"] = died(server)
+                dead = [server for server in servers if server.process.poll() is not None]
+                if got["failed"] and dead:
+                    got["server_died"] = died(dead[0])
                 results.setdefault(stack, {}).setdefault(str(input_len), []).append(got)
                 log(f"{stack} {input_len} tokens at {rate}/s: {got['completed']} done, {got['failed']} failed, "
                     f"TTFT p50 {got['ttft'].get('p50')} ms, ITL p99 {got['itl'].get('p99')} ms, {got['output_throughput']} tok/s")  # fmt: skip
                 if save is not None:
                     save(results)
                 if "server_died" in got:
-                    log(f"{stack}: the vLLM server exited ({got['server_died']['exit_code']}); the sweep ends here, its log: {server.log_path}")
+                    log(f"{stack}: a vLLM server exited ({got['server_died']['exit_code']}); the sweep ends here, its log: {got['server_died']['log']}")
                     return results
     return results
 
@@ -235,9 +240,13 @@ def slo_goodput(results: dict, ttft_p99_ms: float, itl_factor: float) -> dict:
 
 def plot(results: dict, path: Path) -> None:
     """TTFT p50/p99, ITL p99 and output tokens/s against the rate (saturation, ``inf``, at the right
-    end), a column per input length, a line per stack."""
-    import matplotlib
-
+    end), a column per input length, a line per stack (points that completed no request left out); said and skipped where matplotlib is not
+    installed (the JSON is the result: ``bench_serving.py plot --out <json>`` draws it later)."""
+    try:
+        import matplotlib
+    except ModuleNotFoundError:
+        print(f"matplotlib is not installed: no plot at {path} (the results are in the JSON beside it)")
+        return
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
@@ -252,7 +261,9 @@ def plot(results: dict, path: Path) -> None:
     figure, axes = plt.subplots(len(rows), len(inputs), figsize=(5 * len(inputs), 3.2 * len(rows)), squeeze=False)
     for column, input_len in enumerate(inputs):
         for stack, by_input in results.items():
-            points = by_input.get(str(input_len), [])
+            points = [p for p in by_input.get(str(input_len), []) if p["completed"]]  # a point whose requests all failed measured nothing
+            if not points:
+                continue
             for row, (metric, q, label) in enumerate(rows):
                 values = [p[metric] if q is None else p[metric].get(q) for p in points]
                 axes[row][column].plot([x(p["rate"]) for p in points], values, marker="o", label=stack)
@@ -384,7 +395,7 @@ def soak(url: str, *, pool: str, vllm_pid: int, duration_s: float, rate: float, 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("mode", choices=["sweep", "soak"])
+    parser.add_argument("mode", choices=["sweep", "soak", "plot"], help="plot: draw the plot of the sweep in --out")
     parser.add_argument("--out", type=Path, required=True, help="the results JSON (sweep: and its plot, .png)")
     parser.add_argument("--checkpoint", type=Path, help="the checkpoint both sides load (on the CPU: a tiny one is written when not given)")
     parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
@@ -402,6 +413,8 @@ def main() -> None:
     parser.add_argument("--pd", action="store_true", help="sweep on two GPUs: the pool on GPU 0 and its vLLM decode server alone on GPU 1 "
                         "(--vllm-memory-whole of it), then vLLM alone with --data-parallel-size 2 over both; the goodput at "
                         "--slo-ttft-ms (as TTFT p99) and ITL p99 <= --itl-factor x each stack's unloaded ITL")  # fmt: skip
+    parser.add_argument("--pd-baseline", choices=["dp2", "two-servers"], default="dp2",
+                        help="--pd: vLLM alone as one server of --data-parallel-size 2 (dp2, default) or as a server per GPU behind a round robin")
     parser.add_argument("--itl-factor", type=float, default=2.0, help="--pd: the ITL p99 bound over the stack's unloaded ITL (default 2)")
     parser.add_argument("--input-range-ratio", type=float, default=0.0,
                         help="prompt lengths uniform in input x (1 -+ this): vLLM's --random-range-ratio (default 0: every prompt of the input length)")
@@ -420,6 +433,9 @@ def main() -> None:
     parser.add_argument("--max-ongoing", type=int, default=256, help="the tier's max_ongoing_requests (default 256: Serve does not cap the load)")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
+    if args.mode == "plot":
+        plot(json.loads(args.out.read_text())["results"], args.out.with_suffix(".png"))
+        return
     try:
         rates = [float(r) for r in args.rates]
     except ValueError:
@@ -434,6 +450,8 @@ def main() -> None:
         parser.error(f"--input-range-ratio must be in [0, 1), got {args.input_range_ratio}")
     if args.pd and (args.mode != "sweep" or args.whole_gpu or args.vllm_tp > 1 or args.vllm_dp > 1):
         parser.error("--pd is a sweep of its own two stacks: without --whole-gpu, --vllm-tp or --vllm-dp")
+    if args.pd_baseline != "dp2" and not args.pd:
+        parser.error(f"--pd-baseline {args.pd_baseline} is the baseline of a --pd sweep: give --pd too")
     args.transport, args.moe_rounding, args.vllm_gpus = "auto", "reference", None  # what start_vllm and start_tier read
     work = Path(tempfile.mkdtemp(prefix="bench-serving-"))
     if args.checkpoint is None and args.device != "cpu":
@@ -458,7 +476,9 @@ def main() -> None:
 
     if args.pd:  # the decode server alone on GPU 1 (the pool's GPU listed second: it reads the pool's cache over NVLink)
         args.vllm_gpus, args.vllm_memory, args.vllm_kv_cache_gib = "1,0", args.vllm_memory_whole, None
-        report["pd"] = {"tier-pd": "the pool on GPU 0, its vLLM decode server on GPU 1", "vllm-dp2": "vLLM alone, --data-parallel-size 2 on GPUs 0 and 1"}
+        report["pd"] = {"tier-pd": "the pool on GPU 0, its vLLM decode server on GPU 1"} | (
+            {"vllm-dp2": "vLLM alone, --data-parallel-size 2 on GPUs 0 and 1"} if args.pd_baseline == "dp2"
+            else {"vllm-2x1": "vLLM alone, a server on GPU 0 and one on GPU 1, requests in turn (benchmarks/round_robin.py)"})
     server = start_vllm(args, checkpoint, dtype, args.max_len, work)
     try:
         tier = start_tier(args, checkpoint, server.url, dtype, max_ongoing_requests=args.max_ongoing)
@@ -467,28 +487,37 @@ def main() -> None:
                            warmup_s=args.warmup_s, input_len=args.inputs[0], **point)  # fmt: skip
         else:
             stacks = {"tier-pd": (tier, None)} if args.pd else {"tier": (tier, None), "vllm": (server.url, None)}
-            results = sweep(stacks, args.inputs, rates, save=save, prompts=args.prompts, point_s=args.point_s, server=server, **point)
+            results = sweep(stacks, args.inputs, rates, save=save, prompts=args.prompts, point_s=args.point_s, servers=[server], **point)
         serve.shutdown()
         ray.shutdown()
     finally:
         server.stop()
 
-    def alone(stack: str) -> dict:
-        """The sweep of vLLM alone, started anew as ``args`` now say (the tier stopped)."""
-        server = start_vllm(args, checkpoint, dtype, args.max_len, work, name=stack)
+    def alone(stack: str, gpus: list[str | None]) -> dict:
+        """The sweep of vLLM alone, started anew as ``args`` now say (the tier stopped): one server, or
+        one on each of ``gpus`` (started together) behind a round robin."""
+        with ThreadPoolExecutor(len(gpus)) as starting:
+            servers = list(starting.map(lambda g: start_vllm(argparse.Namespace(**{**vars(args), "vllm_gpus": g}), checkpoint, dtype, args.max_len,
+                                                             work, name=f"{stack}-gpu{g}" if len(gpus) > 1 else stack), gpus))  # fmt: skip
         try:
-            return sweep({stack: (server.url, None)}, args.inputs, rates, save=lambda r: save(results | r), prompts=args.prompts,
-                         point_s=args.point_s, server=server, **point)  # fmt: skip
+            with contextlib.ExitStack() as exits:
+                url = servers[0].url if len(servers) == 1 else exits.enter_context(RoundRobin([s.url for s in servers]))
+                return sweep({stack: (url, None)}, args.inputs, rates, save=lambda r: save(results | r), prompts=args.prompts,
+                             point_s=args.point_s, servers=servers, **point)  # fmt: skip
         finally:
-            server.stop()
+            for server in servers:
+                server.stop()
 
+    if args.pd and args.pd_baseline == "dp2":
+        args.vllm_dp = 2
+        results |= alone("vllm-dp2", ["0,1"])
+    elif args.pd:
+        results |= alone("vllm-2x1", ["0", "1"])
     if args.pd:
-        args.vllm_gpus, args.vllm_dp = "0,1", 2
-        results |= alone("vllm-dp2")
         report["slo_goodput"] = slo_goodput(results, args.slo_ttft_ms, args.itl_factor)
     if args.mode == "sweep" and args.whole_gpu:
         args.vllm_memory, args.vllm_kv_cache_gib = args.vllm_memory_whole, None
-        results |= alone("vllm-whole-gpu")
+        results |= alone("vllm-whole-gpu", [args.vllm_gpus])
     save(results, complete=True)
     if args.mode == "sweep":
         plot(results, args.out.with_suffix(".png"))

@@ -25,7 +25,8 @@
 # the graphs on 2026-11-26); VLLM_EAGER=1 gives it --enforce-eager; TP=2 / DP=2 give speed, speed-kv and truth (TP)
 # a vLLM decode instance of two GPUs (the two-GPU kinds); VLLM_GPUS=1,0 puts a TP1 vLLM on the second GPU (speed, speed-kv:
 # the KV read from the pool's GPU over NVLink); multi-gpu runs the suite's multi_gpu tests with the pool's site; pd (two GPUs:
-# bench_serving.py --pd, the pool on GPU 0 and vLLM on GPU 1 against vLLM DP 2 on both, prompts of 2-32K, 256 tokens out); chaos (two
+# bench_serving.py --pd, the pool on GPU 0 and vLLM on GPU 1 against vLLM DP 2 on both, or with PD_BASELINE=two-servers a vLLM
+# server per GPU behind a round robin, prompts of 2-32K, 256 tokens out); chaos (two
 # GPUs: benchmarks/chaos.py, 2 replicas x TP 2, spare workers on as they are with GPUs: the pool's faults and fault-to-serving).
 # VLLM_ARGS: more arguments for vLLM's server (speed, speed-kv, pd), e.g. "--disable-custom-all-reduce". speed needs an H200: the slice's 26.5 GiB of
 # weights twice, and vLLM's 32K prefill, do not fit an H100 (vLLM held 57 GiB there at VLLM_MEMORY=0.45).
@@ -80,7 +81,7 @@ for step in "$@"; do
     serving) slice_ckpt; python3 benchmarks/bench_serving.py sweep --checkpoint "$ckpt" --inputs ${INPUTS:-4096 32768} --output-len 128 \
                --rates ${RATES:-0.5 1 2 4 inf} --point-s ${POINT_S:-30} --whole-gpu --vllm-max-graph-batch ${VLLM_GRAPH_BATCH:-64} --vllm-memory ${VLLM_MEMORY:-0.4} --kv-cache-tokens 131072 \
                --out "$out/serving.json" ;;
-    pd) slice_ckpt; python3 benchmarks/bench_serving.py sweep --pd --checkpoint "$ckpt" --inputs ${INPUTS:-17408} --input-range-ratio ${RANGE:-0.88} \
+    pd) slice_ckpt; python3 benchmarks/bench_serving.py sweep --pd --pd-baseline ${PD_BASELINE:-dp2} --checkpoint "$ckpt" --inputs ${INPUTS:-17408} --input-range-ratio ${RANGE:-0.88} \
           --output-len 256 --rates ${RATES:-0.5 1 2 4 8 inf} --point-s ${POINT_S:-30} --vllm-max-graph-batch ${VLLM_GRAPH_BATCH:-64} ${VLLM_EAGER:+--vllm-eager} \
           --kv-cache-tokens 131072 --vllm-args="${VLLM_ARGS:-}" --out "$out/serving-pd.json" ;;
     soak) slice_ckpt; python3 benchmarks/bench_serving.py soak --checkpoint "$ckpt" --inputs 4096 --output-len 128 --rates ${SOAK_RATE:-2} \
