@@ -29,8 +29,8 @@ against rate (both stacks) is written beside the JSON.
 decode server alone on GPU 1 (``tier-pd``: decode steps no prefill interrupts, the KV read from GPU 0
 over NVLink), against vLLM alone with ``--data-parallel-size 2`` over both GPUs (``vllm-dp2``) or,
 with ``--pd-baseline two-servers``, a vLLM server per GPU with the requests sent to them in turn
-(``vllm-2x1``, ``benchmarks/round_robin.py``), each with ``--vllm-memory-whole`` of its GPUs; ``--input-range-ratio`` spreads the prompts' lengths (input
-17408 with 0.88: 2,089 to 32,727 tokens). ``slo_goodput`` in the JSON: per stack the request throughput
+(``vllm-2x1``, ``benchmarks/round_robin.py``), each with ``--vllm-memory-whole`` of its GPUs;
+``--input-range-ratio`` spreads the prompts' lengths (input 17408 with 0.88: 2,089 to 32,727 tokens). ``slo_goodput`` in the JSON: per stack the request throughput
 at the highest rate whose TTFT p99 is within ``--slo-ttft-ms`` and whose ITL p99 is within
 ``--itl-factor`` times that stack's unloaded ITL (its ITL p50 at the lowest rate), and the ratio of the
 two.
@@ -240,8 +240,9 @@ def slo_goodput(results: dict, ttft_p99_ms: float, itl_factor: float) -> dict:
 
 def plot(results: dict, path: Path) -> None:
     """TTFT p50/p99, ITL p99 and output tokens/s against the rate (saturation, ``inf``, at the right
-    end), a column per input length, a line per stack (points that completed no request left out); said and skipped where matplotlib is not
-    installed (the JSON is the result: ``bench_serving.py plot --out <json>`` draws it later)."""
+    end), a column per input length, a line per stack (points that completed no request left out).
+    Said and skipped where matplotlib is not installed: the JSON is the result, and
+    ``bench_serving.py plot --out <json>`` draws its plot later."""
     try:
         import matplotlib
     except ModuleNotFoundError:
@@ -411,7 +412,7 @@ def main() -> None:
     parser.add_argument("--slo-tpot-ms", type=float, default=50.0)
     parser.add_argument("--whole-gpu", action="store_true", help="sweep: then vLLM alone again with --vllm-memory-whole of the GPU")
     parser.add_argument("--pd", action="store_true", help="sweep on two GPUs: the pool on GPU 0 and its vLLM decode server alone on GPU 1 "
-                        "(--vllm-memory-whole of it), then vLLM alone with --data-parallel-size 2 over both; the goodput at "
+                        "(--vllm-memory-whole of it), then vLLM alone on both (--pd-baseline); the goodput at "
                         "--slo-ttft-ms (as TTFT p99) and ITL p99 <= --itl-factor x each stack's unloaded ITL")  # fmt: skip
     parser.add_argument("--pd-baseline", choices=["dp2", "two-servers"], default="dp2",
                         help="--pd: vLLM alone as one server of --data-parallel-size 2 (dp2, default) or as a server per GPU behind a round robin")
