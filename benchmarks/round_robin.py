@@ -6,9 +6,10 @@ router (vLLM's is a separate Rust project).
     with RoundRobin(["http://127.0.0.1:8001", "http://127.0.0.1:8002"]) as url:
         ...  # each request to url goes to the next server, its answer streamed back as it comes
 
-Each request is forwarded whole (method, path, query, body, headers but ``Host``) to the next server
-and its answer relayed chunk by chunk (a stream's events as they come), status and headers with it;
-a server that cannot be reached answers 502 naming it; one lost mid-answer ends the answer short. ``forwarded`` counts the requests each took.
+Each request is forwarded whole (method, path, query, body, and its headers but the hop-by-hop ones:
+``Host``, ``Content-Length``, ...) to the next server, and its answer is relayed chunk by chunk (a
+stream's events as they come), status and headers with it. A server that cannot be reached answers
+502 naming it; one lost mid-answer ends the answer short. ``forwarded`` counts the requests each took.
 """
 
 from __future__ import annotations

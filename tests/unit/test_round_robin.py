@@ -59,7 +59,8 @@ def upstreams():
 
 
 def test_requests_go_to_the_servers_in_turn_with_their_body_query_and_status(upstreams):
-    with RoundRobin([u.url for u in upstreams]) as url:
+    proxy = RoundRobin([u.url for u in upstreams])
+    with proxy as url:
         answers = []
         for i in range(4):
             request = urllib.request.Request(f"{url}/v1/completions?k={i}", json.dumps({"i": i}).encode(), {"content-type": "application/json"})
@@ -67,6 +68,7 @@ def test_requests_go_to_the_servers_in_turn_with_their_body_query_and_status(ups
                 answers.append((response.status, json.loads(response.read())))
     assert [(status, a["server"], a["got"], a["query"]) for status, a in answers] == [
         (201, "a", {"i": 0}, "k=0"), (201, "b", {"i": 1}, "k=1"), (201, "a", {"i": 2}, "k=2"), (201, "b", {"i": 3}, "k=3")]  # fmt: skip
+    assert proxy.forwarded == {upstreams[0].url: 2, upstreams[1].url: 2}
 
 
 def test_a_stream_is_relayed_as_it_comes_not_once_it_ends(upstreams):
