@@ -101,8 +101,8 @@ class OpenAIServing:
             raise OpenAIError(400, f"body is not valid JSON ({exc})") from None
         parsed = parse_request(body, chat, self.config.model_name)
         # text is tokenized off the event loop that relays every answer's stream: transformers' fast
-        # tokenizers release the GIL as they encode, and a 32K-token prompt takes 20-45 ms on the 2-core
-        # CPU, a stall of every other client's stream when done here; token ids need no thread
+        # tokenizers release the GIL as they encode, and a 32K-token prompt took 45 ms on the busy 2-core
+        # CPU (17K: 25 ms), a stall of every other client's stream when done here; ids need no thread
         ids = isinstance(parsed.prompt, list) and not parsed.chat
         token_ids = list(parsed.prompt) if ids else await asyncio.to_thread(self.tokenizer.encode, parsed)
         default_max = None if chat else COMPLETION_MAX_TOKENS
