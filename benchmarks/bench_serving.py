@@ -191,9 +191,9 @@ def sweep(stacks: dict[str, tuple[str, str | None]], inputs: list[int], rates: l
             for rate in rates:
                 count = max(16, round(rate * point_s)) if np.isfinite(rate) else prompts
                 got = run_point(url, key=key, input_len=input_len, rate=rate, prompts=count, **point)
-                dead = [server for server in servers if server.process.poll() is not None]
-                if got["failed"] and dead:
-                    got["server_died"] = died(dead[0])
+                dead = next((server for server in servers if server.process.poll() is not None), None) if got["failed"] else None
+                if dead is not None:
+                    got["server_died"] = died(dead)
                 results.setdefault(stack, {}).setdefault(str(input_len), []).append(got)
                 log(f"{stack} {input_len} tokens at {rate}/s: {got['completed']} done, {got['failed']} failed, "
                     f"TTFT p50 {got['ttft'].get('p50')} ms, ITL p99 {got['itl'].get('p99')} ms, {got['output_throughput']} tok/s")  # fmt: skip
@@ -498,14 +498,22 @@ def main() -> None:
         """The sweep of vLLM alone, started anew as ``args`` now say (the tier stopped): one server, or
         one on each of ``gpus`` (started together) behind a round robin."""
         with ThreadPoolExecutor(len(gpus)) as starting:
-            servers = list(starting.map(lambda g: start_vllm(argparse.Namespace(**{**vars(args), "vllm_gpus": g}), checkpoint, dtype, args.max_len,
-                                                             work, name=f"{stack}-gpu{g}" if len(gpus) > 1 else stack), gpus))  # fmt: skip
+            starts = [starting.submit(start_vllm, argparse.Namespace(**{**vars(args), "vllm_gpus": g}), checkpoint, dtype, args.max_len, work,
+                                      name=f"{stack}-gpu{g}" if len(gpus) > 1 else stack) for g in gpus]  # fmt: skip
+        servers = [start.result() for start in starts if start.exception() is None]
+        failed = next((start.exception() for start in starts if start.exception() is not None), None)
+        if failed is not None:  # the servers that did start run in sessions of their own: stopped, not left behind
+            for server in servers:
+                server.stop()
+            raise failed
+        front = contextlib.nullcontext(servers[0].url) if len(servers) == 1 else RoundRobin([s.url for s in servers])
         try:
-            with contextlib.ExitStack() as exits:
-                url = servers[0].url if len(servers) == 1 else exits.enter_context(RoundRobin([s.url for s in servers]))
+            with front as url:
                 return sweep({stack: (url, None)}, args.inputs, rates, save=lambda r: save(results | r), prompts=args.prompts,
                              point_s=args.point_s, servers=servers, **point)  # fmt: skip
         finally:
+            if isinstance(front, RoundRobin):
+                report["round_robin_requests"] = list(front.forwarded.values())  # each server's count, in GPU order
             for server in servers:
                 server.stop()
 

@@ -1,5 +1,5 @@
 """Runs stock vLLM (``LLM``, offline) with mlapool's connector in a process of its own, for the tests
-and ``benchmarks/bench_vllm_truth.py`` (``vllm_job.run_vllm`` starts it):
+and ``benchmarks/bench_vllm_truth.py`` (``vllm_job.VLLMRun`` starts it):
 
     python tests/vllm_driver.py job.json out.pt < steps.json
 

@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import logging
 import os
 import sys
 import tempfile
@@ -22,24 +21,22 @@ import time
 import urllib.error
 import urllib.request
 from pathlib import Path
+from types import SimpleNamespace
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path[:0] = [str(REPO / "tests"), str(REPO / "benchmarks")]
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import ray  # noqa: E402
+from chaos_decode import MODEL, start_tier  # noqa: E402 -- benchmarks/chaos_decode.py: the CPU tier of the decode tests
 from hf_models import write_vllm_checkpoint  # noqa: E402 -- tests/hf_models.py
 from machine import machine  # noqa: E402 -- benchmarks/machine.py
 from ray import serve  # noqa: E402
-
-from cluster.serve import build_app  # noqa: E402
-from configs.pool import PoolConfig  # noqa: E402
-from configs.serve import ServeConfig  # noqa: E402
-from workers.worker import rendezvous_address  # noqa: E402
+from timing import percentiles  # noqa: E402 -- benchmarks/timing.py
 
 
 def latencies(url: str, seconds: float | None = None, during=None) -> list[float]:
-    """``GET /`` latencies, sorted: for ``seconds``, or while ``during()`` runs on another thread."""
+    """``GET /`` latencies: for ``seconds``, or while ``during()`` runs on another thread."""
     out, stop = [], threading.Event()
 
     def poll() -> None:
@@ -56,14 +53,12 @@ def latencies(url: str, seconds: float | None = None, during=None) -> list[float
         during()
     stop.set()
     poller.join()
-    return sorted(out)
+    return out
 
 
-def summary(sorted_s: list[float]) -> dict:
-    def pct(q: float) -> float:
-        return round(sorted_s[min(len(sorted_s) - 1, int(q * len(sorted_s)))] * 1e3, 1)
-
-    return {"n": len(sorted_s), "p50_ms": pct(0.5), "p99_ms": pct(0.99), "max_ms": round(sorted_s[-1] * 1e3, 1)}
+def summary(seconds: list[float]) -> dict:
+    """p50, p99 and the longest, in milliseconds, and how many."""
+    return {**percentiles([s * 1e3 for s in seconds]), "max": round(max(seconds) * 1e3, 1)}
 
 
 def main() -> None:
@@ -74,15 +69,9 @@ def main() -> None:
     args = parser.parse_args()
     checkpoint = Path(tempfile.mkdtemp(prefix="tokenize-stall-"))
     write_vllm_checkpoint(checkpoint, seed=3)
-    ray.init(num_cpus=2, num_gpus=4, include_dashboard=False, logging_level=logging.WARNING, log_to_driver=False)
     try:
-        port = rendezvous_address()[1]
-        serve.start(http_options={"host": "127.0.0.1", "port": port})
-        pool = PoolConfig(checkpoint=str(checkpoint), kv_cache_tokens=8192, chunk_tokens=128, block_size=32, worker_cpus=0.2, device="cpu", use_gpus=True)
-        config = ServeConfig(pool=pool, name="stall", decode_servers=("http://127.0.0.1:9",), served_model_name="m", replica_cpus=0.1)  # never reached
-        serve.run(build_app(config), name="stall", route_prefix="/")
-        url = f"http://127.0.0.1:{port}"
-        body = json.dumps({"model": "m", "prompt": " ".join(f"w{(i * 37) % 500}" for i in range(args.tokens)), "max_tokens": 4}).encode()
+        url = start_tier(checkpoint, [SimpleNamespace(url="http://127.0.0.1:9")])  # a decode server never reached: every prompt is refused first
+        body = json.dumps({"model": MODEL, "prompt": " ".join(f"w{(i * 37) % 500}" for i in range(args.tokens)), "max_tokens": 4}).encode()
         statuses: list[int] = []
 
         def post() -> None:
@@ -100,10 +89,10 @@ def main() -> None:
         report = {"what": "the tier replica's event loop: GET / latency idle and while over-long text prompts are tokenized",
                   "date": datetime.date.today().isoformat(), "machine": machine(), "command": " ".join(sys.argv),
                   "prompt_tokens": args.tokens, "posts": args.posts, "post_statuses": sorted(set(statuses)),
-                  "posting_s": round(time.perf_counter() - started, 2), "idle": summary(idle), "while_tokenizing": summary(busy)}  # fmt: skip
+                  "posting_s": round(time.perf_counter() - started, 2), "idle_ms": summary(idle), "while_tokenizing_ms": summary(busy)}  # fmt: skip
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(report, indent=1) + "\n")
-        print(json.dumps({k: report[k] for k in ("post_statuses", "posting_s", "idle", "while_tokenizing")}))
+        print(json.dumps({k: report[k] for k in ("post_statuses", "posting_s", "idle_ms", "while_tokenizing_ms")}))
     finally:
         serve.shutdown()
         ray.shutdown()
