@@ -499,7 +499,7 @@ def main() -> None:
         one on each of ``gpus`` (started together) behind a round robin."""
         with ThreadPoolExecutor(len(gpus)) as starting:
             starts = [starting.submit(start_vllm, argparse.Namespace(**{**vars(args), "vllm_gpus": g}), checkpoint, dtype, args.max_len, work,
-                                      name=f"{stack}-gpu{g}" if len(gpus) > 1 else stack) for g in gpus]  # fmt: skip
+                                      name=f"{stack}-gpu{g}" if len(gpus) > 1 else stack, first_token=False) for g in gpus]  # fmt: skip
         servers = [start.result() for start in starts if start.exception() is None]
         failed = next((start.exception() for start in starts if start.exception() is not None), None)
         if failed is not None:  # the servers that did start run in sessions of their own: stopped, not left behind

@@ -59,7 +59,7 @@ from timing import percentiles  # benchmarks/timing.py
 
 from configs.model import MOE_ROUNDINGS
 from configs.pool import PoolConfig
-from configs.serve import DECODE_ENDPOINTS
+from configs.serve import DECODE_ENDPOINTS, DECODE_FORWARDS
 from workers.worker import SAFE_NCCL_ENV
 
 REPO = Path(__file__).resolve().parents[1]
@@ -84,8 +84,10 @@ def vllm_mode(args) -> str:
     return f"compiled, CUDA graphs up to batch {args.vllm_max_graph_batch}" if args.vllm_max_graph_batch else "compiled, CUDA graphs"
 
 
-def start_vllm(args, checkpoint: Path, dtype: str, max_len: int, logs: Path, name: str = "vllm") -> VLLMServer:
-    """A vLLM OpenAI server with mlapool's connector, up (it answers /health); its log ``logs/<name>-1.log``."""
+def start_vllm(args, checkpoint: Path, dtype: str, max_len: int, logs: Path, name: str = "vllm", first_token: bool = True) -> VLLMServer:
+    """A vLLM OpenAI server with mlapool's connector, up (it answers /health); its log ``logs/<name>-1.log``.
+    ``first_token``: with ``kv.vllm_first_token``'s logits processor (a tier's decode server; vLLM alone
+    started for itself runs without it)."""
     vllm = ["--served-model-name", MODEL, "--dtype", dtype, "--max-model-len", str(max_len), "--no-enable-prefix-caching", "--seed", "0",
             "--max-num-batched-tokens", str(max(max_len, 8192))]  # fmt: skip
     if vllm_mode(args) == "eager":
@@ -111,7 +113,7 @@ def start_vllm(args, checkpoint: Path, dtype: str, max_len: int, logs: Path, nam
     ranks = args.vllm_tp * args.vllm_dp
     if args.device == "cpu" and ranks > 1:
         env.update(cpu_binding(ranks))
-    server = VLLMServer(checkpoint, logs, name, vllm, env=env, connector={"timeout_s": 120, "transport": args.transport})
+    server = VLLMServer(checkpoint, logs, name, vllm, env=env, connector={"timeout_s": 120, "transport": args.transport}, first_token=first_token)
     started = time.monotonic()
     server.start()
     try:
@@ -149,7 +151,7 @@ def start_tier(args, checkpoint: Path, decode_url: str, dtype: str, max_ongoing_
     )  # fmt: skip
     config = ServeConfig(pool=pool, name="bench", decode_servers=(decode_url,), served_model_name=MODEL, replica_cpus=1.0 if gpu else 0.25,
                          kv_ttl_s=300.0, max_ongoing_requests=max_ongoing_requests, max_body_bytes=64 << 20,
-                         decode_endpoint=getattr(args, "decode_endpoint", "generate"))  # fmt: skip
+                         decode_endpoint=getattr(args, "decode_endpoint", "generate"), decode_forward=getattr(args, "decode_forward", "early"))  # fmt: skip
     started = time.monotonic()
     serve.run(build_app(config), name="bench", route_prefix="/")
     print(f"tier up in {time.monotonic() - started:.0f} s", flush=True)
@@ -436,7 +438,15 @@ def handoff_steps(completions: list[dict], timeline: dict, log: str) -> dict[str
             add("tier_received_to_prefilled_less_pool_ttft", tier["prefilled"] - tier["received"] - tier["pool_ttft_s"])
             add("tier_prefilled_to_first_token_sent", tier["first_token_sent"] - tier["prefilled"])
             add("first_token_sent_to_client", first - tier["first_token_sent"])
-        add("tier_prefilled_to_forwarded", tier["forwarded"] - tier["prefilled"])
+        early = tier["forwarded"] < tier["prefilled"]  # decode_forward early: vLLM took the request in during the prefill
+        if early:  # off the gap's path: how far ahead vLLM was, and the gap's own start, the load's go-ahead and end
+            add("forwarded_before_prefilled", tier["prefilled"] - tier["forwarded"])
+            add("vllm_ticket_check_before_prefilled", tier["prefilled"] - ticket[1])
+            add("prefilled_to_load_begun", steps["started_at"] + steps.get("connect", 0.0) + steps.get("begin", 0.0) - tier["prefilled"])
+            if "first_token_sent" in tier:
+                add("first_token_sent_to_load_done", steps["done_at"] - tier["first_token_sent"])
+        else:
+            add("tier_prefilled_to_forwarded", tier["forwarded"] - tier["prefilled"])
         add("forwarded_to_vllm_ticket_check", ticket[1] - tier["forwarded"])
         if ticket[2]:  # vLLM's API server (HTTP, parsing, input processing), then its engine core (queue, scheduling)
             add("forwarded_to_vllm_arrival", ticket[2] - tier["forwarded"])
@@ -505,6 +515,9 @@ def main() -> None:
                         help="where clients reach the tier: Serve's HTTP proxy (default), or the replica's own port in Ray Serve's "
                              "throughput-optimized mode (RAY_SERVE_THROUGHPUT_OPTIMIZED=1; benchmarks/probes/probe_ingress.py)")  # fmt: skip
     parser.add_argument("--transport", choices=["auto", "nixl", "tcp"], default="auto", help="the connector's KV transport (default auto)")
+    parser.add_argument("--decode-forward", choices=list(DECODE_FORWARDS), default="early",
+                        help="when a streamed answer goes to vLLM (ServeConfig.decode_forward): as its prefill is submitted (early, the default; "
+                             "vLLM makes the tier's first token its own) or after the tier's first token")  # fmt: skip
     parser.add_argument("--decode-endpoint", choices=list(DECODE_ENDPOINTS), default="generate",
                         help="how the tier asks vLLM for the answer after its first token (ServeConfig.decode_endpoint): token ids from "
                              "its generate endpoint, the text made by the tier (default), or its /v1/completions")  # fmt: skip
@@ -560,7 +573,7 @@ def main() -> None:
         "command": " ".join(sys.argv), "checkpoint": str(checkpoint), "weights": args.weights if args.mode == "parity" else None,
         "moe_rounding": args.moe_rounding,
         "pool_cuda_graph_tokens": list(PoolConfig().cuda_graph_tokens),  # the pool's default: single prompts up to the largest replayed
-        "vllm_version": _vllm_version(args), "vllm_mode": vllm_mode(args), "ingress": args.ingress, "decode_endpoint": args.decode_endpoint,
+        "vllm_version": _vllm_version(args), "vllm_mode": vllm_mode(args), "ingress": args.ingress, "decode_endpoint": args.decode_endpoint, "decode_forward": args.decode_forward,
         "vllm_tp": args.vllm_tp, "vllm_dp": args.vllm_dp, "vllm_gpus": args.vllm_gpus, "vllm_args": args.vllm_args,
         "max_tokens": args.max_tokens, "complete": False, "results": {},
     }  # fmt: skip

@@ -15,7 +15,7 @@
 # call as Ray tasks against a Ray Compiled Graph), probe-graphs (benchmarks/probes/probe_cuda_graphs.py on the slice: one prompt's prefill in the worker, eager
 # against replayed from its CUDA graphs), probe-ingress (benchmarks/probes/probe_ingress.py on the slice: the
 # tier's fixed cost through Serve's proxy and at the replica's own port; INGRESS=replica gives speed that way too;
-# DECODE_ENDPOINT=completions has speed and speed-kv ask vLLM's /v1/completions after the tier's first token, not its generate endpoint), serving and soak (benchmarks/bench_serving.py: vLLM's serving
+# DECODE_ENDPOINT=completions has speed and speed-kv ask vLLM's /v1/completions after the tier's first token, not its generate endpoint; DECODE_FORWARD=after_first_token has them send vLLM the request after that token, not as the prefill is submitted), serving and soak (benchmarks/bench_serving.py: vLLM's serving
 # benchmark against the tier and vLLM alone at RATES on the slice, then vLLM alone on the whole GPU; 10 minutes of
 # the tier at SOAK_RATE, memory sampled; both need an H200 and more than one 10-minute call: run them detached),
 # resume (benchmarks/bench_resume.py: a 4K stream whose decode server is killed once it has generated 20 tokens, from the break to
@@ -67,11 +67,11 @@ for step in "$@"; do
     parity-bf16|parity-fp8) python3 benchmarks/bench_vllm_decode.py parity --weights ${step#parity-} --out "$out/vllm-decode-parity-${step#parity-}.json" ;;
     speed) slice_ckpt; profile_vllm
            python3 benchmarks/bench_vllm_decode.py speed --checkpoint "$ckpt" --lengths ${LENGTHS:-32768x16 8192x16 4096x32 2048x32 512x32} \
-             --scatter ${SCATTER:-200} --kv-cache-tokens 131072 --vllm-kv-cache-gib 2 --vllm-memory ${VLLM_MEMORY:-0.4} ${VLLM_EAGER:+--vllm-eager} --vllm-max-graph-batch ${VLLM_GRAPH_BATCH:-8} --ingress ${INGRESS:-proxy} --decode-endpoint ${DECODE_ENDPOINT:-generate} --vllm-tp ${TP:-1} --vllm-dp ${DP:-1} ${VLLM_GPUS:+--vllm-gpus $VLLM_GPUS} --vllm-args="${VLLM_ARGS:-}" --out "$out/vllm-decode-speed.json" ;;
+             --scatter ${SCATTER:-200} --kv-cache-tokens 131072 --vllm-kv-cache-gib 2 --vllm-memory ${VLLM_MEMORY:-0.4} ${VLLM_EAGER:+--vllm-eager} --vllm-max-graph-batch ${VLLM_GRAPH_BATCH:-8} --ingress ${INGRESS:-proxy} --decode-endpoint ${DECODE_ENDPOINT:-generate} --decode-forward ${DECODE_FORWARD:-early} --vllm-tp ${TP:-1} --vllm-dp ${DP:-1} ${VLLM_GPUS:+--vllm-gpus $VLLM_GPUS} --vllm-args="${VLLM_ARGS:-}" --out "$out/vllm-decode-speed.json" ;;
     speed-kv) ckpt=/tmp/v3-kv-shaped; profile_vllm
            [ -f "$ckpt/model.safetensors.index.json" ] || python3 benchmarks/write_checkpoint.py --model deepseek-v3 --kv-shaped --out "$ckpt" | tail -1
            python3 benchmarks/bench_vllm_decode.py speed --checkpoint "$ckpt" --lengths ${LENGTHS_KV:-32768x8 4096x8} \
-             --scatter ${SCATTER:-200} --kv-cache-tokens 131072 --vllm-kv-cache-gib 8 --vllm-memory ${VLLM_MEMORY:-0.4} ${VLLM_EAGER:+--vllm-eager} --vllm-max-graph-batch ${VLLM_GRAPH_BATCH:-8} --ingress ${INGRESS:-proxy} --decode-endpoint ${DECODE_ENDPOINT:-generate} --vllm-tp ${TP:-1} --vllm-dp ${DP:-1} ${VLLM_GPUS:+--vllm-gpus $VLLM_GPUS} --vllm-args="${VLLM_ARGS:-}" --out "$out/vllm-decode-speed-kv-shaped.json" ;;
+             --scatter ${SCATTER:-200} --kv-cache-tokens 131072 --vllm-kv-cache-gib 8 --vllm-memory ${VLLM_MEMORY:-0.4} ${VLLM_EAGER:+--vllm-eager} --vllm-max-graph-batch ${VLLM_GRAPH_BATCH:-8} --ingress ${INGRESS:-proxy} --decode-endpoint ${DECODE_ENDPOINT:-generate} --decode-forward ${DECODE_FORWARD:-early} --vllm-tp ${TP:-1} --vllm-dp ${DP:-1} ${VLLM_GPUS:+--vllm-gpus $VLLM_GPUS} --vllm-args="${VLLM_ARGS:-}" --out "$out/vllm-decode-speed-kv-shaped.json" ;;
     truth) python3 benchmarks/bench_vllm_truth.py --checkpoints ${CHECKPOINTS:-1 2:one-scale 3:one-scale} --vllm-tp ${TP:-1} \
              --max-len ${TRUTH_MAX_LEN:-4096} --out "$out/vllm-decode-truth.json" ;;
     probe-graphs) slice_ckpt; python3 benchmarks/probes/probe_cuda_graphs.py --checkpoint "$ckpt" --tokens ${PROBE_TOKENS:-16 512 1024 2048 4096} \

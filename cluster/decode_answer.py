@@ -46,16 +46,25 @@ class Broken(Exception):
     """The decode server broke the answer off."""
 
 
+class Diverged(Exception):
+    """The decode server's first token is not the tier's, which it was asked to begin with and the
+    client already has."""
+
+
 class DecodeAnswer:
     """One client answer over one or more decode servers.
 
     ``forward``: the completion request the first server got (its ``prompt``: the ids vLLM continues
-    from, the client's prompt and the tier's first token when it sampled it). ``prompt_tokens``: the
+    from, the client's prompt and the tier's first token when it sent the request after sampling it). ``prompt_tokens``: the
     client's prompt's length. ``head``: the tier's first token's chunk, already sent (None: vLLM's
     first chunk is the answer's first). ``prefill(ids)``: the pool's prefill of ``ids`` with the KV
     kept, and its ticket (``kv_transfer_params``); ``discard(result)``: the KV of a prefill released.
     ``tokens(prompt)``: for an answer asked of vLLM's generate endpoint (``cluster.decode_tokens``),
-    what turns a server's token ids after ``prompt`` into completion chunks; None: its completions."""
+    what turns a server's token ids after ``prompt`` into completion chunks; None: its completions.
+    ``echo``: the tier's first token (``head``'s), when the first server got the bare prompt and was
+    asked to generate that token first (``kv.vllm_first_token``): it is checked and left out of the
+    client's stream; another token there goes on from the tier's on a server as after a break, the
+    server kept in service (``DecodeServers.diverged``) and no resumption counted."""
 
     def __init__(
         self,
@@ -73,24 +82,25 @@ class DecodeAnswer:
         prefill: Callable[[list[int]], Awaitable[tuple[Any, dict[str, Any]]]],
         discard: Callable[[Any], Awaitable[None]],
         tokens: Callable[[list[int]], TokenText] | None = None,
+        echo: int | None = None,
     ) -> None:
         self.decoders, self.forward = decoders, forward
         self.prompt_tokens, self.cached_tokens, self.chat, self.model = prompt_tokens, cached_tokens, chat, model
         self.answer_id = head["id"] if head is not None else None
         self.head, self.token_ids_asked = head, token_ids_asked
         self.resumptions, self.timeout_s = resumptions, timeout_s
-        self.prefill, self.discard, self.tokens = prefill, discard, tokens
+        self.prefill, self.discard, self.tokens, self.echo = prefill, discard, tokens, echo
 
     async def stream(self, upstream: Upstream, result: Any) -> AsyncIterator[bytes]:
         """The client's server-sent events from ``upstream`` on (the server answered 200), going on on
         other servers when it breaks off; ``result``: the prefill whose KV it loads."""
-        generated: list[int] = []  # the decode servers' tokens so far, every segment's
-        prompt, first, finished, resumed = self.forward["prompt"], self.head is None, False, 0
+        generated: list[int] = [] if self.echo is None else [self.echo]  # the answer's tokens past the prompt so far (the tier's too when echoed)
+        prompt, first, finished, resumed, echo = self.forward["prompt"], self.head is None, False, 0, self.echo
         broke_at: float | None = None  # when the last break was seen, until the next server's first token
         sent_at_break = 0  # the answer's tokens the client had been sent then (the tier's first token too)
         try:
             while True:
-                reader = self.tokens(prompt) if upstream.generate else None  # token ids: their text made here
+                reader = self.tokens(prompt if echo is None else prompt + [echo]) if upstream.generate else None  # token ids: their text made here
                 try:
                     async for chunk in _chunks(upstream):
                         if chunk is None:  # [DONE]
@@ -99,6 +109,10 @@ class DecodeAnswer:
                         if "error" in chunk:  # vLLM judging the request (a failed server's raised Broken)
                             yield sse(chunk)
                             continue
+                        if echo is not None and any(choice.get("token_ids") for choice in chunk.get("choices", [])):
+                            chunk, echo = self._unecho(chunk, echo, upstream.generate), None
+                            if chunk is None:
+                                continue
                         if reader is not None:
                             chunk = reader.chunk(chunk)
                         for choice in chunk.get("choices", []):
@@ -111,22 +125,27 @@ class DecodeAnswer:
                         first = first and not out.get("choices")
                         yield sse(out)
                     raise Broken("the answer ended before [DONE]")
+                except Diverged as exc:
+                    why, broken = f"{upstream.server.url}: {exc}", False
                 except (Broken, *READ_ERRORS) as exc:
-                    why = f"{upstream.server.url}: the answer broke off: {type(exc).__name__}: {exc}"
+                    why, broken = f"{upstream.server.url}: the answer broke off: {type(exc).__name__}: {exc}", True
                 if broke_at is None:
-                    broke_at, sent_at_break = time.monotonic(), len(generated) + (self.head is not None)
-                self.decoders.eject(upstream.server, why)
+                    broke_at, sent_at_break = time.monotonic(), len(generated) + (self.head is not None and self.echo is None)
+                if broken:
+                    self.decoders.eject(upstream.server, why)
+                else:
+                    self.decoders.diverged(upstream.server, why)
                 await upstream.close()
                 await self.discard(result)
-                upstream = result = None
+                upstream, result, echo = None, None, None
                 if finished:  # every token was sent; only the end was lost
                     yield DONE
                     return
-                if resumed == self.resumptions:
+                if broken and resumed == self.resumptions:
                     yield sse(OpenAIError(503, f"{why}; it was resumed {resumed} time(s), as many as allowed").body())
                     yield DONE
                     return
-                resumed += 1
+                resumed += broken
                 prompt = self.forward["prompt"] + generated
                 try:
                     upstream, result = await self._resume(prompt, len(generated))
@@ -185,6 +204,24 @@ class DecodeAnswer:
             raise
         self.decoders.resumed(upstream.server)
         return upstream, result
+
+    def _unecho(self, chunk: dict[str, Any], echo: int, generate: bool) -> dict[str, Any] | None:
+        """A decode server's first chunk with tokens, less its first token, which must be ``echo``
+        (else ``Diverged``), and that token's text (a completions chunk's; the tier's head has it);
+        None when nothing else is in it."""
+        choice = chunk["choices"][0]
+        ids = list(choice.get("token_ids") or [])
+        if ids[0] != echo:
+            raise Diverged(f"its first token is {ids[0]}, not the tier's {echo}")
+        rest = {**choice, "token_ids": ids[1:]}
+        if not generate:  # vLLM's text: the head's first
+            head, text = self.head["choices"][0]["text"], choice.get("text") or ""
+            if not text.startswith(head):
+                raise Diverged(f"its first text {text!r} does not begin with the tier's {head!r}")
+            rest["text"] = text[len(head) :]
+        if not rest["token_ids"] and rest.get("finish_reason") is None and chunk.get("usage") is None:
+            return None
+        return {**chunk, "choices": [rest]}
 
     def _rewrite(self, chunk: dict[str, Any], prompt: list[int]) -> dict[str, Any]:
         """A decode server's chunk as the client's: the answer's id, usage of the client's prompt (the

@@ -123,13 +123,14 @@ class FirstToken:
             return "stop"
         return "length" if self.max_tokens == 1 else None
 
-    def forwarded(self, params: dict[str, Any]) -> dict[str, Any]:
-        """The parameters for the decode server, which generates from the second token on: the
-        checkpoint's generation defaults explicit (vLLM's generate endpoint does not apply them) and
-        ``max_tokens`` one less."""
+    def forwarded(self, params: dict[str, Any], *, echoed: bool = False) -> dict[str, Any]:
+        """The parameters for the decode server, which generates from the second token on (``echoed``:
+        from the first, which it makes the tier's, ``kv.vllm_first_token``): the checkpoint's generation
+        defaults explicit (vLLM's generate endpoint does not apply them) and ``max_tokens`` one less
+        (``echoed``: the answer's)."""
         rest = {**{k: v for k, v in params.items() if k != "max_completion_tokens"}, **self.defaults}
         if self.max_tokens is not None:
-            rest["max_tokens"] = self.max_tokens - 1
+            rest["max_tokens"] = self.max_tokens - (not echoed)
         return rest
 
 

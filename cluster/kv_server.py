@@ -27,7 +27,10 @@ KV that no receiver has claimed that long after its prefill finished is freed to
 A ticket can be issued ahead (:meth:`KVServer.ticket_ahead`), as soon as a request is submitted with
 ``keep_kv``: a receiver that says hello while the request still prefills is held until its KV is
 complete, so the decode server's own work on the request (parsing it, allocating its blocks,
-connecting) overlaps the prefill instead of following it.
+connecting) overlaps the prefill instead of following it. A ticket issued ahead with ``first_token``
+also carries the token the tier samples from the prefill's logits: the endpoint hands it over
+(:meth:`KVServer.first_token`) and the server sends it with ``done``, for the decode server to
+generate it first (``kv.vllm_first_token``).
 """
 
 from __future__ import annotations
@@ -77,6 +80,7 @@ class KVServer:
         self.host, self.port = self._listener.getsockname()[:2]
         self._busy: set[str] = set()
         self._described: dict[str, tuple[str, list]] = {}  # request id -> (transport, the holders' describe_kv refs) asked ahead
+        self._first: dict[str, concurrent.futures.Future] = {}  # request id -> the tier's first token (or None), for tickets that carry it
         self._lock = threading.Lock()
         self._closed = False
         self.transfers = {"completed": 0, "failed": 0, "refused": 0, "expired": 0}
@@ -114,11 +118,25 @@ class KVServer:
                 if result.request_id not in self._busy:  # a receiver came first: its transfer described them itself
                     self._described[result.request_id] = (transport, refs)
 
-    def ticket_ahead(self, request_id: str, token_ids, *, host: str | None = None) -> dict:
+    def ticket_ahead(self, request_id: str, token_ids, *, host: str | None = None, first_token: bool = False) -> dict:
         """The ticket of a request submitted with ``keep_kv`` and not prefilled yet, so that a decode
         server can take it while it prefills: a receiver's hello waits for the prefill (up to
-        ``prefill_wait_s``) and is refused if it fails."""
-        return self._ticket(request_id, len(token_ids), prompt_digest(token_ids), self.unclaimed_ttl_s, host)
+        ``prefill_wait_s``) and is refused if it fails. ``first_token``: the transfer's ``done`` carries
+        the token given to :meth:`first_token` (its wait bounded by ``ack_timeout_s``; none then)."""
+        ticket = self._ticket(request_id, len(token_ids), prompt_digest(token_ids), self.unclaimed_ttl_s, host)
+        if first_token:
+            with self._lock:
+                self._first[request_id] = concurrent.futures.Future()
+            ticket["first_token"] = True
+        return ticket
+
+    def first_token(self, request_id: str, token: int | None) -> None:
+        """The first token of a request whose ticket carries it (None: the decode server samples its own;
+        also said when the request ends before its prefill does, which forgets it)."""
+        with self._lock:
+            future = self._first.get(request_id) if token is not None else self._first.pop(request_id, None)
+        if future is not None and not future.done():
+            future.set_result(token)
 
     def _ticket(self, request_id: str, tokens: int, digest: str, remaining: float | None, host: str | None) -> dict:
         return {
@@ -137,6 +155,7 @@ class KVServer:
         transfer ends); either way no receiver gets it after this."""
         with self._lock:
             self._described.pop(result.request_id, None)
+            self._first.pop(result.request_id, None)
             if result.request_id in self._busy:
                 return
             self._busy.add(result.request_id)
@@ -185,7 +204,7 @@ class KVServer:
                 ack = expect(read_frame(conn, max_payload=0)[0], "ack")
                 if transport == "mapped" and ack.get("holders_seen") is not True:  # the receiver could not see them:
                     self._confirm_held(result, source)  # ask whether they lived through the copy (a Ray call)
-                send_frame(conn, "done", {"request_id": result.request_id})  # the KV was held until now
+                send_frame(conn, "done", {"request_id": result.request_id, **self._first_token_of(result.request_id)})  # the KV was held until now
                 self._count("completed")
                 if self.pool.metrics is not None:
                     self.pool.metrics.shipped(_payload_bytes(begin), transport)
@@ -198,6 +217,20 @@ class KVServer:
                 with self._lock:
                     self._busy.discard(result.request_id)
                     self._described.pop(result.request_id, None)
+                    self._first.pop(result.request_id, None)
+
+    def _first_token_of(self, request_id: str) -> dict:
+        """``{"first_token": ...}`` for a ticket that carries it (None when the endpoint gave none in
+        ``ack_timeout_s``: the decode server samples its own), else nothing."""
+        with self._lock:
+            future = self._first.get(request_id)
+        if future is None:
+            return {}
+        try:
+            return {"first_token": future.result(timeout=self.ack_timeout_s)}
+        except concurrent.futures.TimeoutError:
+            logger.warning("no first token for request %r within %.0f s: the decode server samples its own", request_id, self.ack_timeout_s)
+            return {"first_token": None}
 
     def _expire(self) -> None:
         """Free kept KV that no receiver claimed within ``unclaimed_ttl_s`` of its prefill."""
@@ -209,6 +242,7 @@ class KVServer:
                         continue
                     self._busy.add(result.request_id)  # a receiver arriving now is refused, not raced
                     self._described.pop(result.request_id, None)
+                    self._first.pop(result.request_id, None)
                 try:
                     self.pool.release(result)
                     self._count("expired")

@@ -15,8 +15,10 @@ the Prometheus and Grafana set-up of a Ray cluster picks them up as they are:
     ray_mlapool_prefix_cache_evictions_total     counter  cached blocks evicted for room
     ray_mlapool_backend_info            gauge      1, tagged with the backend, device and dtype in use
     ray_mlapool_decode_server_events_total  counter  a decode server ``ejected`` (it failed), ``readmitted``
-                                                     (it answers /health again), or an answer ``resumed`` on
-                                                     it after another broke it off; tagged ``server``
+                                                     (it answers /health again), an answer ``resumed`` on
+                                                     it after another broke it off, or one whose first token
+                                                     it did not make the tier's (``diverged``: it runs without
+                                                     ``kv.vllm_first_token``'s processor); tagged ``server``
     ray_mlapool_decode_resume_stall_seconds  histogram  a streamed answer broken off by its decode server:
                                                      from the break seen to the next server's first token
 

@@ -183,6 +183,7 @@ class DecodeServer:
     takes_generate: bool | None = None  # whether it answered vLLM's generate endpoint (None: not asked yet)
     ejections: int = 0
     readmissions: int = 0
+    diverged: int = 0  # answers asked to begin with the tier's first token whose first token was another
 
 
 @dataclass
@@ -191,7 +192,7 @@ class DecodeServers:
 
     servers: list[DecodeServer] = field(default_factory=list)
     probe_interval_s: float = 1.0
-    on_event: Callable[[str, str], None] | None = None  # (event: ejected, readmitted or resumed; the server's URL)
+    on_event: Callable[[str, str], None] | None = None  # (event: ejected, readmitted, resumed or diverged; the server's URL)
     on_stall: Callable[[float], None] | None = None  # (seconds from a streamed answer's break to its next token)
     resumptions: int = 0  # answers that went on on another server after theirs broke off
     stalls: deque[dict[str, float]] = field(default_factory=lambda: deque(maxlen=64))  # the last streamed resumptions' (see stalled)
@@ -219,6 +220,14 @@ class DecodeServers:
     def resumed(self, server: DecodeServer) -> None:
         self.resumptions += 1
         self._event("resumed", server)
+
+    def diverged(self, server: DecodeServer, reason: str) -> None:
+        """``server`` generated a first token other than the tier's, which it was asked to begin with
+        (``kv.vllm_first_token``): the answer goes on from the tier's; the server stays in service."""
+        server.diverged += 1
+        logger.warning("%s; the answer goes on from the tier's first token (start the decode server with --logits-processors "
+                       "kv.vllm_first_token:TierFirstToken, or set decode_forward: after_first_token)", reason)  # fmt: skip
+        self._event("diverged", server)
 
     def stalled(self, seconds: float, sent: int) -> None:
         """A streamed answer went on ``seconds`` after its server broke it off (the break seen to the
@@ -250,7 +259,8 @@ class DecodeServers:
     def report(self) -> list[dict[str, Any]]:
         return [{"url": s.url, "outstanding": s.outstanding, "requests": s.requests, "failures": s.failures,
                  "refuses_the_tiers_key": s.refused_key, "ejected": s.ejected, "ejections": s.ejections,
-                 "readmissions": s.readmissions, "takes_generate": s.takes_generate} for s in self.servers]  # fmt: skip
+                 "readmissions": s.readmissions, "takes_generate": s.takes_generate, "first_token_diverged": s.diverged}
+                for s in self.servers]  # fmt: skip
 
 
 class Timeline:

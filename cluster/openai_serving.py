@@ -108,6 +108,8 @@ class OpenAIServing:
         default_max = None if chat else COMPLETION_MAX_TOKENS
         first = FirstToken.plan(parsed.passthrough, self.generation, self._eos_id(), default_max) if self.tokenizer.available else "no tokenizer"
         if isinstance(first, FirstToken):
+            if self.config.decode_forward == "early" and parsed.stream and first.max_tokens != 1:
+                return await self._first_token_early(parsed, token_ids, first, received)
             return await self._with_first_token(parsed, token_ids, first, received)
         try:
             request_id, future = self.submit(token_ids, None, True)
@@ -118,6 +120,54 @@ class OpenAIServing:
         answer = self._decode_answer(parsed, forward, len(token_ids), result.cached_tokens, None)
         logger.info("decoding", extra={"mlapool_request_id": request_id, "decode_server": upstream.server.url, "first_token": first})
         return await self._answer(upstream, result, parsed, answer)
+
+    async def _first_token_early(self, parsed: Parsed, token_ids: list[int], first: FirstToken, received: float) -> Response:
+        """A streamed answer whose first token the tier samples, asked of a decode server as its prefill
+        is submitted (``ServeConfig.decode_forward`` ``early``): vLLM takes the bare prompt in, allocates
+        its blocks and connects for the KV while the pool prefills, instead of between the first token
+        and the second (19-26 ms at 32K on an H200 host). The first token goes to the client once
+        sampled, and to vLLM with the KV's ``done`` (``KVServer.first_token``), which makes it vLLM's
+        first token too (``kv.vllm_first_token``); the client gets vLLM's answer after it."""
+        try:
+            request_id, future = self.submit(token_ids, None, True)
+        except HTTPError as exc:
+            raise OpenAIError(exc.status, str(exc)) from None
+        ticket = {"mlapool": self.kv.ticket_ahead(request_id, token_ids, host=self.ticket_host, first_token=True)}
+        forward = self._forward(parsed, first.forwarded(parsed.passthrough, echoed=True), token_ids, ticket)
+        tokens = generate = None
+        if self.config.decode_endpoint == "generate" and TokenText.supports(self.tokenizer.tokenizer):  # token ids back, their text made here
+            tokens, generate = TokenText.maker(self.tokenizer.tokenizer, self._eos_id(), forward), generate_body(forward)
+        self.timeline.mark(request_id, "received", received)
+        try:  # 32K ids are 3.7 ms of JSON on the 2-core CPU: off the event loop, while the pool prefills
+            encoded = await asyncio.to_thread(lambda: json.dumps(generate or forward).encode())
+            self.timeline.mark(request_id, "forwarded")
+            result, opening = await self._prefill_and_forward(request_id, future, forward, generate, encoded, answered=False)
+        except BaseException:
+            self.kv.first_token(request_id, None)
+            raise
+        self.timeline.mark(request_id, "prefilled")
+        self.timeline.mark(request_id, "pool_ttft_s", result.ttft_s)
+        try:
+            token = first.sample(result.logits) if first.greedy else await asyncio.to_thread(first.sample, result.logits)
+            finish = first.finish(token)
+            text = "" if finish == "stop" else token_text(self.tokenizer.tokenizer, token_ids, token)
+            self.kv.first_token(request_id, token if finish is None and text is not None else None)
+            if finish is not None:  # the answer ends here: the decode server's request is abandoned
+                await _abandon(opening)
+                await self._discard(result)
+                return self._local_answer(parsed, first_chunk("cmpl-" + request_id, self.config.model_name, int(time.time()), text, token, finish,
+                                                              token_ids if first.return_token_ids else None), len(token_ids), result.cached_tokens)  # fmt: skip
+            if text is None:  # not whole on its own: vLLM samples the first token, its answer is the client's whole
+                upstream = await opening
+                return await self._answer(upstream, result, parsed, self._decode_answer(parsed, forward, len(token_ids), result.cached_tokens, None, tokens))
+            head = first_chunk("cmpl-" + request_id, self.config.model_name, int(time.time()), text, token, None,
+                               token_ids if first.return_token_ids else None)  # fmt: skip
+            answer = self._decode_answer(parsed, forward, len(token_ids), result.cached_tokens, head, tokens, echo=token)
+        except BaseException:  # no decode server took it, or the client left
+            await _abandon(opening)
+            await self._discard(result)
+            raise
+        return StreamingResponse(self._head_then_relay(head, opening, result, parsed, answer, describe=False), media_type="text/event-stream")
 
     async def _with_first_token(self, parsed: Parsed, token_ids: list[int], first: FirstToken, received: float) -> Response:
         """Prefill, sample the first token here, and send the rest to a decode server (or end here).
@@ -164,15 +214,18 @@ class OpenAIServing:
             raise
         return await self._answer(upstream, result, parsed, answer)
 
-    async def _head_then_relay(self, head: dict[str, Any], opening: asyncio.Future, result, parsed: Parsed, answer: DecodeAnswer):
+    async def _head_then_relay(self, head: dict[str, Any], opening: asyncio.Future, result, parsed: Parsed, answer: DecodeAnswer,
+                               describe: bool = True):  # fmt: skip
         """A streamed answer whose first token is the tier's: that token at once, then the decode
         server's tokens (``answer``: going on on another server if one breaks off). A failure to
-        reach one comes as an error event (the answer has begun)."""
+        reach one comes as an error event (the answer has begun). ``describe``: ask the holders where
+        the KV is once the token is out (False: the decode server asked for it during the prefill)."""
         model, upstream, request_id = self.config.model_name, None, result.request_id
         try:
             yield sse(client_chunk(head, parsed.chat, model, True))
             self.timeline.mark(request_id, "first_token_sent")
-            self.kv.describe_ahead(result)  # after the first token: the decode server's hello is milliseconds away
+            if describe:
+                self.kv.describe_ahead(result)  # after the first token: the decode server's hello is milliseconds away
             try:
                 upstream = await opening
                 self.timeline.mark(request_id, "upstream_answered")
@@ -215,11 +268,11 @@ class OpenAIServing:
         return forward
 
     def _decode_answer(self, parsed: Parsed, forward: dict[str, Any], prompt_tokens: int, cached_tokens: int, head: dict[str, Any] | None,
-                       tokens: Callable[[list[int]], TokenText] | None = None) -> DecodeAnswer:  # fmt: skip
+                       tokens: Callable[[list[int]], TokenText] | None = None, echo: int | None = None) -> DecodeAnswer:  # fmt: skip
         return DecodeAnswer(
             self.decoders, forward, prompt_tokens=prompt_tokens, cached_tokens=cached_tokens, chat=parsed.chat, model=self.config.model_name,
             head=head, token_ids_asked=parsed.passthrough.get("return_token_ids") is True, resumptions=self.config.decode_resumptions,
-            timeout_s=self.config.decode_timeout_s, prefill=self._prefill_kept, discard=self._discard, tokens=tokens,
+            timeout_s=self.config.decode_timeout_s, prefill=self._prefill_kept, discard=self._discard, tokens=tokens, echo=echo,
         )  # fmt: skip
 
     async def _prefill(self, token_ids: list[int]) -> PrefillResult:
@@ -280,12 +333,17 @@ class OpenAIServing:
             body = json.dumps(chat_answer(completion, model) if parsed.chat else {**completion, "model": model}).encode()
         return Response(body, status_code=status, media_type="application/json")
 
-    async def _prefill_and_forward(self, request_id: str, future, forward: dict[str, Any]):
-        """The prefill and the decode server's answer (its headers), run at once. The prefill failing
-        (or the client leaving) abandons the decode request; no decode server taking it cancels the
-        prefill; either way nothing is left held."""
+    async def _prefill_and_forward(self, request_id: str, future, forward: dict[str, Any], generate: dict[str, Any] | None = None,
+                                   encoded: bytes | None = None, *, answered: bool = True):  # fmt: skip
+        """The prefill and the decode server's answer (its headers), run at once (``generate`` and
+        ``encoded``: as ``open_upstream`` takes them, ``encoded`` being ``generate``'s when given, else
+        ``forward``'s). The prefill failing (or the client leaving) abandons the decode request; no
+        decode server taking it cancels the prefill; either way nothing is left held. ``answered``:
+        False returns the prefill's result as soon as it is in, with the decode answer still to come
+        (a task)."""
         prefill = asyncio.ensure_future(self.wait(request_id, future))
-        decode = asyncio.ensure_future(open_upstream(self.decoders, forward, self.config.decode_timeout_s))
+        encodings = (None, encoded) if generate is not None else (encoded, None)
+        decode = asyncio.ensure_future(open_upstream(self.decoders, forward, self.config.decode_timeout_s, encodings[0], generate, encodings[1]))
         try:
             await asyncio.wait({prefill, decode}, return_when=asyncio.FIRST_COMPLETED)
             if decode.done() and decode.exception() is not None:
@@ -304,8 +362,20 @@ class OpenAIServing:
             if isinstance(exc, HTTPError):
                 raise OpenAIError(exc.status, str(exc)) from None
             raise
+        if not answered:
+            return result, decode
         try:
             return result, await decode
         except BaseException:  # no decode server took it, or the client left
             await self._discard(result)
             raise
+
+
+async def _abandon(opening: asyncio.Future) -> None:
+    """A decode request no longer wanted: closed if a server answered (vLLM aborts it), else cancelled."""
+    if not opening.done():
+        opening.cancel()
+        with contextlib.suppress(BaseException):
+            await opening
+    elif not opening.cancelled() and opening.exception() is None:
+        await opening.result().close()

@@ -19,6 +19,7 @@ from configs.secrets import Secret, loopback
 
 REPORT_INTERVAL_ENV = "RAY_SERVE_REPLICA_AUTOSCALING_METRIC_PUSH_INTERVAL_S"
 DECODE_ENDPOINTS = ("generate", "completions")  # ServeConfig.decode_endpoint
+DECODE_FORWARDS = ("early", "after_first_token")  # ServeConfig.decode_forward
 
 
 def load_report_interval_s() -> float:
@@ -67,6 +68,13 @@ class ServeConfig:
                              servers: ``generate`` (vLLM's ``/inference/v1/generate``, token ids, the
                              text made by the tier: ``cluster.decode_tokens``) or ``completions``
                              (``/v1/completions``, vLLM detokenizing); other answers use completions
+    decode_forward           when a streamed answer whose first token the tier samples goes to its decode
+                             server: ``early`` (as its prefill is submitted, so that vLLM takes it in
+                             while the pool prefills; vLLM then generates the tier's first token again,
+                             which needs ``--logits-processors kv.vllm_first_token:TierFirstToken`` on
+                             the decode servers: ``kv.vllm_first_token``) or ``after_first_token`` (its
+                             prompt followed by that token, once sampled: for decode servers that cannot
+                             load the processor, such as vLLM with speculative decoding)
     """
 
     pool: PoolConfig = field(default_factory=PoolConfig)
@@ -95,6 +103,7 @@ class ServeConfig:
     decode_resumptions: int = 2
     decode_probe_interval_s: float = 1.0
     decode_endpoint: str = "generate"
+    decode_forward: str = "early"
 
     def __post_init__(self) -> None:
         if not isinstance(self.pool, PoolConfig):
@@ -125,6 +134,8 @@ class ServeConfig:
         object.__setattr__(self, "decode_servers", tuple(self.decode_servers))
         if self.decode_endpoint not in DECODE_ENDPOINTS:
             raise ValueError(f"serve config: decode_endpoint must be one of {list(DECODE_ENDPOINTS)}, got {self.decode_endpoint!r}")
+        if self.decode_forward not in DECODE_FORWARDS:
+            raise ValueError(f"serve config: decode_forward must be one of {list(DECODE_FORWARDS)}, got {self.decode_forward!r}")
         self._check_secrets()
 
     def _check_secrets(self) -> None:

@@ -34,8 +34,10 @@ A transfer (the frames of ``kv.frames``)::
                 destination rows
     receiver -> server  ack {request_id, holders_seen}    (or error {message}; holders_seen: a mapped
                                            copy's holders were seen running before and after it)
-    server -> receiver  done {request_id}   (or error {message}: it gave up first, and the KV it freed
-                                              may have been overwritten under the transfer)
+    server -> receiver  done {request_id, first_token?}   (or error {message}: it gave up first, and
+                                              the KV it freed may have been overwritten under the
+                                              transfer; first_token: the tier's, for a ticket issued
+                                              ahead with it, ``kv.vllm_first_token``)
 
 Block ``j`` of the request (tokens ``j * block_size ...``, the pool's block size) is block
 ``j // pcp`` of PCP rank ``j % pcp``'s table. The server frees the request's KV on the holders
@@ -79,6 +81,7 @@ class ReceivedKV:
     bytes: int  # KV bytes moved into the destination
     placed: list[HolderRows] = field(default_factory=list, repr=False)  # where each holder's rows went
     steps_s: dict[str, float] | None = None  # connect, begin (hello to begin: the prefill's wait), place, transfer, done (ack to done)
+    first_token: int | None = None  # the tier's first token, when the server sent it with done
 
     @property
     def runs(self) -> int:
@@ -254,12 +257,15 @@ class KVReceiver:
                 raise exc if isinstance(exc, KVTransferError) else KVTransferError(str(exc)) from exc
             try:  # the server confirms it still held the KV: one that gave up first (ack_timeout_s) says so
                 send_frame(sock, "ack", {"request_id": request_id, "holders_seen": seen})  # a mapped copy's holders, seen running
-                expect(read_frame(sock, max_payload=0)[0], "done")
+                done = expect(read_frame(sock, max_payload=0)[0], "done")
             except (OSError, KVTransferError) as exc:
                 raise KVTransferError(f"the KV server did not confirm the ack ({exc}): the KV may have been freed under the transfer") from None
             clock.lap("done")
+            first = done.get("first_token")
+            if first is not None and (type(first) is not int or first < 0):
+                raise KVTransferError(f"the KV server's first token must be a token id, got {first!r}")
             cache = into if into is not None else new
-            return ReceivedKV(meta, cache, table, block_size, start, meta["transport"], seconds, moved, placed, clock.phases)
+            return ReceivedKV(meta, cache, table, block_size, start, meta["transport"], seconds, moved, placed, clock.phases, first)
 
     # ---- the control connection -------------------------------------------------------------------
     def _hello(self, request_id: str, layers: list[torch.Tensor] | None, block_ids, digest: str | None) -> dict:

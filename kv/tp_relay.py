@@ -67,25 +67,28 @@ def loaded_blocks(block_ids: list[int], start: int, end: int, block_size: int) -
 @dataclass(frozen=True)
 class Relayed:
     """A load as the leader relays it: vLLM's request, its blocks (token order, from token 0), the
-    tokens loaded (``start`` to ``end``), and whether the leader's load failed."""
+    tokens loaded (``start`` to ``end``), whether the leader's load failed, and the tier's request id
+    and first token that came with it (``kv.vllm_first_token``: every rank samples, so every rank
+    files it)."""
 
     request_id: str
     block_ids: list[int]
     start: int
     end: int
     failed: bool
+    first_token: tuple[str, int] | None = None
 
 
 class TPRelay:
     """The relay of one rank of a TP group (``ranks``: the group's global ranks, leader first).
 
     The leader calls :meth:`send` after each of its loads; a follower's thread receives them and
-    calls ``on_received(request_id, failed_block_ids)`` once its cache holds the rows (or the leader's
+    calls ``on_received(relayed, failed_block_ids)`` once its cache holds the rows (or the leader's
     load failed: every loaded block is reported failed). ``mapped``: whether followers may map the
     leader's caches (False: always staged); :attr:`mode` says which path the group took."""
 
     def __init__(self, layers: list[torch.Tensor], block_size: int, ranks: list[int], rank: int,
-                 on_received: Callable[[str, set[int]], None], mapped: bool = True) -> None:  # fmt: skip
+                 on_received: Callable[[Relayed, set[int]], None], mapped: bool = True) -> None:  # fmt: skip
         self.layers, self.block_size, self.ranks, self.rank = layers, block_size, list(ranks), rank
         self.leads = rank == self.ranks[0]
         self.on_received = on_received
@@ -245,7 +248,7 @@ class TPRelay:
                     return
                 loaded = loaded_blocks(item.block_ids, item.start, item.end, self.block_size)
                 if item.failed:
-                    self.on_received(item.request_id, loaded)
+                    self.on_received(item, loaded)
                     continue
                 started = time.perf_counter()
                 error = self._copy_from_leader(item) if self.mode == "mapped" else self._take_chunks(item)
@@ -255,7 +258,7 @@ class TPRelay:
                 else:
                     logger.info("request %s: %d tokens received from TP rank %d (%s) in %.5f s", item.request_id, item.end - item.start,
                                 self.ranks[0], self.mode, time.perf_counter() - started)  # fmt: skip
-                self.on_received(item.request_id, loaded if error is not None else set())
+                self.on_received(item, loaded if error is not None else set())
 
     def _copy_from_leader(self, item: Relayed) -> str | None:
         """Mapped: the request's rows of every layer from the leader's blocks into this rank's, one kernel."""

@@ -3,7 +3,8 @@
     vllm serve /ckpt/DeepSeek-V3 --kv-transfer-config '{"kv_connector": "MlapoolConnector",
         "kv_connector_module_path": "kv.vllm_connector", "kv_role": "kv_consumer",
         "kv_load_failure_policy": "recompute",
-        "kv_connector_extra_config": {"token_env": "MLAPOOL_KV_TOKEN", "transport": "auto"}}'
+        "kv_connector_extra_config": {"token_env": "MLAPOOL_KV_TOKEN", "transport": "auto"}}' \
+        --logits-processors kv.vllm_first_token:TierFirstToken
 
 A request whose ``kv_transfer_params`` hold an mlapool ticket (``{"mlapool": {...}}``, as the tier's
 ``POST /prefill`` with ``handoff`` answers and its OpenAI endpoint forwards) has its prompt loaded,
@@ -15,12 +16,14 @@ else TCP) straight into vLLM's paged MLA cache (one ``[num_blocks, block_size, 5
 tensor per layer), in vLLM's block size, whatever the pool's is. A request without a ticket is
 plain vLLM.
 
-The prompt vLLM gets is the prefilled one, or the prefilled one followed by more tokens: the tier's
-OpenAI endpoint sends the prompt and the first token it sampled from its prefill's logits
-(``cluster.first_token``), and vLLM loads the prompt's rows and computes only that token's. A prompt
-that is exactly the prefilled one has its last token computed by vLLM (its scheduler always leaves one
-token of a fully loaded prompt to compute, so that it has logits to sample from): the first token is
-then vLLM's, computed over our KV, and that token's row is rewritten by vLLM with its own.
+The prompt vLLM gets is the prefilled one, or the prefilled one followed by more tokens (the tier's
+first token, when it sends the request after sampling it: ``ServeConfig.decode_forward``
+``after_first_token``), and vLLM loads the prompt's rows and computes only the tokens past them. A
+prompt that is exactly the prefilled one has its last token computed by vLLM (its scheduler always
+leaves one token of a fully loaded prompt to compute, so that it has logits to sample from), and that
+token's row is rewritten by vLLM with its own: the first token is then vLLM's, computed over our KV,
+unless the ticket says the tier sampled it (``first_token``), when the KV server sends it with the
+load and ``kv.vllm_first_token``'s logits processor makes vLLM generate that one.
 
 A ticket that cannot be used is never decoded from: one for another model, for another prompt (longer
 than the request's, or other ids by their digest), expired, or malformed is refused at scheduling (vLLM prefills the
@@ -70,6 +73,7 @@ from kv.mapped import Mapper
 from kv.nixl import NixlEndpoint
 from kv.receiver import KVReceiver, resolve_transports
 from kv.tp_relay import Relayed, TPRelay, loaded_blocks
+from kv.vllm_first_token import FILED, TierFirstToken
 
 logger = init_logger(f"vllm.{__name__}")  # under vLLM's logger: its format and level, in its log
 
@@ -174,6 +178,10 @@ class MlapoolConnector(KVConnectorBase_V1):
                 logger.warning("MlapoolConnector: a failed KV load fails its request; set kv_load_failure_policy 'recompute' to have vLLM prefill it instead")
         else:
             self.worker = _LoadWorker(extra, self.block_size)
+            processors = getattr(vllm_config.model_config, "logits_processors", None) or []
+            if not any(p is TierFirstToken or (isinstance(p, str) and p.endswith(":TierFirstToken")) for p in processors):
+                logger.warning("MlapoolConnector: vLLM runs without --logits-processors kv.vllm_first_token:TierFirstToken, so a request "
+                               "the tier forwards before its first token samples its own; the tier then sends it again after that token")  # fmt: skip
 
     # ---- scheduler side --------------------------------------------------------------------------------
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int, bool]:
@@ -308,7 +316,7 @@ class _LoadWorker:
                 raise ValueError(f"MlapoolConnector: vLLM's KV cache of {name} is {tuple(cache.shape)} (strides {cache.stride()}); expected a contiguous MLA cache of blocks of {self.block_size} rows")
             self.layers.append(cache.view(-1, self.block_size, cache.shape[-1]))
         if len(tp_ranks) > 1:
-            self.relay = TPRelay(self.layers, self.block_size, tp_ranks, rank, on_received=self._finish)
+            self.relay = TPRelay(self.layers, self.block_size, tp_ranks, rank, on_received=self._relayed)
         if "mapped" in self.transports and (self.relay is None or self.relay.leads):
             self.mapper.warm(self.layers[0])  # the GPU copy's kernel compiled now, not at the first load
         if "nixl" in self.transports and (self.relay is None or self.relay.leads):
@@ -337,8 +345,12 @@ class _LoadWorker:
         except Exception as exc:  # noqa: BLE001 -- any failure becomes vLLM's load error: it recomputes
             logger.warning("request %s: KV load of mlapool request %r failed, vLLM recomputes it: %s", load.request_id, ticket.request_id, exc)
             failed = loaded_blocks(load.block_ids, load.start, ticket.tokens, self.block_size)
+        first = kv.first_token if kv is not None else None
+        if first is not None:  # filed before vLLM hears of the load: its first sampling of the request takes it
+            FILED.file(ticket.request_id, first)
         if self.relay is not None:
-            self.relay.send(Relayed(load.request_id, load.block_ids, load.start, ticket.tokens, bool(failed)))
+            self.relay.send(Relayed(load.request_id, load.block_ids, load.start, ticket.tokens, bool(failed),
+                                    None if first is None else (ticket.request_id, first)))  # fmt: skip
         self._finish(load.request_id, failed)
         if kv is not None:  # said once vLLM can take the request: the line is off its path
             steps = {name: round(seconds, 5) for name, seconds in (kv.steps_s or {}).items()}
@@ -346,6 +358,12 @@ class _LoadWorker:
             logger.info("request %s: %d tokens loaded over %s in %.5f s (%.5f s from the KV server's go-ahead to the ack); "
                         "%d runs of rows per layer; mlapool request %s; steps %s", load.request_id, kv.tokens - load.start, kv.transport,
                         kv.transfer_s, after_begin, kv.runs, ticket.request_id, json.dumps(steps))  # fmt: skip
+
+    def _relayed(self, item: Relayed, failed: set[int]) -> None:
+        """A follower has the leader's rows (or ``failed``): the tier's first token filed here too, then reported."""
+        if item.first_token is not None:
+            FILED.file(*item.first_token)
+        self._finish(item.request_id, failed)
 
     def _finish(self, request_id: str, failed: set[int]) -> None:
         """A load ended (its rows in this rank's cache, or ``failed`` blocks to recompute): said to vLLM next."""

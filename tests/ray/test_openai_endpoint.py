@@ -218,6 +218,31 @@ def test_who_computes_the_first_token(tier, vllm_url, extra, prompt_tokens, load
     assert delta == {"local_compute": 150 + prompt_tokens - loaded, "local_cache_hit": 0, "external_kv_transfer": loaded}
 
 
+def test_a_streamed_answer_goes_to_vllm_before_its_first_token_which_vllm_makes_the_tiers(tier, vllm_url):
+    """Streamed (``decode_forward: early``), the decode request leaves as the prefill is submitted: vLLM
+    gets the bare prompt, loads its KV and computes its last token again, and generates the tier's first
+    token (``kv.vllm_first_token``, filed with the load), which the tier leaves out of the stream."""
+    ids = [(i * 29) % 500 for i in range(150)]
+    body = {"model": MODEL, "prompt": ids, **SAMPLING, "return_token_ids": True}
+    live = info(tier)["decode_servers"][1]
+    before = prompt_tokens_by_source(vllm_url)
+    _, own = call(vllm_url, "/v1/completions", body)
+    status, events = call(tier, "/v1/completions", {**body, "stream": True, "stream_options": {"include_usage": True}})
+    assert status == 200 and events[-1] == "[DONE]"
+    tokens = [t for e in events[:-1] for c in e["choices"] for t in c.get("token_ids") or []]
+    assert tokens == own["choices"][0]["token_ids"] and streamed_text(events, chat=False) == own["choices"][0]["text"]
+    assert events[0]["choices"][0]["prompt_token_ids"] == ids and sum("prompt_token_ids" in c for e in events[:-1] for c in e["choices"]) == 1
+    assert events[-2]["usage"]["prompt_tokens"] == 150 and events[-2]["usage"]["completion_tokens"] == 16
+    deadline = time.monotonic() + 10
+    while sum((after := prompt_tokens_by_source(vllm_url)).values()) - sum(before.values()) < 300 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert {k: after[k] - before[k] for k in after} == {"local_compute": 150, "local_cache_hit": 0, "external_kv_transfer": 150}
+    now = info(tier)["decode_servers"][1]
+    assert now["first_token_diverged"] == live["first_token_diverged"] == 0 and now["requests"] == live["requests"] + 1
+    steps = info(tier)["handoff_timeline"]["".join(events[0]["id"].split("-", 1)[1:])]
+    assert steps["forwarded"] < steps["prefilled"] < steps["first_token_sent"] < steps["second_token_sent"]
+
+
 def test_an_answer_that_ends_at_its_first_token_needs_no_decode_server(tier, vllm_url):
     """max_tokens 1, and a first token that is a stop token: answered by the tier alone, as vLLM answers."""
     served = {s["url"]: s["requests"] for s in info(tier)["decode_servers"]}

@@ -55,7 +55,7 @@ def _rank(rank: int, port: int, out: str, device: str, mapped: bool) -> None:
         torch.save({"layers": [layer.cpu() for layer in layers], "chunk_tokens": relay.chunk_tokens, "mode": relay.mode}, out)
     else:
         received = []
-        relay = TPRelay(layers, BLOCK, [0, 1], 1, on_received=lambda request, failed: received.append((request, sorted(failed))), mapped=mapped)
+        relay = TPRelay(layers, BLOCK, [0, 1], 1, on_received=lambda item, failed: received.append((item.request_id, sorted(failed))), mapped=mapped)
         relay.thread.join(60)
         dist.barrier()
         torch.save({"layers": [layer.cpu() for layer in layers], "received": received, "alive": relay.thread.is_alive()}, out)

@@ -86,7 +86,7 @@ def test_a_decode_instance_of_several_pipeline_stages_is_refused_naming_it():
     def config(tp: int, pp: int) -> SimpleNamespace:
         transfer = SimpleNamespace(kv_role="kv_consumer", kv_connector_extra_config={}, kv_load_failure_policy="recompute")
         return SimpleNamespace(kv_transfer_config=transfer, parallel_config=SimpleNamespace(tensor_parallel_size=tp, pipeline_parallel_size=pp),
-                               cache_config=SimpleNamespace(block_size=16))  # fmt: skip
+                               cache_config=SimpleNamespace(block_size=16), model_config=SimpleNamespace(logits_processors=["kv.vllm_first_token:TierFirstToken"]))  # fmt: skip
 
     with pytest.raises(ValueError, match="one pipeline stage .*got pipeline_parallel_size=2: use --tensor-parallel-size or --data-parallel-size"):
         MlapoolConnector(config(1, 2), KVConnectorRole.WORKER)
