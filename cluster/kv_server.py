@@ -153,9 +153,9 @@ class KVServer:
     def discard(self, result) -> None:
         """Free ``result``'s kept KV now unless a receiver is taking it (then it is freed when that
         transfer ends); either way no receiver gets it after this."""
+        self.first_token(result.request_id, None)  # a transfer waiting for it sends its done now, without
         with self._lock:
             self._described.pop(result.request_id, None)
-            self._first.pop(result.request_id, None)
             if result.request_id in self._busy:
                 return
             self._busy.add(result.request_id)

@@ -2,8 +2,9 @@
 parsed body to the client's answer. The prompt is prefilled by the replica's pool with its KV kept;
 the first token is the tier's when it reproduces the request's sampling (``cluster.first_token``),
 and the rest is decoded by vLLM decode servers that load the KV (``cluster.openai_api``), going on on
-another server if one breaks an answer off (``cluster.decode_answer``). The KV is released when the
-answer ends, however it ends."""
+another server if one breaks an answer off (``cluster.decode_answer``). A streamed answer is asked of
+its decode server as the prefill is submitted (``ServeConfig.decode_forward``, ``kv.vllm_first_token``).
+The KV is released when the answer ends, however it ends."""
 
 from __future__ import annotations
 
@@ -86,7 +87,8 @@ class OpenAIServing:
         """An OpenAI completion or chat completion: prefill here with the KV kept, decode on a vLLM
         decode server that loads it (``cluster.openai_api``). When the tier reproduces the request's
         sampling (``cluster.first_token``), the first token is sampled here from the prefill's logits
-        and sent at once, and the decode server gets the prompt followed by it. Otherwise the request
+        and sent at once, and the decode server gets the prompt followed by it, or, streamed, the
+        prompt alone as the prefill is submitted (:meth:`_first_token_early`). Otherwise the request
         goes to the decode server with a ticket issued ahead (``KVServer.ticket_ahead``) as soon as the
         prefill is submitted: vLLM takes it in, allocates its blocks and asks for the KV while the pool
         prefills, and computes the first token itself."""
@@ -147,6 +149,9 @@ class OpenAIServing:
             raise
         self.timeline.mark(request_id, "prefilled")
         self.timeline.mark(request_id, "pool_ttft_s", result.ttft_s)
+        if opening.done() and not opening.cancelled() and opening.exception() is None and opening.result().response.status != 200:
+            self.kv.first_token(request_id, None)  # vLLM judged the request (as it would alone): its status, not a first token
+            return await self._answer(opening.result(), result, parsed, self._decode_answer(parsed, forward, len(token_ids), result.cached_tokens, None))
         try:
             token = first.sample(result.logits) if first.greedy else await asyncio.to_thread(first.sample, result.logits)
             finish = first.finish(token)

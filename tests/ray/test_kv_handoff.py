@@ -145,6 +145,39 @@ def test_a_ticket_issued_ahead_holds_the_receiver_until_the_prefill_is_done(pool
     assert _no_block_leaked(pool)
 
 
+def test_a_ticket_issued_ahead_with_the_first_token_sends_it_with_done(pool, server):
+    """The endpoint's early forward: the ticket carries the tier's first token, which the server sends
+    with ``done`` once the endpoint hands it over (the copy does not wait for it); a request discarded
+    before that gets its ``done`` at once, without a token, not after ``ack_timeout_s``."""
+    import threading
+
+    prompt = np.arange(300) * 3 % 512
+    future = pool.submit(prompt, keep_kv=True, request_id="ahead-first")
+    ticket = server.ticket_ahead("ahead-first", prompt.tolist(), first_token=True)
+    assert ticket["first_token"] is True and "first_token" not in server.ticket_ahead("ahead-none", [1, 2, 3])
+    got = {}
+    fetching = threading.Thread(target=lambda: got.update(kv=_receiver(server, pool).fetch("ahead-first", prompt_digest=ticket["prompt_digest"])))
+    fetching.start()
+    future.result(timeout=60)
+    time.sleep(0.5)  # the receiver has its rows and waits for done
+    assert fetching.is_alive()
+    server.first_token("ahead-first", 417)
+    fetching.join(30)
+    assert got["kv"].first_token == 417 and got["kv"].tokens == 300
+
+    result = _kept(pool, 90, request_id="ahead-discarded")
+    server.ticket_ahead("ahead-discarded", np.arange(90) * 11 % 512, first_token=True)
+    fetching = threading.Thread(target=lambda: got.update(late=_receiver(server, pool).fetch("ahead-discarded")))
+    started = time.monotonic()
+    fetching.start()
+    while "ahead-discarded" not in server._busy and time.monotonic() - started < 10:  # admitted: discard no longer frees it under the transfer
+        time.sleep(0.01)
+    server.discard(result)  # the client left: the transfer under way ends now, its KV freed after it
+    fetching.join(30)
+    assert got["late"].first_token is None and time.monotonic() - started < 10
+    assert _wait_freed(pool) and _no_block_leaked(pool)
+
+
 def test_a_ticket_issued_ahead_whose_prefill_is_cancelled_is_refused_with_the_reason(pool, server):
     prompt = np.arange(900) % 512
     cancelled = pool.counts()["cancelled"]

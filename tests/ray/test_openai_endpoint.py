@@ -324,23 +324,27 @@ def test_no_decode_server_left_gives_503_with_each_reason_and_frees_the_kv(tier)
     assert report["kv_kept_requests"] == 0 and report["requests"]["completed"] + report["requests"]["cancelled"] == 1
 
 
-def test_a_streamed_answer_whose_first_token_went_out_reports_no_decode_server_as_an_error_event(tier):
+def test_a_streamed_answer_finds_no_decode_server_before_its_first_token_and_gets_503(tier):
+    """Streamed, the decode request leaves as the prefill is submitted (``decode_forward: early``): no
+    decode server taking it is known before any token, and the client gets 503 with each reason, not a
+    first token followed by an error event."""
     body = {"model": MODEL, "prompt": PROMPT, **SAMPLING, "stream": True, "return_token_ids": True}
-    status, events = call(tier + "/dead", "/v1/completions", body)
-    assert status == 200 and events[-1] == "[DONE]" and len(events) == 3
-    assert len(events[0]["choices"][0]["token_ids"]) == 1 and events[0]["choices"][0]["finish_reason"] is None  # the tier's first token
-    assert events[1]["error"]["code"] == 503 and events[1]["error"]["message"].startswith("no decode server took the request")
-    report = info(tier + "/dead")
+    status, answer = call(tier + "/dead", "/v1/completions", body)
+    assert status == 503 and answer["error"]["message"].startswith("no decode server took the request")
+    deadline = time.monotonic() + 30
+    while (report := info(tier + "/dead"))["requests"]["completed"] + report["requests"]["cancelled"] < 2 and time.monotonic() < deadline:
+        time.sleep(0.2)
     assert report["kv_kept_requests"] == 0 and report["requests"]["completed"] + report["requests"]["cancelled"] == 2
 
 
 def test_no_kv_is_left_held_and_every_ticket_was_taken_once(tier):
-    """Thirteen prompts were prefilled: nine decoded (the four comparisons, the two without max_tokens,
-    the token ids, the two who computes the first token), each KV taken once by vLLM; three answered at their first token, their KV
-    discarded by the tier; one refused by vLLM itself (max_tokens -3), its KV discarded by the tier."""
+    """Fourteen prompts were prefilled: ten decoded (the four comparisons, the two without max_tokens,
+    the token ids, the two who computes the first token, the one sent before its first token), each KV taken once by vLLM;
+    three answered at their first token, their KV discarded by the tier; one refused by vLLM itself (max_tokens -3), its KV
+    discarded by the tier."""
     report = info(tier)
-    assert report["requests"]["completed"] == 13 and report["kv_kept_requests"] == 0
-    assert report["kv_transfers"] == {"completed": 9, "failed": 0, "refused": 0, "expired": 0}
+    assert report["requests"]["completed"] == 14 and report["kv_kept_requests"] == 0
+    assert report["kv_transfers"] == {"completed": 10, "failed": 0, "refused": 0, "expired": 0}
 
 
 @pytest.mark.parametrize("key", [None, "apikey-wrong"], ids=["no-key", "wrong-key"])
