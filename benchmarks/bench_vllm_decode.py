@@ -25,7 +25,9 @@ given lengths: TTFT seen by the client on both paths (p50, p99; two prompts of e
 counted), the time from the first token to the second on both paths and its steps (``handoff_steps``:
 the tier's timeline, vLLM's connector's log and the client's clock), the endpoint's time to the second token (vLLM's first, after the KV load), the tier's plain ``/prefill`` of a
 fresh prompt of the same length (what the pool and the hop into the tier take; the same prompt would find its prefix cached), and from the connector's log lines the rate at which it loaded the KV into vLLM's cache and the
-time from the KV server's go-ahead (the prefill done) to the acknowledgement.
+time from the KV server's go-ahead (the prefill done) to the acknowledgement; how many prompts' tokens
+equal vLLM alone's, and the tier's count of answers whose first token vLLM did not make the tier's
+(``decode_answers``: each one resumed from the tier's token, ``kv.vllm_first_token``).
 ``--vllm-tp`` / ``--vllm-dp`` start vLLM with tensor / data parallelism (two GPUs: TP rank 0 loads and
 relays, ``kv.tp_relay``; the JSON gives the relay's time and rate, and the loads per DP rank, of the
 prompts sent one at a time and of a burst of 4 x DP sent at once, ``dp_burst``); with any
@@ -322,7 +324,7 @@ def run_speed(args, checkpoint: Path, alone: str, tier: str, vllm_log: Path, sav
         # fell between exports and counted them in the first length)
         shipped_before = metric_at_least(out.get("scatter", {}).get("tier_tokens_handed_off", 0) * row_bytes, SHIPPED, settle_s=SETTLE_S)
         times = {"alone": [], "alone_second_token": [], "endpoint": [], "endpoint_second_token": [], "tier_prefill": []}
-        counted = []
+        counted, same_tokens = [], 0
         for i, prompt in enumerate(prompts):
             own, ours = complete(alone, {**body, "prompt": prompt}), complete(tier, {**body, "prompt": prompt})
             if own.get("error") or ours.get("error"):
@@ -330,6 +332,7 @@ def run_speed(args, checkpoint: Path, alone: str, tier: str, vllm_log: Path, sav
             prefill = prefill_only(tier, fresh.integers(0, config["vocab_size"], size=n).tolist())  # not the prompt: the tier caches its prefix
             if i >= 2:  # the first two of each length warm up (JIT, allocators)
                 counted.append(ours)
+                same_tokens += own["tokens"] == ours["tokens"]
                 times["alone"].append(own["ttft_s"])
                 times["alone_second_token"].append(own["second_token_s"])
                 times["endpoint"].append(ours["ttft_s"])
@@ -359,9 +362,15 @@ def run_speed(args, checkpoint: Path, alone: str, tier: str, vllm_log: Path, sav
             "kv_relay_gib_per_s": percentiles([tokens * row_bytes / seconds / 2**30 for tokens, seconds in relays if seconds > 0]),
             "kv_loads_per_dp_rank": _loads_per_dp_rank(new) if args.vllm_dp > 1 else None,
             "kv_bytes_shipped_over_one_copy": round((metric_at_least(shipped_before + one_copy, SHIPPED, settle_s=SETTLE_S) - shipped_before) / one_copy, 4),
+            "tokens_equal_to_vllm_alone": f"{same_tokens}/{len(counted)}",  # bf16 engines: near-ties may differ (parity, truth)
             "per_prompt_s": times,
         }  # fmt: skip
         save(out)
+    with urllib.request.urlopen(tier + "/", timeout=60) as response:  # a first token vLLM did not make the tier's resumes the answer
+        report = json.loads(response.read())
+    out["decode_answers"] = {"first_token_diverged": sum(s["first_token_diverged"] for s in report["decode_servers"]),
+                             "resumptions": report["decode_resumptions"]}  # fmt: skip
+    save(out)
     if args.vllm_dp > 1:  # one at a time, alternating with vLLM alone, the tier's requests may all land on one rank
         out["dp_burst"] = dp_burst(tier, body, rng, config["vocab_size"], min(int(s.split("x")[0]) for s in args.lengths), 4 * args.vllm_dp, vllm_log)
         save(out)
