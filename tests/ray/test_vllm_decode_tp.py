@@ -5,7 +5,8 @@ connector: TP rank 0 loads each request's rows from the tier, once, and relays t
 in its own prefill, and the 16 greedy tokens are its own; two ticketed requests in one batch get
 theirs. A load that fails on rank 0 (its ticket already used) is a load error on both ranks: vLLM
 recomputes the prompt, and both ranks hold its own rows. Each request's KV crosses from the tier once
-per instance: one load, on rank 0, one transfer completed at the KV server.
+per instance: one load, on rank 0, one transfer completed at the KV server. A ticket that carries the
+tier's first token (``kv.vllm_first_token``) has both ranks sample that token.
 
 vLLM runs in a process of its own (``tests/vllm_driver.py``), once for the module, booting while the
 pool prefills.
@@ -29,7 +30,8 @@ LENGTHS = (17, 700, 1500)
 BATCH = (300, 900)
 STEPS = 16
 TOKEN = "t"
-ENGINE = {**CPU_ENGINE, "tensor_parallel_size": 2}
+ENGINE = {**CPU_ENGINE, "tensor_parallel_size": 2, "logits_processors": ["kv.vllm_first_token:TierFirstToken"]}
+FORCED = 5  # the tier's first token of the "forced" prompt: not the one vLLM would sample there
 
 
 @pytest.fixture(scope="module")
@@ -52,6 +54,12 @@ def run(ray_cluster, tmp_path_factory):
         ticket = kept("used", used)
         steps += [{"name": "own-used", "prompts": [used], "tickets": [None]}, {"name": "first-use", "prompts": [used], "tickets": [ticket]},
                   {"name": "reused", "prompts": [used], "tickets": [ticket]}]  # fmt: skip
+        forced = random_prompt(300, 21)  # sent bare, its ticket carrying the tier's first token (kv.vllm_first_token)
+        pool.prefill(forced, keep_kv=True, request_id="forced")
+        ahead = server.ticket_ahead("forced", forced, first_token=True)
+        server.first_token("forced", FORCED)
+        steps += [{"name": "own-bare", "prompts": [forced], "tickets": [None]}, {"name": "own-after-forced", "prompts": [forced + [FORCED]], "tickets": [None]},
+                  {"name": "loaded-forced", "prompts": [forced], "tickets": [ahead]}]  # fmt: skip
         out = vllm.run(steps)
         capacity = [info.kv_blocks for info in pool.worker_infos[0]]
         free = [w["kv_free_blocks"] for w in pool.health()[0]]
@@ -94,12 +102,21 @@ def test_a_load_that_fails_on_rank_0_is_recomputed_on_both_ranks(run):
     assert re.search(r"KV load of mlapool request 'used' failed, vLLM recomputes it", log)
 
 
+def test_the_tiers_first_token_reaches_both_ranks(run):
+    """Rank 0's load brings the tier's first token and relays it: both ranks sample it (a rank that
+    sampled its own would feed the next step another token), and the answer goes on as vLLM's own
+    answer to the prompt followed by that token."""
+    bare, after, loaded = (run["results"][f"{name}/0"] for name in ("own-bare", "own-after-forced", "loaded-forced"))
+    assert bare["tokens"][0] != FORCED  # vLLM alone would sample another
+    assert loaded["first_step_tokens"] == 1 and loaded["tokens"] == [FORCED] + after["tokens"][: STEPS - 1]
+
+
 def test_each_requests_kv_crosses_once_per_instance(run):
     log = run["log"]
     loaded = re.findall(r"request \S+: \d+ tokens loaded over \S+ .*?mlapool request (\S+);", log)
     received = re.findall(r"request \S+: (\d+) tokens received from TP rank 0", log)
     relayed = re.findall(r"request \S+: (\d+) tokens relayed to 1 other TP ranks", log)
-    expected = sorted([f"p{n}" for n in LENGTHS] + [f"b{i}" for i in range(len(BATCH))] + ["used"])
+    expected = sorted([f"p{n}" for n in LENGTHS] + [f"b{i}" for i in range(len(BATCH))] + ["used", "forced"])
     assert sorted(loaded) == expected  # one load per request: rank 0's
     assert len(received) == len(relayed) == len(expected)
     assert run["transfers"]["completed"] == len(expected) and run["leak_free"]
