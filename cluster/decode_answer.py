@@ -55,10 +55,11 @@ class DecodeAnswer:
     """One client answer over one or more decode servers.
 
     ``forward``: the completion request the first server got (its ``prompt``: the ids vLLM continues
-    from, the client's prompt and the tier's first token when it sent the request after sampling it). ``prompt_tokens``: the
-    client's prompt's length. ``head``: the tier's first token's chunk, already sent (None: vLLM's
-    first chunk is the answer's first). ``prefill(ids)``: the pool's prefill of ``ids`` with the KV
-    kept, and its ticket (``kv_transfer_params``); ``discard(result)``: the KV of a prefill released.
+    from, the client's prompt and the tier's first token when it sent the request after sampling
+    it). ``prompt_tokens``: the client's prompt's length. ``head``: the tier's first token's chunk,
+    already sent (None: vLLM's first chunk is the answer's first). ``prefill(ids)``: the pool's
+    prefill of ``ids`` with the KV kept, and its ticket (``kv_transfer_params``); ``discard(result)``:
+    the KV of a prefill released.
     ``tokens(prompt)``: for an answer asked of vLLM's generate endpoint (``cluster.decode_tokens``),
     what turns a server's token ids after ``prompt`` into completion chunks; None: its completions.
     ``echo``: the tier's first token (``head``'s), when the first server got the bare prompt and was
