@@ -167,3 +167,9 @@ def test_a_decode_endpoint_not_vllms_is_refused_with_the_choices():
     with pytest.raises(ValueError, match=r"decode_endpoint must be one of \['generate', 'completions'\], got 'tokens'"):
         ServeConfig(decode_endpoint="tokens")
     assert ServeConfig().decode_endpoint == "generate"
+
+
+def test_a_decode_forward_not_known_is_refused_with_the_choices():
+    with pytest.raises(ValueError, match=r"decode_forward must be one of \['early', 'after_first_token'\], got 'late'"):
+        ServeConfig(decode_forward="late")
+    assert ServeConfig().decode_forward == "early"
