@@ -8,8 +8,9 @@ each token once. The first server serves vLLM's generate endpoint and the second
 begins as token ids whose text the tier makes and goes on as the second server's completion. The killed server is ejected: the next request goes straight to the other one, and
 the killed one is taken back once it answers ``/health`` again. A client that leaves after 5 tokens
 has vLLM abort the answer (stopped within 5 s, under half of the tokens asked generated). The second
-server runs without ``kv.vllm_first_token``'s processor: a stream sent to it before the tier's first
-token gets a first token of its own, and the answer goes on from the tier's. With both servers dead (the last test), a stream ends with an error event
+server runs without ``kv.vllm_first_token``'s processor: a sampled stream sent to it before the tier's
+first token gets a first token of its own, and the answer goes on from the tier's; a greedy one gets the
+tier's token (float32 on both sides), which its completion's first chunk repeats and the tier leaves out. With both servers dead (the last test), a stream ends with an error event
 and ``[DONE]`` and a request not streamed gets 503. No KV is left held.
 
 Then, on the same tier and servers, the decode-server chaos run (``benchmarks/chaos_decode.py`` holds
@@ -157,6 +158,26 @@ def test_a_server_that_samples_its_own_first_token_has_the_answer_go_on_from_the
     with post(b.url, {**sampled, "prompt": PROMPT + ids[:1], "max_tokens": 11}) as response:
         rest = json.loads(response.read())["choices"][0]["token_ids"]
     assert len(ids) == 12 and ids[1:] == rest
+
+
+def test_a_greedy_stream_on_b_is_bs_own_answer(tier, servers):
+    """Greedy, b's own first token is the tier's (float32 on both sides): its completion's first chunk
+    repeats the token the client already has, which the tier leaves out of the text and the ids, and the
+    client's answer is b's own."""
+    a, b = servers
+    before = served(tier)
+    greedy = {**GREEDY, "max_tokens": 12, "return_token_ids": True}
+    with post(tier, {**GREEDY, "max_tokens": 1000, "stream": True}) as busy:  # a takes it and is busy with it
+        busy.readline()
+        with post(tier, {**greedy, "stream": True}) as response:
+            got = events(response)
+    with post(b.url, greedy) as response:
+        own = json.loads(response.read())["choices"][0]
+    chunks = got[:-1]
+    assert got[-1] == "[DONE]" and served(tier)[b.url]["requests"] == before[b.url]["requests"] + 1
+    assert [t for c in chunks for choice in c["choices"] for t in choice.get("token_ids") or []] == own["token_ids"]
+    assert "".join(choice["text"] for c in chunks for choice in c["choices"]) == own["text"]
+    assert served(tier)[b.url]["first_token_diverged"] == before[b.url]["first_token_diverged"]
 
 
 def test_a_client_that_leaves_stops_vllm_at_once(tier, servers):
