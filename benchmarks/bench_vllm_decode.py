@@ -346,7 +346,7 @@ def run_speed(args, checkpoint: Path, alone: str, tier: str, vllm_log: Path, sav
         rates = [tokens * row_bytes / seconds / 2**30 for tokens, _, seconds, _ in loads if seconds > 0]
         gaps = [b - a for a, b in zip(times["endpoint"], times["endpoint_second_token"])]
         alone_gaps = [b - a for a, b in zip(times["alone"], times["alone_second_token"])]
-        steps = handoff_steps(counted, tier_timeline(tier), new)
+        steps = handoff_steps(counted, tier_report(tier)["handoff_timeline"], new)  # the steps of its recent handoffs, by request id
         one_copy = len(prompts) * n * row_bytes  # every prompt's rows once (n a multiple of the block sizes: whole blocks)
         out[f"{n}x{count}"] = {
             "e2e_second_token_gap_s": percentiles(gaps), "vllm_alone_second_token_gap_s": percentiles(alone_gaps),
@@ -366,8 +366,7 @@ def run_speed(args, checkpoint: Path, alone: str, tier: str, vllm_log: Path, sav
             "per_prompt_s": times,
         }  # fmt: skip
         save(out)
-    with urllib.request.urlopen(tier + "/", timeout=60) as response:  # a first token vLLM did not make the tier's resumes the answer
-        report = json.loads(response.read())
+    report = tier_report(tier)  # a first token vLLM did not make the tier's resumes the answer
     out["decode_answers"] = {"first_token_diverged": sum(s["first_token_diverged"] for s in report["decode_servers"]),
                              "resumptions": report["decode_resumptions"]}  # fmt: skip
     save(out)
@@ -408,10 +407,10 @@ def loads_in_log(text: str, layers: int, width: int) -> list[dict]:
     return out
 
 
-def tier_timeline(tier: str) -> dict:
-    """The tier's ``GET /`` ``handoff_timeline``: the steps of its recent handoffs, by request id."""
+def tier_report(tier: str) -> dict:
+    """The tier's ``GET /``."""
     with urllib.request.urlopen(tier + "/", timeout=60) as response:
-        return json.loads(response.read())["handoff_timeline"]
+        return json.loads(response.read())
 
 
 def handoff_steps(completions: list[dict], timeline: dict, log: str) -> dict[str, list[float]]:

@@ -136,9 +136,7 @@ class OpenAIServing:
             raise OpenAIError(exc.status, str(exc)) from None
         ticket = {"mlapool": self.kv.ticket_ahead(request_id, token_ids, host=self.ticket_host, first_token=True)}
         forward = self._forward(parsed, first.forwarded(parsed.passthrough, echoed=True), token_ids, ticket)
-        tokens = generate = None
-        if self.config.decode_endpoint == "generate" and TokenText.supports(self.tokenizer.tokenizer):  # token ids back, their text made here
-            tokens, generate = TokenText.maker(self.tokenizer.tokenizer, self._eos_id(), forward), generate_body(forward)
+        tokens, generate = self._as_token_ids(forward)
         self.timeline.mark(request_id, "received", received)
         try:  # 32K ids are 3.7 ms of JSON on the 2-core CPU: off the event loop, while the pool prefills
             encoded = await asyncio.to_thread(lambda: json.dumps(generate or forward).encode())
@@ -153,20 +151,16 @@ class OpenAIServing:
             self.kv.first_token(request_id, None)  # vLLM judged the request (as it would alone): its status, not a first token
             return await self._answer(opening.result(), result, parsed, self._decode_answer(parsed, forward, len(token_ids), result.cached_tokens, None))
         try:
-            token = first.sample(result.logits) if first.greedy else await asyncio.to_thread(first.sample, result.logits)
-            finish = first.finish(token)
-            text = "" if finish == "stop" else token_text(self.tokenizer.tokenizer, token_ids, token)
-            self.kv.first_token(request_id, token if finish is None and text is not None else None)
+            token, head = await self._first_chunk(first, result, token_ids)
+            finish = None if head is None else head["choices"][0]["finish_reason"]
+            self.kv.first_token(request_id, token if head is not None and finish is None else None)
             if finish is not None:  # the answer ends here: the decode server's request is abandoned
                 await _abandon(opening)
                 await self._discard(result)
-                return self._local_answer(parsed, first_chunk("cmpl-" + request_id, self.config.model_name, int(time.time()), text, token, finish,
-                                                              token_ids if first.return_token_ids else None), len(token_ids), result.cached_tokens)  # fmt: skip
-            if text is None:  # not whole on its own: vLLM samples the first token, its answer is the client's whole
+                return self._local_answer(parsed, head, len(token_ids), result.cached_tokens)
+            if head is None:  # not whole on its own: vLLM samples the first token, its answer is the client's whole
                 upstream = await opening
                 return await self._answer(upstream, result, parsed, self._decode_answer(parsed, forward, len(token_ids), result.cached_tokens, None, tokens))
-            head = first_chunk("cmpl-" + request_id, self.config.model_name, int(time.time()), text, token, None,
-                               token_ids if first.return_token_ids else None)  # fmt: skip
             answer = self._decode_answer(parsed, forward, len(token_ids), result.cached_tokens, head, tokens, echo=token)
         except BaseException:  # no decode server took it, or the client left
             await _abandon(opening)
@@ -189,23 +183,17 @@ class OpenAIServing:
         self.timeline.mark(result.request_id, "prefilled")
         self.timeline.mark(result.request_id, "pool_ttft_s", result.ttft_s)  # the pool's part of the TTFT
         try:
-            token = first.sample(result.logits) if first.greedy else await asyncio.to_thread(first.sample, result.logits)
-            finish = first.finish(token)
-            text = "" if finish == "stop" else token_text(self.tokenizer.tokenizer, token_ids, token)
-            if text is None:  # not whole on its own: vLLM samples the first token after all
+            token, head = await self._first_chunk(first, result, token_ids)
+            if head is None:  # not whole on its own: vLLM samples the first token after all
                 forward = self._forward(parsed, parsed.passthrough, token_ids, self._ticket(result))
                 upstream = await open_upstream(self.decoders, forward, self.config.decode_timeout_s)
                 return await self._answer(upstream, result, parsed, self._decode_answer(parsed, forward, len(token_ids), result.cached_tokens, None))
-            head = first_chunk("cmpl-" + result.request_id, self.config.model_name, int(time.time()), text, token, finish,
-                               token_ids if first.return_token_ids else None)  # fmt: skip
-            if finish is not None:
+            if head["choices"][0]["finish_reason"] is not None:
                 await self._discard(result)
                 return self._local_answer(parsed, head, len(token_ids), result.cached_tokens)
             forward = self._forward(parsed, first.forwarded(parsed.passthrough), token_ids + [token], self._ticket(result, describe=False))
-            tokens = generate = generated = None
-            if self.config.decode_endpoint == "generate" and TokenText.supports(self.tokenizer.tokenizer):  # token ids back, their text made here
-                tokens, generate = TokenText.maker(self.tokenizer.tokenizer, self._eos_id(), forward), generate_body(forward)
-                generated = encoded_forward(generate, prompt, token, "token_ids")
+            tokens, generate = self._as_token_ids(forward)
+            generated = None if generate is None else encoded_forward(generate, prompt, token, "token_ids")
             self.timeline.mark(result.request_id, "forwarded")
             opening = asyncio.ensure_future(open_upstream(self.decoders, forward, self.config.decode_timeout_s, encoded_forward(forward, prompt, token),
                                                           generate, generated))  # fmt: skip
@@ -260,6 +248,25 @@ class OpenAIServing:
                 opening.exception()  # retrieved: it was answered as an error event
             if result is not None:
                 await self._discard(result)
+
+    async def _first_chunk(self, first: FirstToken, result: PrefillResult, token_ids: list[int]) -> tuple[int, dict[str, Any] | None]:
+        """The first token sampled from ``result``'s logits, and its chunk (its ``finish_reason`` set when
+        it ends the answer), or None when its text is not whole on its own (vLLM samples it then)."""
+        token = first.sample(result.logits) if first.greedy else await asyncio.to_thread(first.sample, result.logits)
+        finish = first.finish(token)
+        text = "" if finish == "stop" else token_text(self.tokenizer.tokenizer, token_ids, token)
+        if text is None:
+            return token, None
+        return token, first_chunk("cmpl-" + result.request_id, self.config.model_name, int(time.time()), text, token, finish,
+                                  token_ids if first.return_token_ids else None)  # fmt: skip
+
+    def _as_token_ids(self, forward: dict[str, Any]) -> tuple[Callable[[list[int]], TokenText] | None, dict[str, Any] | None]:
+        """For an answer whose first token is the tier's: what makes the text of the token ids vLLM's
+        generate endpoint answers, and ``forward`` as that endpoint's body (both None: ``decode_endpoint``
+        completions, or a tokenizer without the Rust backend)."""
+        if self.config.decode_endpoint == "generate" and TokenText.supports(self.tokenizer.tokenizer):
+            return TokenText.maker(self.tokenizer.tokenizer, self._eos_id(), forward), generate_body(forward)
+        return None, None
 
     def _forward(self, parsed: Parsed, params: dict[str, Any], prompt: list[int], ticket: dict[str, Any]) -> dict[str, Any]:
         """The completion request for a decode server (a stream's with its tokens' ids: where it goes on

@@ -44,7 +44,8 @@ KEEP_S = 600.0  # a filed token whose request never sampled (aborted first) is d
 
 class FiledTokens:
     """The tier's first tokens as the loads bring them, by the tier's request id, in one vLLM worker
-    process (the connector's worker half files them, this process's sampler takes them)."""
+    process: the connector's worker half files them, the processor reads them and drops each once its
+    request has sampled (a token never used goes after ``KEEP_S``)."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -57,17 +58,14 @@ class FiledTokens:
                 del self._tokens[stale]
             self._tokens[request_id] = (token, now)
 
-    def take(self, request_id: str) -> int | None:
+    def get(self, request_id: str) -> int | None:
         with self._lock:
-            entry = self._tokens.pop(request_id, None)
+            entry = self._tokens.get(request_id)
         return None if entry is None else entry[0]
 
     def drop(self, request_id: str) -> None:
         with self._lock:
             self._tokens.pop(request_id, None)
-
-    def __len__(self) -> int:
-        return len(self._tokens)
 
 
 FILED = FiledTokens()
@@ -117,10 +115,9 @@ class TierFirstToken(LogitsProcessor):
                 del self.waiting[index]
                 FILED.drop(request_id)
                 continue
-            token = FILED.take(request_id)
+            token = FILED.get(request_id)  # kept until the request has sampled: a recomputed prompt's chunks sample and discard
             if token is None:
                 continue  # no token (yet): vLLM samples; a recomputed prompt's last chunk may still find it
             logits[index].fill_(float("-inf"))
             logits[index, token] = 0.0
-            FILED.file(request_id, token)  # again: a chunk of a recomputed prompt samples and discards; the next may be the real one
         return logits

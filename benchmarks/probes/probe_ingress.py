@@ -9,7 +9,7 @@ Each way starts Ray and the tier (``bench_vllm_decode.start_tier``) in a process
 reads the mode as it starts) and sends ``--requests`` streamed completions of ``--tokens`` token ids
 with ``max_tokens`` 1 and temperature 0, one at a time (``bench_vllm_decode.complete``): the tier
 answers them alone (its first token ends them), so no decode server is involved. The pool's TTFT of
-each comes from the tier's ``GET /`` (``bench_vllm_decode.tier_timeline``), matched by request id.
+each comes from the tier's ``GET /`` (``bench_vllm_decode.tier_report``), matched by request id.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ WAYS = {"serve-proxy": "proxy", "replica-port (RAY_SERVE_THROUGHPUT_OPTIMIZED=1)
 
 def one_way(args) -> dict:
     """Run in the child: the tier up, the requests through ``args.at``, the fixed costs."""
-    from bench_vllm_decode import MODEL, complete, start_tier, tier_timeline
+    from bench_vllm_decode import MODEL, complete, start_tier, tier_report
 
     tier = start_tier(types.SimpleNamespace(device=args.device, kv_cache_tokens=1 << 16, moe_rounding="reference", pool_memory=0.9, ingress=args.at),
                       args.checkpoint, "http://127.0.0.1:9", "float32" if args.device == "cpu" else "bfloat16")  # fmt: skip
@@ -43,7 +43,7 @@ def one_way(args) -> dict:
     for _ in range(5):  # warm-up
         complete(tier, body())
     answers = [complete(tier, body()) for _ in range(args.requests)]
-    timeline = tier_timeline(tier)
+    timeline = tier_report(tier)["handoff_timeline"]
     client = [a["ttft_s"] for a in answers]
     pool = [timeline[a["id"].removeprefix("cmpl-")]["pool_ttft_s"] for a in answers]
     ms = lambda xs: round(statistics.median(xs) * 1e3, 2)  # noqa: E731

@@ -55,7 +55,7 @@ def test_the_first_sampled_position_takes_the_filed_token_once_and_follows_moves
     assert forced_rows(processor) == {3: 9}
     update(processor, removed=[3])  # c finished or aborted
     assert forced_rows(processor) == {} and not processor.waiting
-    assert FILED.take("a") is None  # a used token is not kept
+    assert FILED.get("a") is None  # a used token is not kept
     FILED.drop("c")  # a removed request's stays (it may come back, preempted before its first sample) until KEEP_S
 
 
