@@ -55,7 +55,9 @@ def _rows(worker, block_ids: list[int], tokens: int) -> torch.Tensor:
 
 def main(job_path: str, out_path: str) -> None:
     from vllm import LLM, SamplingParams
+    from vllm_cpu_fork import fork_on_cpu  # tests/vllm_cpu_fork.py: on the CPU, vLLM's processes forked as on a GPU
 
+    fork_on_cpu()
     job = json.loads(open(job_path).read())
     transfer = {
         "kv_connector": "RecordingConnector", "kv_connector_module_path": "vllm_driver", "kv_role": "kv_consumer",

