@@ -36,12 +36,18 @@ SERVER_MODULE = "vllm.entrypoints.openai.api_server"
 _FORK_SERVER: ForkServer | None = None
 
 
+def server_env() -> dict[str, str]:
+    """A vLLM server's environment before its own settings: this process's, without Triton's CPU
+    interpreter, one OpenMP thread, the repository on its path (for the connector and the processor)."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    return {**env, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPOSITORY)}
+
+
 def fork_server() -> ForkServer:
     """This process's vLLM fork server (tests/vllm_cpu_fork.py), started at its first use."""
     global _FORK_SERVER
     if _FORK_SERVER is None or not _FORK_SERVER.alive():
-        env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-        _FORK_SERVER = ForkServer({**env, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPOSITORY)})
+        _FORK_SERVER = ForkServer(server_env())
         atexit.register(_FORK_SERVER.close)
     return _FORK_SERVER
 
@@ -100,9 +106,7 @@ class VLLMServer:
     def start(self) -> None:
         transfer = {"kv_connector": "MlapoolConnector", "kv_connector_module_path": "kv.vllm_connector", "kv_role": "kv_consumer",
                     "kv_load_failure_policy": "recompute", **({"kv_connector_extra_config": self.connector} if self.connector else {})}  # fmt: skip
-        env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-        env.update(OMP_NUM_THREADS="1", PYTHONPATH=str(REPOSITORY))
-        env.update(self.env)
+        env = {**server_env(), **self.env}
         self.starts += 1
         # vllm-cpu's `vllm serve` looks for the metadata of a package named vllm; its api_server module runs the same server
         args = ["--model", str(self.checkpoint), "--port", str(self.port), "--kv-transfer-config", json.dumps(transfer), *self.args]
