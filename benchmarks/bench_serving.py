@@ -4,22 +4,25 @@ memory of both sides sampled.
 
     # one GPU, vLLM's site from deploy/offline_bundle.py --sets vllm; the slice from write_checkpoint.py
     python benchmarks/bench_serving.py sweep --checkpoint /tmp/v3-5layers --vllm-pythonpath /tmp/vllm-site \\
-        --inputs 4096 32768 --rates 0.5 1 2 4 inf --whole-gpu --out benchmarks/results/<date>-h200-serving.json
+        --inputs 4096 32768 --rates 0.5 1 2 4 inf --out benchmarks/results/<date>-h200-serving.json
     python benchmarks/bench_serving.py soak --checkpoint /tmp/v3-5layers --vllm-pythonpath /tmp/vllm-site \\
         --inputs 4096 --rates 2 --duration-s 600 --out benchmarks/results/<date>-h200-serving-soak.json
 
 Every point is one run of vLLM's ``vllm.benchmarks.serve`` (``vllm bench serve``: backend
 ``openai``, ``/v1/completions``, its ``random`` dataset: rate x ``--point-s`` prompts, at least 16,
 or ``--prompts`` at saturation, of exactly the input length and ``--output-len`` output tokens with ``ignore_eos``, Poisson arrivals at the rate;
-``inf`` sends every prompt at once: saturation), not a load generator of ours. From its result:
+``inf`` sends every prompt at once: saturation), not a load generator of ours. Each stack is first
+sent ``--warmup`` prompts of each length at once, not kept (its kernels' first compilations). From its result:
 completed and failed requests, TTFT, TPOT and ITL p50 and p99, output tokens/s, and goodput at TTFT
 <= ``--slo-ttft-ms`` and TPOT <= ``--slo-tpot-ms``.
 
-The stacks (``sweep``): ``tier`` (the Serve tier, its pool on the GPU, the vLLM server with
-mlapool's connector as its decode server) and ``vllm`` (that same vLLM server asked directly: vLLM
-alone with the same share of the GPU, ``--vllm-memory``, the idle pool beside it); with
-``--whole-gpu``, then ``vllm-whole-gpu`` (the tier and that server stopped, vLLM alone started again
-with ``--vllm-memory-whole``). One shared GPU cannot show what disaggregation is for: the pool's
+The stacks (``sweep``, ``--stacks``, all three by default): ``tier`` (the Serve tier, its pool on
+the GPU, the vLLM server with mlapool's connector as its decode server), ``vllm`` (that same vLLM
+server asked directly: vLLM alone with the same share of the GPU, ``--vllm-memory``, the idle pool
+beside it) and ``vllm-whole-gpu`` (then, the tier and that server stopped, vLLM alone started again
+with ``--vllm-memory-whole``, without the tier's logits processor). ``--add`` keeps the stacks of
+``--out`` that this run does not measure (a sweep finished in a later session), and lists each run's
+command, machine, date and stacks in ``runs``. One shared GPU cannot show what disaggregation is for: the pool's
 prefills and vLLM's decode steps take turns on the same SMs, so the tier's decode steps are
 interrupted by its prefills as vLLM's own are by its chunked prefills; what it shows is the cost of
 the handoff under load (two processes, the KV load) against vLLM's own scheduling. A plot of latency
@@ -124,6 +127,9 @@ for run in json.loads(sys.argv[1]):
 """
 
 
+ONE_GPU_STACKS = ("tier", "vllm", "vllm-whole-gpu")
+
+
 def _bench_run(index: int, url: str, *, tokenizer: str, model: str, input_len: int, output_len: int, rate: float, prompts: int, workdir: Path,
                key: str | None = None, slo_ttft_ms: float = 2000.0, slo_tpot_ms: float = 50.0, seed: int = 0, range_ratio: float = 0.0) -> dict:  # fmt: skip
     """One run of ``BENCH``'s list: vLLM's benchmark's arguments, where it writes its result, and the replay's."""
@@ -180,17 +186,25 @@ def run_point(url: str, *, workdir: Path, vllm_pythonpath: str | None = None, **
 
 
 def sweep(stacks: dict[str, tuple[str, str | None]], inputs: list[int], rates: list[float], *, prompts: int, point_s: float, log=print,
-          save=None, servers=(), **point) -> dict:  # fmt: skip
+          save=None, servers=(), warmup: int = 0, **point) -> dict:  # fmt: skip
     """``run_point`` for every stack (name: (url, key)), input length and rate: ``rate * point_s``
     prompts (at least 16) at a finite rate, ``prompts`` at saturation; ``save(results)`` after each.
+    First, per stack, ``warmup`` prompts of each input length at once, not kept: a stack's first
+    prefills of a shape pay its kernels' compilation (vLLM's DeepGEMM kernels are compiled per shape
+    as they are first met), which would otherwise land in the first point's tail.
     ``servers``: the vLLM servers the stacks decode on; a point with failed requests whose server has
     exited says so (``server_died``: its exit code and the exceptions its log names) and ends the sweep."""
     results: dict = {}
+    workdir, vllm_pythonpath = point.pop("workdir"), point.pop("vllm_pythonpath", None)
     for stack, (url, key) in stacks.items():
+        if warmup:
+            warm = run_points([{"url": url, "key": key, "input_len": n, "rate": float("inf"), "prompts": warmup, **point} for n in inputs],
+                              workdir=workdir / f"warmup-{stack}", vllm_pythonpath=vllm_pythonpath)  # fmt: skip
+            log(f"{stack} warmed up: {[(w['input_len'], w['completed'], w['failed']) for w in warm]} (input tokens, done, failed)")
         for input_len in inputs:
             for rate in rates:
                 count = max(16, round(rate * point_s)) if np.isfinite(rate) else prompts
-                got = run_point(url, key=key, input_len=input_len, rate=rate, prompts=count, **point)
+                got = run_point(url, key=key, input_len=input_len, rate=rate, prompts=count, workdir=workdir, vllm_pythonpath=vllm_pythonpath, **point)
                 dead = next((server for server in servers if server.process.poll() is not None), None) if got["failed"] else None
                 if dead is not None:
                     got["server_died"] = died(dead)
@@ -404,13 +418,15 @@ def main() -> None:
     parser.add_argument("--output-len", type=int, default=128, help="output tokens per request (default 128)")
     parser.add_argument("--rates", nargs="+", default=["0.5", "1", "2", "4", "inf"], help="requests/s (inf: all at once); soak: the first")
     parser.add_argument("--prompts", type=int, default=64, help="sweep: the prompts sent at once at saturation (default 64)")
+    parser.add_argument("--warmup", type=int, default=2, help="sweep: prompts of each input length sent at once to each stack first, not kept (default 2)")
     parser.add_argument("--point-s", type=float, default=30.0, help="sweep: a finite rate sends rate x this many prompts, at least 16 (default 30)")
     parser.add_argument("--duration-s", type=float, default=600.0, help="soak: how long (default 600)")
     parser.add_argument("--sample-s", type=float, default=10.0, help="soak: memory sampled every so many seconds (default 10)")
     parser.add_argument("--warmup-s", type=float, default=60.0, help="soak: the memory fitted from then on (default 60)")
     parser.add_argument("--slo-ttft-ms", type=float, default=2000.0)
     parser.add_argument("--slo-tpot-ms", type=float, default=50.0)
-    parser.add_argument("--whole-gpu", action="store_true", help="sweep: then vLLM alone again with --vllm-memory-whole of the GPU")
+    parser.add_argument("--stacks", nargs="+", choices=ONE_GPU_STACKS, help="sweep on one GPU: the stacks measured (default: all; see above)")
+    parser.add_argument("--add", action="store_true", help="sweep: keep the results of --out for the stacks this run does not measure")
     parser.add_argument("--pd", action="store_true", help="sweep on two GPUs: the pool on GPU 0 and its vLLM decode server alone on GPU 1 "
                         "(--vllm-memory-whole of it), then vLLM alone on both (--pd-baseline); the goodput at "
                         "--slo-ttft-ms (as TTFT p99) and ITL p99 <= --itl-factor x each stack's unloaded ITL")  # fmt: skip
@@ -449,8 +465,18 @@ def main() -> None:
         parser.error("soak needs a finite rate (the first of --rates)")
     if not 0 <= args.input_range_ratio < 1:
         parser.error(f"--input-range-ratio must be in [0, 1), got {args.input_range_ratio}")
-    if args.pd and (args.mode != "sweep" or args.whole_gpu or args.vllm_tp > 1 or args.vllm_dp > 1):
-        parser.error("--pd is a sweep of its own two stacks: without --whole-gpu, --vllm-tp or --vllm-dp")
+    if args.pd and (args.mode != "sweep" or args.stacks or args.vllm_tp > 1 or args.vllm_dp > 1):
+        parser.error("--pd is a sweep of its own two stacks: without --stacks, --vllm-tp or --vllm-dp")
+    if (args.stacks or args.add) and args.mode != "sweep":
+        parser.error(f"--stacks and --add are for sweep, not {args.mode}")
+    args.stacks = args.stacks or list(ONE_GPU_STACKS)
+    kept, runs = {}, []
+    if args.add:
+        if not args.out.exists():
+            parser.error(f"--add keeps the results of --out, and {args.out} does not exist")
+        earlier = json.loads(args.out.read_text())
+        kept = {stack: by_input for stack, by_input in earlier["results"].items() if stack not in args.stacks}
+        runs = earlier.get("runs") or [{k: earlier.get(k) for k in ("date", "machine", "command")} | {"stacks": list(earlier["results"])}]
     if args.pd_baseline != "dp2" and not args.pd:
         parser.error(f"--pd-baseline {args.pd_baseline} is the baseline of a --pd sweep: give --pd too")
     args.transport, args.moe_rounding, args.vllm_gpus = "auto", "reference", None  # what start_vllm and start_tier read
@@ -465,10 +491,14 @@ def main() -> None:
     report = {"what": f"bench_serving {args.mode}: vLLM's serving benchmark against the tier's /v1/completions and vLLM alone",
               "date": datetime.date.today().isoformat(), "machine": machine(), "command": " ".join(sys.argv), "checkpoint": str(checkpoint),
               "vllm_mode": vllm_mode(args), "vllm_args": args.vllm_args, "slo": {"ttft_ms": args.slo_ttft_ms, "tpot_ms": args.slo_tpot_ms}, "complete": False}  # fmt: skip
+    if args.mode == "sweep":
+        report["warmup_prompts"] = args.warmup
+    if args.add:
+        report["runs"] = [*runs, {k: report[k] for k in ("date", "machine", "command")} | {"stacks": args.stacks}]
     args.out.parent.mkdir(parents=True, exist_ok=True)
 
     def save(results: dict, complete: bool = False) -> None:
-        args.out.write_text(json.dumps({**report, "complete": complete, "results": results}, indent=1) + "\n")
+        args.out.write_text(json.dumps({**report, "complete": complete, "results": kept | results}, indent=1) + "\n")
 
     point = {"tokenizer": str(checkpoint), "model": MODEL, "output_len": args.output_len, "workdir": work / "points", "slo_ttft_ms": args.slo_ttft_ms,
              "slo_tpot_ms": args.slo_tpot_ms, "seed": args.seed, "vllm_pythonpath": args.vllm_pythonpath, "range_ratio": args.input_range_ratio}  # fmt: skip
@@ -480,19 +510,23 @@ def main() -> None:
         report["pd"] = {"tier-pd": "the pool on GPU 0, its vLLM decode server on GPU 1"} | (
             {"vllm-dp2": "vLLM alone, --data-parallel-size 2 on GPUs 0 and 1"} if args.pd_baseline == "dp2"
             else {"vllm-2x1": "vLLM alone, a server on GPU 0 and one on GPU 1, requests in turn (benchmarks/round_robin.py)"})
-    server = start_vllm(args, checkpoint, dtype, args.max_len, work)
-    try:
-        tier = start_tier(args, checkpoint, server.url, dtype, max_ongoing_requests=args.max_ongoing)
-        if args.mode == "soak":
-            results = soak(tier, pool="bench", vllm_pid=server.process.pid, duration_s=args.duration_s, rate=rates[0], sample_s=args.sample_s,
-                           warmup_s=args.warmup_s, input_len=args.inputs[0], **point)  # fmt: skip
-        else:
-            stacks = {"tier-pd": (tier, None)} if args.pd else {"tier": (tier, None), "vllm": (server.url, None)}
-            results = sweep(stacks, args.inputs, rates, save=save, prompts=args.prompts, point_s=args.point_s, servers=[server], **point)
-        serve.shutdown()
-        ray.shutdown()
-    finally:
-        server.stop()
+    results: dict = {}
+    if args.mode == "soak" or args.pd or {"tier", "vllm"} & set(args.stacks):  # the tier and its vLLM server
+        server = start_vllm(args, checkpoint, dtype, args.max_len, work)
+        try:
+            tier = start_tier(args, checkpoint, server.url, dtype, max_ongoing_requests=args.max_ongoing)
+            if args.mode == "soak":
+                results = soak(tier, pool="bench", vllm_pid=server.process.pid, duration_s=args.duration_s, rate=rates[0], sample_s=args.sample_s,
+                               warmup_s=args.warmup_s, input_len=args.inputs[0], **point)  # fmt: skip
+            else:
+                shared = {"tier": (tier, None), "vllm": (server.url, None)}
+                stacks = {"tier-pd": (tier, None)} if args.pd else {name: shared[name] for name in args.stacks if name in shared}
+                results = sweep(stacks, args.inputs, rates, save=save, prompts=args.prompts, point_s=args.point_s, servers=[server], warmup=args.warmup,
+                                **point)  # fmt: skip
+            serve.shutdown()
+            ray.shutdown()
+        finally:
+            server.stop()
 
     def alone(stack: str, gpus: list[str | None]) -> dict:
         """The sweep of vLLM alone, started anew as ``args`` now say (the tier stopped): one server, or
@@ -510,7 +544,7 @@ def main() -> None:
         try:
             with front as url:
                 return sweep({stack: (url, None)}, args.inputs, rates, save=lambda r: save(results | r), prompts=args.prompts,
-                             point_s=args.point_s, servers=servers, **point)  # fmt: skip
+                             point_s=args.point_s, servers=servers, warmup=args.warmup, **point)  # fmt: skip
         finally:
             if isinstance(front, RoundRobin):
                 report["round_robin_requests"] = list(front.forwarded.values())  # each server's count, in GPU order
@@ -524,12 +558,12 @@ def main() -> None:
         results |= alone("vllm-2x1", ["0", "1"])
     if args.pd:
         report["slo_goodput"] = slo_goodput(results, args.slo_ttft_ms, args.itl_factor)
-    if args.mode == "sweep" and args.whole_gpu:
+    if args.mode == "sweep" and not args.pd and "vllm-whole-gpu" in args.stacks:
         args.vllm_memory, args.vllm_kv_cache_gib = args.vllm_memory_whole, None
         results |= alone("vllm-whole-gpu", [args.vllm_gpus])
     save(results, complete=True)
     if args.mode == "sweep":
-        plot(results, args.out.with_suffix(".png"))
+        plot(kept | results, args.out.with_suffix(".png"))
     else:
         print(json.dumps({k: v for k, v in results.items() if k != "samples"}, indent=1))
         raise SystemExit(0 if results["ok"] else 1)

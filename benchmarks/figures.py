@@ -7,6 +7,11 @@
 the path to the value inside it (keys joined by ``/``; ``key[field=value,...]`` picks the element of
 a list whose fields match) and its format. Machine and date come from the file's own ``machine`` and
 ``date``. The table goes between the ``<!-- figures -->`` and ``<!-- /figures -->`` lines of each page.
+
+A page may also hold serving sweeps (``benchmarks/bench_serving.py sweep``): between a
+``<!-- serving: <results file> -->`` line and the next ``<!-- /serving -->``, a table of every stack,
+input length and rate of that file (TTFT, TPOT and ITL p50 / p99, output tokens/s, goodput) and its
+plot (the file's ``.png``), rebuilt from the file as the figures are.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ RESULTS = REPO / "benchmarks" / "results"
 PAGES = (REPO / "README.md", REPO / "docs" / "performance.md")
 BEGIN, END = "<!-- figures -->", "<!-- /figures -->"
 STEP = re.compile(r"^([^\[]+)(?:\[(.+)\])?$")
+SERVING = re.compile(r"(<!-- serving: (\S+) -->\n)(.*?)(<!-- /serving -->)", re.S)
 
 
 def lookup(document, path: str):
@@ -71,13 +77,45 @@ def table() -> str:
     return "\n".join(rows) + "\n"
 
 
+def serving_table(name: str) -> str:
+    """The table of a serving sweep's results file ``name``: a row per stack, input length and rate
+    (``inf``: every prompt at once), then its plot."""
+    document = json.loads((RESULTS / name).read_text())
+
+    def pair(point: dict, metric: str) -> str:
+        got = point.get(metric, {})
+        return " / ".join("-" if got.get(q) is None else f"{got[q]:,.1f}" for q in ("p50", "p99"))
+
+    rows = [f"{machine(document)}, {str(document.get('date', '?'))[:10]}, vLLM {document.get('vllm_mode', '?')}; SLO for goodput: TTFT <= "
+            f"{document['slo']['ttft_ms']:g} ms and TPOT <= {document['slo']['tpot_ms']:g} ms ([{name}](benchmarks/results/{name})).", "",
+            *([f"Stacks measured in {len(document['runs'])} runs, each starting its servers afresh: "
+               + "; ".join(f"{', '.join(run['stacks'])} ({machine(run)}, {run['date']})" for run in document["runs"]) + ".", ""] if document.get("runs") else []),
+            *(["The sweep did not finish: the points it did not reach are not in the table.", ""] if not document.get("complete") else []),
+            "| stack | input tokens | rate (req/s) | done / failed | TTFT p50 / p99 (ms) | TPOT p50 / p99 (ms) | ITL p50 / p99 (ms) | output tokens/s | goodput (req/s) |",
+            "|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    for stack, by_input in document["results"].items():
+        for input_len, points in by_input.items():
+            for p in points:
+                rate = "saturation" if p["rate"] == float("inf") else f"{p['rate']:g}"
+                goodput = "-" if p.get("request_goodput") is None else f"{p['request_goodput']:.2f}"
+                rows.append(f"| {stack} | {input_len} | {rate} | {p['completed']} / {p['failed']} | {pair(p, 'ttft')} | {pair(p, 'tpot')} | {pair(p, 'itl')} "
+                            f"| {p['output_throughput']:,.0f} | {goodput} |")  # fmt: skip
+    plot = Path(name).with_suffix(".png").name
+    if (RESULTS / plot).exists():
+        rows += ["", f"![latency and throughput against the request rate, {name}](benchmarks/results/{plot})"]
+    return "\n".join(rows) + "\n"
+
+
 def rendered(page: Path, text: str) -> str:
-    """``text`` with its figures table replaced by the current one (links relative to ``page``)."""
-    body = table()
-    if page.parent != REPO:
-        body = body.replace("](benchmarks/", "](../benchmarks/")
+    """``text`` with its figures table and serving tables replaced by the current ones (links
+    relative to ``page``)."""
+
+    def linked(body: str) -> str:
+        return body if page.parent == REPO else body.replace("](benchmarks/", "](../benchmarks/")
+
     start, end = text.index(BEGIN) + len(BEGIN), text.index(END)
-    return text[:start] + "\n" + body + text[end:]
+    text = text[:start] + "\n" + linked(table()) + text[end:]
+    return SERVING.sub(lambda m: m.group(1) + linked(serving_table(m.group(2))) + m.group(4), text)
 
 
 def main() -> int:

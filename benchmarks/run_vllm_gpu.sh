@@ -16,7 +16,8 @@
 # against replayed from its CUDA graphs), probe-ingress (benchmarks/probes/probe_ingress.py on the slice: the
 # tier's fixed cost through Serve's proxy and at the replica's own port; INGRESS=replica gives speed that way too;
 # DECODE_ENDPOINT=completions has speed and speed-kv ask vLLM's /v1/completions after the tier's first token, not its generate endpoint; DECODE_FORWARD=after_first_token has them send vLLM the request after that token, not as the prefill is submitted), serving and soak (benchmarks/bench_serving.py: vLLM's serving
-# benchmark against the tier and vLLM alone at RATES on the slice, then vLLM alone on the whole GPU; 10 minutes of
+# benchmark against the tier and vLLM alone at RATES on the slice, then vLLM alone on the whole GPU (STACKS: some of them; ADD=1
+# keeps the other stacks of OUT_DIR/serving.json, a sweep finished in a second lease); 10 minutes of
 # the tier at SOAK_RATE, memory sampled; both need an H200 and more than one 10-minute call: run them detached),
 # resume (benchmarks/bench_resume.py: a 4K stream whose decode server is killed once it has generated 20 tokens, from the break to
 # the next token; the pool and two servers on one H200). vLLM runs as it deploys
@@ -78,8 +79,8 @@ for step in "$@"; do
                    --out "$out/probe-cuda-graphs.json" ;;
     probe-cg) slice_ckpt; python3 benchmarks/probes/probe_compiled_graph.py --device cuda --tp 1 --checkpoint "$ckpt" --tokens 16 512 4096 \
                --out "$out/probe-compiled-graph.json" ;;
-    serving) slice_ckpt; python3 benchmarks/bench_serving.py sweep --checkpoint "$ckpt" --inputs ${INPUTS:-4096 32768} --output-len 128 \
-               --rates ${RATES:-0.5 1 2 4 inf} --point-s ${POINT_S:-30} --whole-gpu --vllm-max-graph-batch ${VLLM_GRAPH_BATCH:-64} --vllm-memory ${VLLM_MEMORY:-0.4} --kv-cache-tokens 131072 \
+    serving) slice_ckpt; python3 benchmarks/bench_serving.py sweep --checkpoint "$ckpt" --inputs ${INPUTS:-4096 32768} --output-len 128 --stacks ${STACKS:-tier vllm vllm-whole-gpu} ${ADD:+--add} \
+               --rates ${RATES:-0.5 1 2 4 inf} --point-s ${POINT_S:-30} --vllm-max-graph-batch ${VLLM_GRAPH_BATCH:-64} --vllm-memory ${VLLM_MEMORY:-0.4} --kv-cache-tokens 131072 \
                --out "$out/serving.json" ;;
     pd) slice_ckpt; python3 benchmarks/bench_serving.py sweep --pd --pd-baseline ${PD_BASELINE:-dp2} --checkpoint "$ckpt" --inputs ${INPUTS:-17408} --input-range-ratio ${RANGE:-0.88} \
           --output-len 256 --rates ${RATES:-0.5 1 2 4 8 inf} --point-s ${POINT_S:-30} --vllm-max-graph-batch ${VLLM_GRAPH_BATCH:-64} ${VLLM_EAGER:+--vllm-eager} \

@@ -98,7 +98,7 @@ def write_tokenizer(out: Path, config: dict) -> None:
     them, and so are its longest tokens: vLLM refuses a text prompt of more characters than its token
     limit times the longest token's, and with ``<s>`` and ``</s>`` the longest was ``w129279`` (7
     characters, 8 with the space between words): 6 of 16 random 32K-token prompts that fit were refused
-    (``2026-11-26-h200-serving-partial.json``)."""
+    (``history/2026-11-26-h200-serving-partial.json``)."""
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 

@@ -1,5 +1,5 @@
-"""The README and docs/: the figures tables equal what benchmarks/figures.py builds from the results
-files, every Markdown link resolves (files and heading anchors), and the README stays a front page
+"""The README and docs/: the figures tables (and docs/performance.md's serving table) equal what
+benchmarks/figures.py builds from the results files, every Markdown link resolves (files and heading anchors), and the README stays a front page
 that starts with the two commands."""
 
 import re
@@ -40,6 +40,16 @@ def test_a_figure_that_disagrees_with_its_file_is_caught(tmp_path):
     first = table.splitlines()[2]
     tampered = page.read_text().replace(first, first.replace("623,533", "700,000"))
     assert tampered != page.read_text() and figures.rendered(page, tampered) != tampered
+
+
+def test_a_serving_table_that_disagrees_with_its_file_is_caught():
+    page = REPO / "docs" / "performance.md"
+    text = page.read_text()
+    block = figures.SERVING.search(text)
+    assert block is not None, "docs/performance.md has no serving table"
+    row = next(line for line in block.group(3).splitlines() if line.startswith("| tier |"))
+    tampered = text.replace(row, row.replace("| tier |", "| tier-pd |"))
+    assert tampered != text and figures.rendered(page, tampered) == text
 
 
 @pytest.mark.parametrize("page", PAGES, ids=lambda p: p.name)
