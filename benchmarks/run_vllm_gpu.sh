@@ -79,7 +79,7 @@ for step in "$@"; do
                    --out "$out/probe-cuda-graphs.json" ;;
     probe-cg) slice_ckpt; python3 benchmarks/probes/probe_compiled_graph.py --device cuda --tp 1 --checkpoint "$ckpt" --tokens 16 512 4096 \
                --out "$out/probe-compiled-graph.json" ;;
-    serving) slice_ckpt; python3 benchmarks/bench_serving.py sweep --checkpoint "$ckpt" --inputs ${INPUTS:-4096 32768} --output-len 128 --stacks ${STACKS:-tier vllm vllm-whole-gpu} ${ADD:+--add} \
+    serving) slice_ckpt; python3 benchmarks/bench_serving.py sweep --checkpoint "$ckpt" --inputs ${INPUTS:-4096 32768} --output-len 128 ${STACKS:+--stacks $STACKS} ${ADD:+--add} \
                --rates ${RATES:-0.5 1 2 4 inf} --point-s ${POINT_S:-30} --vllm-max-graph-batch ${VLLM_GRAPH_BATCH:-64} --vllm-memory ${VLLM_MEMORY:-0.4} --kv-cache-tokens 131072 \
                --out "$out/serving.json" ;;
     pd) slice_ckpt; python3 benchmarks/bench_serving.py sweep --pd --pd-baseline ${PD_BASELINE:-dp2} --checkpoint "$ckpt" --inputs ${INPUTS:-17408} --input-range-ratio ${RANGE:-0.88} \
