@@ -20,9 +20,10 @@ The stacks (``sweep``, ``--stacks``, all three by default): ``tier`` (the Serve 
 the GPU, the vLLM server with mlapool's connector as its decode server), ``vllm`` (that same vLLM
 server asked directly: vLLM alone with the same share of the GPU, ``--vllm-memory``, the idle pool
 beside it) and ``vllm-whole-gpu`` (then, the tier and that server stopped, vLLM alone started again
-with ``--vllm-memory-whole``, without the tier's logits processor). ``--add`` keeps the stacks of
-``--out`` that this run does not measure (a sweep finished in a later session), and lists each run's
-command, machine, date and stacks in ``runs``. One shared GPU cannot show what disaggregation is for: the pool's
+with ``--vllm-memory-whole``, without the tier's logits processor). ``--add`` keeps what
+``--out`` holds that this run does not measure (another stack, or another input length of the same
+stack: a sweep finished in a later session), and lists each run's command, machine, date, stacks and
+input lengths in ``runs``. One shared GPU cannot show what disaggregation is for: the pool's
 prefills and vLLM's decode steps take turns on the same SMs, so the tier's decode steps are
 interrupted by its prefills as vLLM's own are by its chunked prefills; what it shows is the cost of
 the handoff under load (two processes, the KV load) against vLLM's own scheduling. A plot of latency
@@ -42,9 +43,12 @@ two.
 memory of the tier's processes (Ray's workers: Serve's controller, proxy and replica, the pool's
 workers) and of the vLLM server's processes, and each side's GPU memory where ``nvidia-smi`` runs.
 At the end: every request answered and none failed; per series the growth fitted (least squares)
-from ``--warmup-s`` to the end (the first requests load code and fill caches: on the CPU the tier's
-processes grow by 250-480 MiB in their first 10 s), flat when within ``max(64 MiB, 1% of its
-mean)``: less than what one request's KV would leave per request, more than allocator noise. (On the
+from ``--warmup-s`` after the first request was answered (the pool's Prometheus count, sampled with the
+memory: vLLM's benchmark builds its prompts first) to the end (the first requests load code, fill
+caches and take the pool's activations: on the CPU the tier's processes grow by 250-480 MiB in their
+first 10 s; on an H200 the pool's GPU memory by 17.9 GiB at its first batches), flat when within
+``max(64 MiB, 1% of its mean)``: a leak of 16 KiB a request in host memory, or 120 KiB in the GPU's,
+passes it over the ~4,200 requests fitted of a 10-minute soak at 8/s; allocator noise does not. (On the
 CPU the KV caches of both sides are host memory whose pages are first touched when their blocks are
 first handed out: resident memory grows by up to one request's KV per request until every block has
 been used once, 0.2-0.4 MiB a request for the tiny checkpoint; with ``--kv-cache-tokens 8192`` (128
@@ -219,6 +223,19 @@ def sweep(stacks: dict[str, tuple[str, str | None]], inputs: list[int], rates: l
     return results
 
 
+def kept_results(earlier: dict, stacks: list[str], inputs: list[int]) -> dict:
+    """What ``--add`` keeps of an earlier sweep's ``results`` (stack: input length: points): every
+    stack and input length but those this run measures."""
+    measured = {(stack, str(n)) for stack in stacks for n in inputs}
+    return {stack: kept for stack, by_input in earlier.items()
+            if (kept := {n: points for n, points in by_input.items() if (stack, n) not in measured})}  # fmt: skip
+
+
+def merge_results(kept: dict, results: dict) -> dict:
+    """A sweep's ``results`` with what ``--add`` kept, per stack and input length."""
+    return {stack: kept.get(stack, {}) | results.get(stack, {}) for stack in kept | results}
+
+
 def died(server) -> dict:
     """How a vLLM server that exited ended: its exit code and the exceptions its log names (each
     once, in order: ``RuntimeError: ...``, a bare ``NotImplementedError``), not their tracebacks."""
@@ -276,7 +293,8 @@ def plot(results: dict, path: Path) -> None:
     figure, axes = plt.subplots(len(rows), len(inputs), figsize=(5 * len(inputs), 3.2 * len(rows)), squeeze=False)
     for column, input_len in enumerate(inputs):
         for stack, by_input in results.items():
-            points = [p for p in by_input.get(str(input_len), []) if p["completed"]]  # a point whose requests all failed measured nothing
+            # in rate order (a run may measure saturation first); a point whose requests all failed measured nothing
+            points = sorted((p for p in by_input.get(str(input_len), []) if p["completed"]), key=lambda p: p["rate"])
             if not points:
                 continue
             for row, (metric, q, label) in enumerate(rows):
@@ -347,16 +365,33 @@ def _gpu_mib() -> dict[int, float]:
     return {int(pid): float(mib) for pid, mib in (line.split(",") for line in out.splitlines() if line.strip())}
 
 
-def _growth(samples: list[dict], series: str, warmup_s: float) -> dict:
-    """A series' least-squares growth over the soak after ``warmup_s``, and whether it is flat (see the
-    module docstring)."""
-    fitted = [s for s in samples if s["t_s"] >= warmup_s]
+def _growth(samples: list[dict], series: str, start_s: float) -> dict:
+    """A series' least-squares growth over the samples from ``start_s`` on, and whether it is flat (see
+    the module docstring)."""
+    fitted = [s for s in samples if s["t_s"] >= start_s]
     t = np.array([s["t_s"] for s in fitted])
     y = np.array([s[series] for s in fitted])
-    slope = float(np.polyfit(t, y, 1)[0]) if len(samples) >= 2 and np.ptp(t) > 0 else 0.0
+    slope = float(np.polyfit(t, y, 1)[0]) if len(fitted) >= 2 and np.ptp(t) > 0 else 0.0
     growth, bound = slope * float(np.ptp(t)), max(64.0, 0.01 * float(y.mean()))
     return {"mean_mib": round(float(y.mean()), 1), "slope_mib_per_min": round(slope * 60, 3), "growth_mib": round(growth, 1),
             "bound_mib": round(bound, 1), "flat": abs(growth) <= bound}  # fmt: skip
+
+
+def memory_growth(samples: list[dict], warmup_s: float) -> tuple[float, dict]:
+    """Each memory series' growth (:func:`_growth`) from ``warmup_s`` after the first sample that saw a
+    request answered (``answered``), not after the sampling began: vLLM's benchmark first builds its
+    prompts (52 s for 4,800 of 4K tokens on the GPU machine), and the memory the first requests take
+    (on the H200, the pool's process grew by 17.9 GiB at its first batches, then by 2 MiB to the end) is
+    no leak. Returns the fit's start too."""
+    load = next((s["t_s"] for s in samples if s["answered"] > 0), None)
+    if load is None:
+        raise ValueError("no sample saw a request answered: the soak measured no load")
+    start = load + warmup_s
+    if sum(s["t_s"] >= start for s in samples) < 3:
+        raise ValueError(f"fewer than 3 samples from {start:g} s ({warmup_s:g} s after the first answer at {load:g} s) to the soak's end: "
+                         f"sample more often or soak longer")  # fmt: skip
+    series = [name for name in samples[0] if name not in ("t_s", "answered")]
+    return start, {name: _growth(samples, name, start) for name in series}
 
 
 def _requests_ok(pool: str) -> float:
@@ -367,7 +402,8 @@ def _requests_ok(pool: str) -> float:
 def soak(url: str, *, pool: str, vllm_pid: int, duration_s: float, rate: float, sample_s: float = 10.0, warmup_s: float = 60.0,
          key: str | None = None, log=print, **point) -> dict:  # fmt: skip
     """The tier at ``rate`` for ``duration_s`` (vLLM's benchmark, ``rate * duration_s`` prompts), memory
-    sampled each ``sample_s`` and fitted from ``warmup_s`` on; the report (see the module docstring)."""
+    sampled each ``sample_s`` with the requests answered so far, and fitted from ``warmup_s`` after the
+    first answer (:func:`memory_growth`); the report (see the module docstring)."""
     before_ok = _requests_ok(pool)
     outcome: dict = {}
 
@@ -383,8 +419,8 @@ def soak(url: str, *, pool: str, vllm_pid: int, duration_s: float, rate: float, 
     samples = []
     while runner.is_alive():
         gpu, tier_pids, vllm_pids = _gpu_mib(), ray_worker_pids(), _children(vllm_pid)
-        sample = {"t_s": round(time.monotonic() - started, 1), "tier_rss_mib": round(sum(_rss_mib(p) for p in tier_pids), 1),
-                  "vllm_rss_mib": round(sum(_rss_mib(p) for p in vllm_pids), 1)}  # fmt: skip
+        sample = {"t_s": round(time.monotonic() - started, 1), "answered": _requests_ok(pool) - before_ok,
+                  "tier_rss_mib": round(sum(_rss_mib(p) for p in tier_pids), 1), "vllm_rss_mib": round(sum(_rss_mib(p) for p in vllm_pids), 1)}  # fmt: skip
         if gpu:
             sample.update(tier_gpu_mib=sum(gpu.get(p, 0.0) for p in tier_pids), vllm_gpu_mib=sum(gpu.get(p, 0.0) for p in vllm_pids))
         samples.append(sample)
@@ -397,15 +433,12 @@ def soak(url: str, *, pool: str, vllm_pid: int, duration_s: float, rate: float, 
     while (counted := _requests_ok(pool) - before_ok) < result["completed"] and time.monotonic() < deadline:
         time.sleep(1.0)
     state = tier_info(url, key)
-    series = [name for name in samples[0] if name != "t_s"]
-    if sum(sample["t_s"] >= warmup_s for sample in samples) < 3:
-        raise ValueError(f"a soak of {duration_s} s sampled every {sample_s} s leaves fewer than 3 samples after its warm-up of {warmup_s} s")
-    memory = {name: _growth(samples, name, warmup_s) for name in series}
+    fitted_from_s, memory = memory_growth(samples, warmup_s)
     held = {"kv_kept_requests": state["kv_kept_requests"], "answers_in_flight": sum(s["outstanding"] for s in state["decode_servers"])}
     checks = {"all_answered": result["completed"] == result["prompts"] and result["failed"] == 0, "memory_flat": all(m["flat"] for m in memory.values()),
               "nothing_held": not any(held.values()), "counters_agree": counted == result["completed"]}  # fmt: skip
-    return {"result": result, "warmup_s": warmup_s, "samples": samples, "memory": memory, "held": held, "requests_ok_counted": counted, "checks": checks,
-            "ok": all(checks.values())}  # fmt: skip
+    return {"result": result, "warmup_s": warmup_s, "fitted_from_s": fitted_from_s, "samples": samples, "memory": memory, "held": held,
+            "requests_ok_counted": counted, "checks": checks, "ok": all(checks.values())}  # fmt: skip
 
 
 def main() -> None:
@@ -422,11 +455,13 @@ def main() -> None:
     parser.add_argument("--point-s", type=float, default=30.0, help="sweep: a finite rate sends rate x this many prompts, at least 16 (default 30)")
     parser.add_argument("--duration-s", type=float, default=600.0, help="soak: how long (default 600)")
     parser.add_argument("--sample-s", type=float, default=10.0, help="soak: memory sampled every so many seconds (default 10)")
-    parser.add_argument("--warmup-s", type=float, default=60.0, help="soak: the memory fitted from then on (default 60)")
+    parser.add_argument("--warmup-s", type=float, default=60.0,
+                        help="soak: the memory fitted from this many seconds after the first answered request on (default 60)")
     parser.add_argument("--slo-ttft-ms", type=float, default=2000.0)
     parser.add_argument("--slo-tpot-ms", type=float, default=50.0)
     parser.add_argument("--stacks", nargs="+", choices=ONE_GPU_STACKS, help="sweep on one GPU: the stacks measured (default: all; see above)")
-    parser.add_argument("--add", action="store_true", help="sweep: keep the results of --out for the stacks this run does not measure")
+    parser.add_argument("--add", action="store_true",
+                        help="sweep: keep the results of --out for the stacks and input lengths this run does not measure")
     parser.add_argument("--pd", action="store_true", help="sweep on two GPUs: the pool on GPU 0 and its vLLM decode server alone on GPU 1 "
                         "(--vllm-memory-whole of it), then vLLM alone on both (--pd-baseline); the goodput at "
                         "--slo-ttft-ms (as TTFT p99) and ITL p99 <= --itl-factor x each stack's unloaded ITL")  # fmt: skip
@@ -477,7 +512,7 @@ def main() -> None:
         if not args.out.exists():
             parser.error(f"--add keeps the results of --out, and {args.out} does not exist")
         earlier = json.loads(args.out.read_text())
-        kept = {stack: by_input for stack, by_input in earlier["results"].items() if stack not in args.stacks}
+        kept = kept_results(earlier["results"], args.stacks, args.inputs)
         runs = earlier.get("runs") or [{k: earlier.get(k) for k in ("date", "machine", "command")} | {"stacks": list(earlier["results"])}]
     if args.pd_baseline != "dp2" and not args.pd:
         parser.error(f"--pd-baseline {args.pd_baseline} is the baseline of a --pd sweep: give --pd too")
@@ -496,11 +531,11 @@ def main() -> None:
     if args.mode == "sweep":
         report["warmup_prompts"] = args.warmup
     if args.add:
-        report["runs"] = [*runs, {k: report[k] for k in ("date", "machine", "command")} | {"stacks": args.stacks}]
+        report["runs"] = [*runs, {k: report[k] for k in ("date", "machine", "command")} | {"stacks": args.stacks, "inputs": args.inputs}]
     args.out.parent.mkdir(parents=True, exist_ok=True)
 
     def save(results: dict, complete: bool = False) -> None:
-        args.out.write_text(json.dumps({**report, "complete": complete, "results": kept | results}, indent=1) + "\n")
+        args.out.write_text(json.dumps({**report, "complete": complete, "results": merge_results(kept, results)}, indent=1) + "\n")
 
     point = {"tokenizer": str(checkpoint), "model": MODEL, "output_len": args.output_len, "workdir": work / "points", "slo_ttft_ms": args.slo_ttft_ms,
              "slo_tpot_ms": args.slo_tpot_ms, "seed": args.seed, "vllm_pythonpath": args.vllm_pythonpath, "range_ratio": args.input_range_ratio}  # fmt: skip
@@ -565,7 +600,7 @@ def main() -> None:
         results |= alone("vllm-whole-gpu", [args.vllm_gpus])
     save(results, complete=True)
     if args.mode == "sweep":
-        plot(kept | results, args.out.with_suffix(".png"))
+        plot(merge_results(kept, results), args.out.with_suffix(".png"))
     else:
         print(json.dumps({k: v for k, v in results.items() if k != "samples"}, indent=1))
         raise SystemExit(0 if results["ok"] else 1)

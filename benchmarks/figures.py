@@ -86,16 +86,20 @@ def serving_table(name: str) -> str:
         got = point.get(metric, {})
         return " / ".join("-" if got.get(q) is None else f"{got[q]:,.1f}" for q in ("p50", "p99"))
 
+    def inputs(run: dict) -> str:  # the input lengths a run measured where it lists them (the first runs measured all of theirs)
+        return f" at {', '.join(str(n) for n in run['inputs'])} tokens in" if run.get("inputs") else ""
+
     rows = [f"{machine(document)}, {str(document.get('date', '?'))[:10]}, vLLM {document.get('vllm_mode', '?')}; SLO for goodput: TTFT <= "
             f"{document['slo']['ttft_ms']:g} ms and TPOT <= {document['slo']['tpot_ms']:g} ms ([{name}](benchmarks/results/{name})).", "",
             *([f"Stacks measured in {len(document['runs'])} runs, each starting its servers afresh: "
-               + "; ".join(f"{', '.join(run['stacks'])} ({machine(run)}, {run['date']})" for run in document["runs"]) + ".", ""] if document.get("runs") else []),
+               + "; ".join(f"{', '.join(run['stacks'])}{inputs(run)} ({machine(run)}, {run['date']})" for run in document["runs"]) + ".", ""]
+               if document.get("runs") else []),
             *(["The sweep did not finish: the points it did not reach are not in the table.", ""] if not document.get("complete") else []),
             "| stack | input tokens | rate (req/s) | done / failed | TTFT p50 / p99 (ms) | TPOT p50 / p99 (ms) | ITL p50 / p99 (ms) | output tokens/s | goodput (req/s) |",
             "|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
     for stack, by_input in document["results"].items():
         for input_len, points in by_input.items():
-            for p in points:
+            for p in sorted(points, key=lambda p: p["rate"]):
                 rate = "saturation" if p["rate"] == float("inf") else f"{p['rate']:g}"
                 goodput = "-" if p.get("request_goodput") is None else f"{p['request_goodput']:.2f}"
                 rows.append(f"| {stack} | {input_len} | {rate} | {p['completed']} / {p['failed']} | {pair(p, 'ttft')} | {pair(p, 'tpot')} | {pair(p, 'itl')} "

@@ -479,15 +479,18 @@ def test_a_serving_point_with_failed_requests_says_why(vllm_url, checkpoint, tmp
 
 
 def test_a_short_soak_answers_everything_holds_nothing_and_counts_as_the_client(tier, vllm_server, checkpoint, tmp_path):
-    """``bench_serving.soak`` for 20 s (the GPU soak runs 10 minutes): memory sampled on both sides, every
-    request answered, nothing held, the pool's Prometheus count of answered requests the client's."""
+    """``bench_serving.soak`` for 12 s (the GPU soak runs 10 minutes): memory sampled on both sides, every
+    request answered, nothing held, the pool's Prometheus count of answered requests the client's, the
+    memory fitted from the warm-up after the first answer it counted."""
     from bench_serving import soak
 
-    report = soak(tier, pool="openai", vllm_pid=vllm_server.process.pid, duration_s=20, rate=2.0, sample_s=2.0, warmup_s=6.0, key=TIER_KEY,
+    report = soak(tier, pool="openai", vllm_pid=vllm_server.process.pid, duration_s=12, rate=4.0, sample_s=1.0, warmup_s=3.0, key=TIER_KEY,
                   tokenizer=str(checkpoint), model=MODEL, input_len=64, output_len=8, workdir=tmp_path)  # fmt: skip
     checks = report["checks"]
     assert checks["all_answered"] and checks["nothing_held"] and checks["counters_agree"], report["checks"]
-    assert report["result"]["completed"] == 40 and len(report["samples"]) >= 8
+    assert report["result"]["completed"] == 48 and len(report["samples"]) >= 10
+    first_answer = next(s["t_s"] for s in report["samples"] if s["answered"])
+    assert report["fitted_from_s"] == first_answer + 3.0 and report["samples"][-1]["answered"] <= 48
     assert report["memory"].keys() == {"tier_rss_mib", "vllm_rss_mib"} and all(m["mean_mib"] > 100 for m in report["memory"].values())
 
 
