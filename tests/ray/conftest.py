@@ -19,7 +19,10 @@ os.environ.setdefault("RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S", "60")
 
 @pytest.fixture(scope="module")
 def ray_cluster():
-    ray.init(num_cpus=2, num_gpus=4, include_dashboard=False, logging_level=logging.WARNING, log_to_driver=False)
+    # metrics exported each second, not Ray's 10: the tests that read the pool's counters on Ray's Prometheus
+    # endpoint (the soak's, the decode chaos run's) wait for them that much less
+    ray.init(num_cpus=2, num_gpus=4, include_dashboard=False, logging_level=logging.WARNING, log_to_driver=False,
+             _system_config={"metrics_report_interval_ms": 1000})
     yield ray
     ray.shutdown()
 
