@@ -44,9 +44,10 @@ memory of the tier's processes (Ray's workers: Serve's controller, proxy and rep
 workers) and of the vLLM server's processes, and each side's GPU memory where ``nvidia-smi`` runs.
 At the end: every request answered and none failed; per series the growth fitted (least squares)
 from ``--warmup-s`` after the first request was answered (the pool's Prometheus count, sampled with the
-memory: vLLM's benchmark builds its prompts first) to the end (the first requests load code, fill
-caches and take the pool's activations: on the CPU the tier's processes grow by 250-480 MiB in their
-first 10 s; on an H200 the pool's GPU memory by 17.9 GiB at its first batches), flat when within
+memory: vLLM's benchmark builds its prompts first, 52 s for 4,800 of 4K tokens on the GPU machine) to
+the end (the first requests load code and fill caches, and the pool's first batches take memory: on
+the CPU the tier's processes grow by 250-480 MiB in their first 10 s; on an H200 the pool's GPU
+memory grew by 17.9 GiB at its first batches, then by 2 MiB to the end), flat when within
 ``max(64 MiB, 1% of its mean)``: a leak of 16 KiB a request in host memory, or 120 KiB in the GPU's,
 passes it over the ~4,200 requests fitted of a 10-minute soak at 8/s; allocator noise does not. (On the
 CPU the KV caches of both sides are host memory whose pages are first touched when their blocks are
@@ -379,10 +380,8 @@ def _growth(samples: list[dict], series: str, start_s: float) -> dict:
 
 def memory_growth(samples: list[dict], warmup_s: float) -> tuple[float, dict]:
     """Each memory series' growth (:func:`_growth`) from ``warmup_s`` after the first sample that saw a
-    request answered (``answered``), not after the sampling began: vLLM's benchmark first builds its
-    prompts (52 s for 4,800 of 4K tokens on the GPU machine), and the memory the first requests take
-    (on the H200, the pool's process grew by 17.9 GiB at its first batches, then by 2 MiB to the end) is
-    no leak. Returns the fit's start too."""
+    request answered (``answered``), not after the sampling began (why: the module docstring), and the
+    fit's start."""
     load = next((s["t_s"] for s in samples if s["answered"] > 0), None)
     if load is None:
         raise ValueError("no sample saw a request answered: the soak measured no load")
