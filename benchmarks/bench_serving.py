@@ -14,7 +14,11 @@ or ``--prompts`` at saturation, of exactly the input length and ``--output-len``
 ``inf`` sends every prompt at once: saturation), not a load generator of ours. Each stack is first
 sent ``--warmup`` prompts of each length at once, not kept (its kernels' first compilations). From its result:
 completed and failed requests, TTFT, TPOT and ITL p50 and p99, output tokens/s, and goodput at TTFT
-<= ``--slo-ttft-ms`` and TPOT <= ``--slo-tpot-ms``.
+<= ``--slo-ttft-ms`` and TPOT <= ``--slo-tpot-ms``. Where an ITL tail comes from: the share of the
+intervals over 10, 25, 50 and 100 ms as the client saw them (``itl_over_ms``, from the benchmark's
+per-request intervals) and as vLLM's engines recorded them (``engine_itl``: its Prometheus histogram,
+read from its servers before and after the point: its engine's step cadence, before its API server
+streams the tokens and before the tier relays them).
 
 The stacks (``sweep``, ``--stacks``, all three by default): ``tier`` (the Serve tier, its pool on
 the GPU, the vLLM server with mlapool's connector as its decode server), ``vllm`` (that same vLLM
@@ -34,7 +38,8 @@ decode server alone on GPU 1 (``tier-pd``: decode steps no prefill interrupts, t
 over NVLink), against vLLM alone with ``--data-parallel-size 2`` over both GPUs (``vllm-dp2``) or,
 with ``--pd-baseline two-servers``, a vLLM server per GPU with the requests sent to them in turn
 (``vllm-2x1``, ``benchmarks/round_robin.py``), each with ``--vllm-memory-whole`` of its GPUs;
-``--input-range-ratio`` spreads the prompts' lengths (input 17408 with 0.88: 2,089 to 32,727 tokens). ``slo_goodput`` in the JSON: per stack the request throughput
+``--input-range-ratio`` spreads the prompts' lengths (input 17408 with 0.88: 2,089 to 32,727 tokens) and, as vLLM's
+random dataset does, the answers' (256 with 0.88: 30 to 482 tokens). ``slo_goodput`` in the JSON: per stack the request throughput
 at the highest rate whose TTFT p99 is within ``--slo-ttft-ms`` and whose ITL p99 is within
 ``--itl-factor`` times that stack's unloaded ITL (its ITL p50 at the lowest rate), and the ratio of the
 two.
@@ -76,6 +81,7 @@ import sys
 import tempfile
 import threading
 import time
+import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -86,6 +92,10 @@ from machine import machine  # benchmarks/machine.py
 from round_robin import RoundRobin  # benchmarks/round_robin.py
 
 METRICS = ("ttft", "tpot", "itl")
+# vLLM's histogram of its engine's inter-token intervals (its front end's record of each request's outputs as the
+# engine core stamped them: before its API server's streaming and any relay), by its names in 0.26-0.32 and before
+ENGINE_ITL = ("vllm:inter_token_latency_seconds", "vllm:time_per_output_token_seconds")
+ITL_OVER_MS = (10, 25, 50, 100)  # bounds of vLLM's default buckets for it
 # vLLM's benchmark, as `vllm bench serve` runs it (the module, as a console script may be missing), once for
 # each run of a JSON list, in one process (its imports, ~15 s on the 2-core CPU, paid once). vLLM's
 # benchmark keeps only a failed request's HTTP reason ("Bad Request"), so a run with failed requests has its
@@ -143,7 +153,7 @@ def _bench_run(index: int, url: str, *, tokenizer: str, model: str, input_len: i
             "--dataset-name", "random", "--random-input-len", str(input_len), "--random-output-len", str(output_len),
             "--random-range-ratio", str(range_ratio), "--ignore-eos", "--num-prompts", str(prompts), "--request-rate", str(rate), "--seed", str(seed),
             "--percentile-metrics", ",".join(METRICS), "--metric-percentiles", "50,99", "--goodput", f"ttft:{slo_ttft_ms}", f"tpot:{slo_tpot_ms}",
-            "--save-result", "--result-dir", str(workdir), "--result-filename", name]  # fmt: skip
+            "--save-result", "--save-detailed", "--result-dir", str(workdir), "--result-filename", name]  # fmt: skip
     return {"args": args, "key": key, "result": str(workdir / name), "failures": str(workdir / f"{name}.failures.json"),
             "replay": {"url": url, "tokenizer": tokenizer, "model": model, "input_len": input_len, "output_len": output_len, "prompts": prompts,
                        "seed": seed, "key": key, "range_ratio": range_ratio},
@@ -176,6 +186,9 @@ def _point(spec: dict) -> dict:
              "request_goodput": None if raw.get("request_goodput") is None else round(raw["request_goodput"], 4)}  # fmt: skip
     for metric in METRICS:
         point[metric] = {p: round(raw[f"{p}_{metric}_ms"], 2) for p in ("p50", "p99") if f"{p}_{metric}_ms" in raw}
+    itls = np.array([gap for request in raw.get("itls") or [] for gap in request])  # seconds, every request's (--save-detailed)
+    if itls.size:
+        point["itl_over_ms"] = {str(ms): round(float((itls > ms / 1000).mean()), 5) for ms in ITL_OVER_MS}
     if point["failed"]:
         failures = Path(spec["failures"])
         point["failures"] = json.loads(failures.read_text()) if failures.exists() else {"the replay did not run": 0}
@@ -188,6 +201,35 @@ def run_point(url: str, *, workdir: Path, vllm_pythonpath: str | None = None, **
     prompts sent again, see ``BENCH``). ``range_ratio``: the prompts' lengths drawn uniformly from
     ``input_len * (1 -+ range_ratio)`` (vLLM's ``--random-range-ratio``)."""
     return run_points([{"url": url, **run}], workdir=workdir, vllm_pythonpath=vllm_pythonpath)[0]
+
+
+def engine_itl_buckets(urls: list[str]) -> dict[float, float]:
+    """vLLM's engine inter-token histogram (``ENGINE_ITL``) now, summed over the servers at ``urls`` and
+    their engines: cumulative count per bucket's upper bound, in seconds (``inf`` the total)."""
+    found = re.compile(r'^(?P<name>[\w:]+)_bucket\{(?P<labels>[^}]*)\} (?P<count>\S+)$', re.M)
+    total: dict[float, float] = {}
+    for url in urls:
+        with urllib.request.urlopen(f"{url}/metrics", timeout=10) as response:
+            text = response.read().decode()
+        buckets = [m for m in found.finditer(text) if m["name"] in ENGINE_ITL]
+        name = min((m["name"] for m in buckets), key=ENGINE_ITL.index, default=None)  # the newer name where a server has both
+        for m in buckets:
+            if m["name"] == name:
+                le = float(re.search(r'le="([^"]+)"', m["labels"]).group(1))
+                total[le] = total.get(le, 0.0) + float(m["count"])
+    return total
+
+
+def engine_itl_over(before: dict[float, float], after: dict[float, float]) -> dict:
+    """Between two reads of :func:`engine_itl_buckets`: how many intervals vLLM's engines recorded, and
+    the share of them over each of ``ITL_OVER_MS`` that is a bucket bound (as ``itl_over_ms`` gives the
+    client's), so that a point's ITL tail is told apart: vLLM's engine steps, or what lies between them
+    and the client (vLLM's API server, the tier's relay)."""
+    total = after.get(float("inf"), 0.0) - before.get(float("inf"), 0.0)
+    if total <= 0:
+        return {"intervals": 0}
+    over = {str(ms): round(1 - (after[ms / 1000] - before.get(ms / 1000, 0.0)) / total, 5) for ms in ITL_OVER_MS if ms / 1000 in after}
+    return {"intervals": int(total), "over_ms": over}
 
 
 def sweep(stacks: dict[str, tuple[str, str | None]], inputs: list[int], rates: list[float], *, prompts: int, point_s: float, log=print,
@@ -209,7 +251,10 @@ def sweep(stacks: dict[str, tuple[str, str | None]], inputs: list[int], rates: l
         for input_len in inputs:
             for rate in rates:
                 count = max(16, round(rate * point_s)) if np.isfinite(rate) else prompts
+                before = engine_itl_buckets([server.url for server in servers])
                 got = run_point(url, key=key, input_len=input_len, rate=rate, prompts=count, workdir=workdir, vllm_pythonpath=vllm_pythonpath, **point)
+                with contextlib.suppress(OSError):  # a server that exited has no figures: said below
+                    got["engine_itl"] = engine_itl_over(before, engine_itl_buckets([server.url for server in servers]))
                 dead = next((server for server in servers if server.process.poll() is not None), None) if got["failed"] else None
                 if dead is not None:
                     got["server_died"] = died(dead)
@@ -249,7 +294,10 @@ def slo_goodput(results: dict, ttft_p99_ms: float, itl_factor: float) -> dict:
     """Per stack and input length, the goodput at the SLOs of disaggregation's benchmark: the request
     throughput at the highest rate whose TTFT p99 is within ``ttft_p99_ms`` and whose ITL p99 is within
     ``itl_factor`` times the stack's unloaded ITL (its ITL p50 at the lowest finite rate), nothing
-    failed; 0 when no rate meets them. With two stacks, each input's ratio of the first to the second."""
+    failed; 0 when no rate meets them. Beside it, vLLM's own goodput at its best rate
+    (``request_goodput``: the requests per second each within TTFT and TPOT bounds, ``--slo-ttft-ms``
+    and ``--slo-tpot-ms``, as its benchmark counts them; DistServe's per-request form). With two
+    stacks, each input's ratios of the first to the second (``ratio``, ``request_goodput_ratio``)."""
     out: dict = {}
     for stack, by_input in results.items():
         for input_len, points in by_input.items():
@@ -259,14 +307,20 @@ def slo_goodput(results: dict, ttft_p99_ms: float, itl_factor: float) -> dict:
             unloaded = finite[0]["itl"]["p50"]
             met = [p for p in points if not p["failed"] and p["ttft"]["p99"] <= ttft_p99_ms and p["itl"]["p99"] <= itl_factor * unloaded]
             best = max(met, key=lambda p: p["request_throughput"], default=None)
+            counted = max(points, key=lambda p: p.get("request_goodput") or 0.0)
             out.setdefault(input_len, {})[stack] = {
                 "unloaded_itl_ms": unloaded, "itl_p99_bound_ms": round(itl_factor * unloaded, 2), "ttft_p99_bound_ms": ttft_p99_ms,
                 "slo_rate": None if best is None else best["rate"], "goodput_req_s": 0.0 if best is None else best["request_throughput"],
+                "request_goodput": {"req_s": counted.get("request_goodput") or 0.0, "rate": counted["rate"]},
             }  # fmt: skip
     for by_stack in out.values():
         first, second = (list(by_stack.values()) + [None, None])[:2]
-        if first is not None and second is not None and second["goodput_req_s"]:
+        if first is None or second is None:
+            continue
+        if second["goodput_req_s"]:
             by_stack["ratio"] = round(first["goodput_req_s"] / second["goodput_req_s"], 3)
+        if second["request_goodput"]["req_s"]:
+            by_stack["request_goodput_ratio"] = round(first["request_goodput"]["req_s"] / second["request_goodput"]["req_s"], 3)
     return out
 
 
@@ -442,7 +496,8 @@ def soak(url: str, *, pool: str, vllm_pid: int, duration_s: float, rate: float, 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("mode", choices=["sweep", "soak", "plot"], help="plot: draw the plot of the sweep in --out")
+    parser.add_argument("mode", choices=["sweep", "soak", "plot"],
+                        help="plot: draw the plot of the sweep in --out again (and a --pd sweep's slo_goodput, at --itl-factor)")
     parser.add_argument("--out", type=Path, required=True, help="the results JSON (sweep: and its plot, .png)")
     parser.add_argument("--checkpoint", type=Path, help="the checkpoint both sides load (on the CPU: a tiny one is written when not given)")
     parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
@@ -468,7 +523,8 @@ def main() -> None:
                         help="--pd: vLLM alone as one server of --data-parallel-size 2 (dp2, default) or as a server per GPU behind a round robin")
     parser.add_argument("--itl-factor", type=float, default=2.0, help="--pd: the ITL p99 bound over the stack's unloaded ITL (default 2)")
     parser.add_argument("--input-range-ratio", type=float, default=0.0,
-                        help="prompt lengths uniform in input x (1 -+ this): vLLM's --random-range-ratio (default 0: every prompt of the input length)")
+                        help="prompt lengths uniform in input x (1 -+ this), output lengths in --output-len x (1 -+ this): vLLM's "
+                             "--random-range-ratio (default 0: every prompt of the input length, every answer of the output length)")  # fmt: skip
     parser.add_argument("--vllm-memory-whole", type=float, default=0.9)
     parser.add_argument("--vllm-pythonpath", default=os.environ.get("VLLM_PYTHONPATH"), help="vLLM's site, first on its server's and benchmark's path")
     parser.add_argument("--vllm-memory", type=float, default=0.4, help="vLLM's --gpu-memory-utilization beside the pool (default 0.4)")
@@ -481,11 +537,18 @@ def main() -> None:
     parser.add_argument("--pool-memory", type=float, default=0.9, help="the pool's gpu_memory_utilization, vLLM's share included (default 0.9)")
     parser.add_argument("--kv-cache-tokens", type=int, default=1 << 18, help="the pool's KV cache per worker (default 262144)")
     parser.add_argument("--start-timeout", type=float, default=600.0)
+    parser.add_argument("--ingress", choices=["proxy", "replica"], default="proxy",
+                        help="where the benchmark reaches the tier: Serve's HTTP proxy (default), or the replica's own port in Ray Serve's "
+                             "throughput-optimized mode (as bench_vllm_decode.py --ingress): the proxy's share of a latency told apart")  # fmt: skip
     parser.add_argument("--max-ongoing", type=int, default=256, help="the tier's max_ongoing_requests (default 256: Serve does not cap the load)")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
     if args.mode == "plot":
-        plot(json.loads(args.out.read_text())["results"], args.out.with_suffix(".png"))
+        document = json.loads(args.out.read_text())
+        if "slo_goodput" in document:  # a --pd sweep's, read again as this script reads it now
+            document["slo_goodput"] = slo_goodput(document["results"], document["slo"]["ttft_ms"], args.itl_factor)
+            args.out.write_text(json.dumps(document, indent=1) + "\n")
+        plot(document["results"], args.out.with_suffix(".png"))
         return
     try:
         rates = [float(r) for r in args.rates]
@@ -526,7 +589,7 @@ def main() -> None:
     args.max_len = int(max(args.inputs) * (1 + args.input_range_ratio)) + args.output_len + 16
     report = {"what": f"bench_serving {args.mode}: vLLM's serving benchmark against the tier's /v1/completions and vLLM alone",
               "date": datetime.date.today().isoformat(), "machine": machine(), "command": " ".join(sys.argv), "checkpoint": str(checkpoint),
-              "vllm_mode": vllm_mode(args), "vllm_args": args.vllm_args, "slo": {"ttft_ms": args.slo_ttft_ms, "tpot_ms": args.slo_tpot_ms}, "complete": False}  # fmt: skip
+              "vllm_mode": vllm_mode(args), "vllm_args": args.vllm_args, "ingress": args.ingress, "slo": {"ttft_ms": args.slo_ttft_ms, "tpot_ms": args.slo_tpot_ms}, "complete": False}  # fmt: skip
     if args.mode == "sweep":
         report["warmup_prompts"] = args.warmup
     if args.add:

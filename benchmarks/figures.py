@@ -10,8 +10,9 @@ a list whose fields match) and its format. Machine and date come from the file's
 
 A page may also hold serving sweeps (``benchmarks/bench_serving.py sweep``): between a
 ``<!-- serving: <results file> -->`` line and the next ``<!-- /serving -->``, a table of every stack,
-input length and rate of that file (TTFT, TPOT and ITL p50 / p99, output tokens/s, goodput) and its
-plot (the file's ``.png``), rebuilt from the file as the figures are.
+input length and rate of that file (TTFT, TPOT and ITL p50 / p99, output tokens/s, goodput), a
+two-GPU sweep's goodput at its SLOs, the share of the ITL tail at the client and in vLLM's engines
+where the points have both, and its plot (the file's ``.png``), rebuilt from the file as the figures are.
 """
 
 from __future__ import annotations
@@ -104,10 +105,45 @@ def serving_table(name: str) -> str:
                 goodput = "-" if p.get("request_goodput") is None else f"{p['request_goodput']:.2f}"
                 rows.append(f"| {stack} | {input_len} | {rate} | {p['completed']} / {p['failed']} | {pair(p, 'ttft')} | {pair(p, 'tpot')} | {pair(p, 'itl')} "
                             f"| {p['output_throughput']:,.0f} | {goodput} |")  # fmt: skip
+    rows += _goodput_lines(document) + _tail_table(document)
     plot = Path(name).with_suffix(".png").name
     if (RESULTS / plot).exists():
         rows += ["", f"![latency and throughput against the request rate, {name}](benchmarks/results/{plot})"]
     return "\n".join(rows) + "\n"
+
+
+def _goodput_lines(document) -> list[str]:
+    """A two-GPU sweep's (``--pd``) goodput per input length: at its p99 SLOs, and vLLM's own at the best rate."""
+    lines = []
+    for input_len, by_stack in document.get("slo_goodput", {}).items():
+        stacks = {k: v for k, v in by_stack.items() if isinstance(v, dict)}
+        at_p99 = "; ".join(f"{k} {v['goodput_req_s']:.2f} req/s (ITL bound {v['itl_p99_bound_ms']:g} ms)" for k, v in stacks.items())
+        counted = "; ".join(f"{k} {v['request_goodput']['req_s']:.2f} req/s at {v['request_goodput']['rate']:g}/s" for k, v in stacks.items())
+        p99_ratio = f", {by_stack['ratio']:.2f}x" if "ratio" in by_stack else ""
+        ratio = f", {by_stack['request_goodput_ratio']:.2f}x" if "request_goodput_ratio" in by_stack else ""
+        slo = document["slo"]
+        lines += ["", f"Goodput at {input_len} tokens in: at TTFT p99 <= {slo['ttft_ms']:g} ms and ITL p99 <= 2x the stack's unloaded ITL "
+                      f"(its ITL p50 at the lowest rate), {at_p99}{p99_ratio}. vLLM's own goodput (each request within TTFT "
+                      f"{slo['ttft_ms']:g} ms and TPOT {slo['tpot_ms']:g} ms), at the best rate: {counted}{ratio}."]  # fmt: skip
+    return lines
+
+
+def _tail_table(document) -> list[str]:
+    """Where the points' ITL tails arise: the share of the intervals over 10 / 25 / 50 ms at the client
+    and in vLLM's engines (points that have both)."""
+    rows = []
+    for stack, by_input in document["results"].items():
+        for input_len, points in by_input.items():
+            for p in sorted(points, key=lambda p: p["rate"]):
+                if "itl_over_ms" in p and p.get("engine_itl", {}).get("over_ms"):
+                    rate = "saturation" if p["rate"] == float("inf") else f"{p['rate']:g}"
+                    client, engine = (" / ".join(f"{100 * shares[ms]:.2f}" for ms in ("10", "25", "50")) for shares in (p["itl_over_ms"], p["engine_itl"]["over_ms"]))
+                    rows.append(f"| {stack} | {input_len} | {rate} | {client} | {engine} |")
+    if not rows:
+        return []
+    return ["", "Where the ITL tail arises: the share of the intervals over 10 / 25 / 50 ms, as the client saw them and as vLLM's engines "
+                "recorded them (their Prometheus histogram, before vLLM's API server and any relay).", "",
+            "| stack | input tokens | rate (req/s) | client, % over 10 / 25 / 50 ms | vLLM's engines, % over 10 / 25 / 50 ms |", "|---|---|---|---|---|", *rows]  # fmt: skip
 
 
 def rendered(page: Path, text: str) -> str:

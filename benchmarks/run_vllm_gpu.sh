@@ -14,7 +14,7 @@
 # seeds, default all three), probe-cg (benchmarks/probes/probe_compiled_graph.py on the slice: the pool's per-batch
 # call as Ray tasks against a Ray Compiled Graph), probe-graphs (benchmarks/probes/probe_cuda_graphs.py on the slice: one prompt's prefill in the worker, eager
 # against replayed from its CUDA graphs), probe-ingress (benchmarks/probes/probe_ingress.py on the slice: the
-# tier's fixed cost through Serve's proxy and at the replica's own port; INGRESS=replica gives speed that way too;
+# tier's fixed cost through Serve's proxy and at the replica's own port; INGRESS=replica gives speed, serving, pd and soak that way too;
 # DECODE_ENDPOINT=completions has speed and speed-kv ask vLLM's /v1/completions after the tier's first token, not its generate endpoint; DECODE_FORWARD=after_first_token has them send vLLM the request after that token, not as the prefill is submitted), serving and soak (benchmarks/bench_serving.py: vLLM's serving
 # benchmark against the tier and vLLM alone at RATES on the slice, then vLLM alone on the whole GPU (STACKS: some of them; ADD=1
 # keeps the other stacks of OUT_DIR/serving.json, a sweep finished in a second lease); 10 minutes of
@@ -27,7 +27,7 @@
 # a vLLM decode instance of two GPUs (the two-GPU kinds); VLLM_GPUS=1,0 puts a TP1 vLLM on the second GPU (speed, speed-kv:
 # the KV read from the pool's GPU over NVLink); multi-gpu runs the suite's multi_gpu tests with the pool's site; pd (two GPUs:
 # bench_serving.py --pd, the pool on GPU 0 and vLLM on GPU 1 against vLLM DP 2 on both, or with PD_BASELINE=two-servers a vLLM
-# server per GPU behind a round robin, prompts of 2-32K, 256 tokens out); chaos (two
+# server per GPU behind a round robin, prompts of 2-32K, answers of 30-482 tokens); chaos (two
 # GPUs: benchmarks/chaos.py, 2 replicas x TP 2, spare workers on as they are with GPUs: the pool's faults and fault-to-serving).
 # VLLM_ARGS: more arguments for vLLM's server (speed, speed-kv, pd), e.g. "--disable-custom-all-reduce". speed needs an H200: the slice's 26.5 GiB of
 # weights twice, and vLLM's 32K prefill, do not fit an H100 (vLLM held 57 GiB there at VLLM_MEMORY=0.45).
@@ -81,12 +81,12 @@ for step in "$@"; do
                --out "$out/probe-compiled-graph.json" ;;
     serving) slice_ckpt; python3 benchmarks/bench_serving.py sweep --checkpoint "$ckpt" --inputs ${INPUTS:-4096 32768} --output-len 128 ${STACKS:+--stacks $STACKS} ${ADD:+--add} \
                --rates ${RATES:-0.5 1 2 4 inf} --point-s ${POINT_S:-30} --vllm-max-graph-batch ${VLLM_GRAPH_BATCH:-64} --vllm-memory ${VLLM_MEMORY:-0.4} --kv-cache-tokens 131072 \
-               --out "$out/serving.json" ;;
+               --ingress ${INGRESS:-proxy} --out "$out/serving.json" ;;
     pd) slice_ckpt; python3 benchmarks/bench_serving.py sweep --pd --pd-baseline ${PD_BASELINE:-dp2} --checkpoint "$ckpt" --inputs ${INPUTS:-17408} --input-range-ratio ${RANGE:-0.88} \
           --output-len 256 --rates ${RATES:-0.5 1 2 4 8 inf} --point-s ${POINT_S:-30} --vllm-max-graph-batch ${VLLM_GRAPH_BATCH:-64} ${VLLM_EAGER:+--vllm-eager} \
-          --kv-cache-tokens 131072 --vllm-args="${VLLM_ARGS:-}" --out "$out/serving-pd.json" ;;
+          --kv-cache-tokens 131072 --vllm-args="${VLLM_ARGS:-}" --ingress ${INGRESS:-proxy} --out "$out/serving-pd.json" ;;
     soak) slice_ckpt; python3 benchmarks/bench_serving.py soak --checkpoint "$ckpt" --inputs 4096 --output-len 128 --rates ${SOAK_RATE:-2} \
-            --duration-s 600 --vllm-max-graph-batch ${VLLM_GRAPH_BATCH:-64} --vllm-memory ${VLLM_MEMORY:-0.4} --kv-cache-tokens 131072 --out "$out/serving-soak.json" ;;
+            --duration-s 600 --vllm-max-graph-batch ${VLLM_GRAPH_BATCH:-64} --vllm-memory ${VLLM_MEMORY:-0.4} --kv-cache-tokens 131072 --ingress ${INGRESS:-proxy} --out "$out/serving-soak.json" ;;
     resume) slice_ckpt; python3 benchmarks/bench_resume.py --checkpoint "$ckpt" --prompt-len 4096 --probes ${PROBES:-5} \
               --out "$out/decode-resume.json" ;;
     probe-ingress) slice_ckpt; python3 benchmarks/probes/probe_ingress.py --device cuda --checkpoint "$ckpt" --tokens ${PROBE_TOKENS:-2048} \

@@ -1,22 +1,26 @@
 """``benchmarks/bench_serving.slo_goodput``: disaggregation's goodput from a sweep's points (the
 GPU run of two stacks, ``--pd``, reports it; its figures are only as right as this reading); and
 ``died``: what a sweep whose vLLM server exited says of it; ``memory_growth``: what a soak calls a
-leak; ``kept_results``: what ``--add`` keeps of an earlier run."""
+leak; ``kept_results``: what ``--add`` keeps of an earlier run; ``engine_itl_buckets`` and
+``engine_itl_over``: vLLM's engine side of an ITL tail, beside the client's (``_point``)."""
 
+import http.server
+import json
 import math
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
-from bench_serving import died, kept_results, memory_growth, merge_results, slo_goodput  # noqa: E402
+from bench_serving import _point as point_of, died, engine_itl_buckets, engine_itl_over, kept_results, memory_growth, merge_results, slo_goodput  # noqa: E402
 
 
-def _point(rate: float, throughput: float, ttft_p99: float, itl_p50: float, itl_p99: float, failed: int = 0) -> dict:
+def _point(rate: float, throughput: float, ttft_p99: float, itl_p50: float, itl_p99: float, failed: int = 0, goodput: float | None = None) -> dict:
     return {"rate": rate, "request_throughput": throughput, "failed": failed, "ttft": {"p50": ttft_p99 / 2, "p99": ttft_p99},
-            "itl": {"p50": itl_p50, "p99": itl_p99}}  # fmt: skip
+            "itl": {"p50": itl_p50, "p99": itl_p99}, "request_goodput": goodput}  # fmt: skip
 
 
 def test_the_goodput_is_the_throughput_at_the_highest_rate_within_both_slos_and_each_stack_has_its_own_itl_bound():
@@ -27,7 +31,8 @@ def test_the_goodput_is_the_throughput_at_the_highest_rate_within_both_slos_and_
                               _point(4, 3.5, 1500, 12, 16, failed=1), _point(math.inf, 3.6, 8000, 14, 80)]},
     }  # fmt: skip
     got = slo_goodput(results, ttft_p99_ms=2000, itl_factor=2)["8192"]
-    assert got["tier-pd"] == {"unloaded_itl_ms": 10.0, "itl_p99_bound_ms": 20.0, "ttft_p99_bound_ms": 2000, "slo_rate": 2, "goodput_req_s": 1.9}
+    assert got["tier-pd"] == {"unloaded_itl_ms": 10.0, "itl_p99_bound_ms": 20.0, "ttft_p99_bound_ms": 2000, "slo_rate": 2, "goodput_req_s": 1.9,
+                              "request_goodput": {"req_s": 0.0, "rate": 0.5}}  # fmt: skip
     # vLLM DP2's ITL at 0.5/s is over its bound (30 > 16): not counted; at 4/s a request failed; 2/s (17 > 16) misses too
     assert got["vllm-dp2"]["itl_p99_bound_ms"] == 16.0 and got["vllm-dp2"]["slo_rate"] == 1 and got["vllm-dp2"]["goodput_req_s"] == 1.0
     assert got["ratio"] == 1.9
@@ -38,6 +43,18 @@ def test_a_stack_that_meets_no_rate_has_no_goodput_and_no_ratio_is_divided_by_it
     got = slo_goodput(results, ttft_p99_ms=2000, itl_factor=2)["4096"]
     assert got["vllm-dp2"]["slo_rate"] is None and got["vllm-dp2"]["goodput_req_s"] == 0.0
     assert got["tier-pd"]["goodput_req_s"] == 1.0 and "ratio" not in got
+
+
+def test_vllms_own_goodput_is_the_best_over_the_rates_and_its_ratio_is_given_even_when_the_p99_slos_meet_no_rate():
+    # the run of 2026-11-27 on 2 x H200: neither stack meets the ITL p99 bound at any rate, vLLM's per-request goodput still compares them
+    results = {"tier-pd": {"17408": [_point(1, 0.95, 1329, 2.51, 5.48, goodput=0.95), _point(4, 3.17, 4094, 3.05, 10.7, goodput=2.2953),
+                                     _point(math.inf, 3.28, 18174, 2.52, 6.07, goodput=0.0)]},
+               "vllm-2x1": {"17408": [_point(1, 0.95, 8293, 2.67, 9.04, goodput=0.6626), _point(2, 1.95, 6563, 2.74, 14.3, goodput=1.4101),
+                                      _point(8, 5.21, 11230, 8.09, 579, goodput=0.6183)]}}  # fmt: skip
+    got = slo_goodput(results, ttft_p99_ms=2000, itl_factor=2)["17408"]
+    assert got["tier-pd"]["goodput_req_s"] == 0.0 and got["vllm-2x1"]["goodput_req_s"] == 0.0 and "ratio" not in got
+    assert got["tier-pd"]["request_goodput"] == {"req_s": 2.2953, "rate": 4} and got["vllm-2x1"]["request_goodput"] == {"req_s": 1.4101, "rate": 2}
+    assert got["request_goodput_ratio"] == round(2.2953 / 1.4101, 3)
 
 
 class _Exited:
@@ -97,3 +114,56 @@ def test_add_keeps_every_stack_and_input_length_this_run_does_not_measure_and_re
     assert merged == {"tier": earlier["tier"], "vllm-whole-gpu": {"4096": ["w4"], "32768": ["w32"]}}
     # a stack measured at every length it had keeps nothing of it
     assert kept_results(earlier, ["tier"], [4096, 32768]) == {"vllm-whole-gpu": earlier["vllm-whole-gpu"]}
+
+
+def _metrics_server(pages: list[str]) -> tuple[http.server.HTTPServer, str]:
+    """A ``/metrics`` answering ``pages`` in turn (the last one from then on)."""
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            body = (pages.pop(0) if len(pages) > 1 else pages[0]).encode()
+            self.send_response(200)
+            self.send_header("content-length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.HTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return server, f"http://127.0.0.1:{server.server_port}"
+
+
+def _itl_page(name: str, counts: dict[str, float], engine: str = "0") -> str:
+    lines = [f'{name}_bucket{{engine="{engine}",le="{le}",model_name="m"}} {n}' for le, n in counts.items()]
+    return "\n".join(["# TYPE x histogram", *lines, f'{name}_count{{engine="{engine}",model_name="m"}} {counts["+Inf"]}', "vllm:num_requests_running 0.0"])
+
+
+def test_the_engines_itl_tail_is_read_from_vllms_histogram_summed_over_engines_and_servers_by_either_of_its_names():
+    new, old = "vllm:inter_token_latency_seconds", "vllm:time_per_output_token_seconds"
+    # one server of two engines (DP 2) that also exports the old name (other counts: not to be added), one of the old name only
+    dp2 = "\n".join([_itl_page(new, {"0.01": 90, "0.025": 96, "0.05": 99, "0.1": 100, "+Inf": 100}, "0"),
+                     _itl_page(new, {"0.01": 40, "0.025": 48, "0.05": 50, "0.1": 50, "+Inf": 50}, "1"),
+                     _itl_page(old, {"0.01": 1, "0.025": 1, "0.05": 1, "0.1": 1, "+Inf": 1})])  # fmt: skip
+    single = _itl_page(old, {"0.01": 0, "0.025": 0, "0.05": 0, "0.1": 0, "+Inf": 0})
+    servers = [_metrics_server([dp2]), _metrics_server([single, _itl_page(old, {"0.01": 5, "0.025": 10, "0.05": 10, "0.1": 10, "+Inf": 10})])]
+    try:
+        before = engine_itl_buckets([url for _, url in servers])
+        assert before == {0.01: 130, 0.025: 144, 0.05: 149, 0.1: 150, math.inf: 150}
+        after = engine_itl_buckets([url for _, url in servers])
+    finally:
+        for server, _ in servers:
+            server.shutdown()
+    # between the reads: the second server recorded 10 intervals, half over 10 ms, none over 25
+    assert engine_itl_over(before, after) == {"intervals": 10, "over_ms": {"10": 0.5, "25": 0.0, "50": 0.0, "100": 0.0}}
+    assert engine_itl_over(after, after) == {"intervals": 0}
+
+
+def test_the_clients_itl_tail_is_the_share_of_every_requests_intervals_over_each_bound(tmp_path):
+    raw = {"completed": 2, "failed": 0, "duration": 1.0, "request_throughput": 2.0, "output_throughput": 8.0, "request_goodput": 2.0,
+           "p50_itl_ms": 3.0, "p99_itl_ms": 40.0, "itls": [[0.003, 0.003, 0.030], [0.003, 0.060, 0.003, 0.200, 0.003]]}  # fmt: skip
+    result = tmp_path / "r.json"
+    result.write_text(json.dumps(raw))
+    got = point_of({"result": str(result), "failures": str(tmp_path / "f.json"), "point": {"rate": 1.0, "prompts": 2}})
+    assert got["itl_over_ms"] == {"10": 0.375, "25": 0.375, "50": 0.25, "100": 0.125}
