@@ -37,7 +37,8 @@ against rate (both stacks) is written beside the JSON.
 decode server alone on GPU 1 (``tier-pd``: decode steps no prefill interrupts, the KV read from GPU 0
 over NVLink), against vLLM alone with ``--data-parallel-size 2`` over both GPUs (``vllm-dp2``) or,
 with ``--pd-baseline two-servers``, a vLLM server per GPU with the requests sent to them in turn
-(``vllm-2x1``, ``benchmarks/round_robin.py``), each with ``--vllm-memory-whole`` of its GPUs;
+(``vllm-2x1``, ``benchmarks/round_robin.py``), each with ``--vllm-memory-whole`` of its GPUs, or with
+``--pd-baseline none`` against nothing (the tier again, its baseline measured before);
 ``--input-range-ratio`` spreads the prompts' lengths (input 17408 with 0.88: 2,089 to 32,727 tokens) and, as vLLM's
 random dataset does, the answers' (256 with 0.88: 30 to 482 tokens). ``slo_goodput`` in the JSON: per stack the request throughput
 at the highest rate whose TTFT p99 is within ``--slo-ttft-ms`` and whose ITL p99 is within
@@ -519,8 +520,9 @@ def main() -> None:
     parser.add_argument("--pd", action="store_true", help="sweep on two GPUs: the pool on GPU 0 and its vLLM decode server alone on GPU 1 "
                         "(--vllm-memory-whole of it), then vLLM alone on both (--pd-baseline); the goodput at "
                         "--slo-ttft-ms (as TTFT p99) and ITL p99 <= --itl-factor x each stack's unloaded ITL")  # fmt: skip
-    parser.add_argument("--pd-baseline", choices=["dp2", "two-servers"], default="dp2",
-                        help="--pd: vLLM alone as one server of --data-parallel-size 2 (dp2, default) or as a server per GPU behind a round robin")
+    parser.add_argument("--pd-baseline", choices=["dp2", "two-servers", "none"], default="dp2",
+                        help="--pd: vLLM alone as one server of --data-parallel-size 2 (dp2, default), as a server per GPU behind a round "
+                             "robin, or none (the tier only)")  # fmt: skip
     parser.add_argument("--itl-factor", type=float, default=2.0, help="--pd: the ITL p99 bound over the stack's unloaded ITL (default 2)")
     parser.add_argument("--input-range-ratio", type=float, default=0.0,
                         help="prompt lengths uniform in input x (1 -+ this), output lengths in --output-len x (1 -+ this): vLLM's "
@@ -607,8 +609,9 @@ def main() -> None:
     if args.pd:  # the decode server alone on GPU 1 (the pool's GPU listed second: it reads the pool's cache over NVLink)
         args.vllm_gpus, args.vllm_memory, args.vllm_kv_cache_gib = "1,0", args.vllm_memory_whole, None
         report["pd"] = {"tier-pd": "the pool on GPU 0, its vLLM decode server on GPU 1"} | (
-            {"vllm-dp2": "vLLM alone, --data-parallel-size 2 on GPUs 0 and 1"} if args.pd_baseline == "dp2"
-            else {"vllm-2x1": "vLLM alone, a server on GPU 0 and one on GPU 1, requests in turn (benchmarks/round_robin.py)"})
+            {"dp2": {"vllm-dp2": "vLLM alone, --data-parallel-size 2 on GPUs 0 and 1"},
+             "two-servers": {"vllm-2x1": "vLLM alone, a server on GPU 0 and one on GPU 1, requests in turn (benchmarks/round_robin.py)"},
+             "none": {}}[args.pd_baseline])
     results: dict = {}
     if args.mode == "soak" or args.pd or {"tier", "vllm"} & set(args.stacks):  # the tier and its vLLM server
         server = start_vllm(args, checkpoint, dtype, args.max_len, work)
@@ -653,7 +656,7 @@ def main() -> None:
     if args.pd and args.pd_baseline == "dp2":
         args.vllm_dp = 2
         results |= alone("vllm-dp2", ["0,1"])
-    elif args.pd:
+    elif args.pd and args.pd_baseline == "two-servers":
         results |= alone("vllm-2x1", ["0", "1"])
     if args.pd:
         report["slo_goodput"] = slo_goodput(results, args.slo_ttft_ms, args.itl_factor)

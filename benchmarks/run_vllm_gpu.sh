@@ -27,7 +27,7 @@
 # a vLLM decode instance of two GPUs (the two-GPU kinds); VLLM_GPUS=1,0 puts a TP1 vLLM on the second GPU (speed, speed-kv:
 # the KV read from the pool's GPU over NVLink); multi-gpu runs the suite's multi_gpu tests with the pool's site; pd (two GPUs:
 # bench_serving.py --pd, the pool on GPU 0 and vLLM on GPU 1 against vLLM DP 2 on both, or with PD_BASELINE=two-servers a vLLM
-# server per GPU behind a round robin, prompts of 2-32K, answers of 30-482 tokens); chaos (two
+# server per GPU behind a round robin, PD_BASELINE=none against nothing; prompts of 2-32K, answers of 30-482 tokens); chaos (two
 # GPUs: benchmarks/chaos.py, 2 replicas x TP 2, spare workers on as they are with GPUs: the pool's faults and fault-to-serving).
 # VLLM_ARGS: more arguments for vLLM's server (speed, speed-kv, pd), e.g. "--disable-custom-all-reduce". speed needs an H200: the slice's 26.5 GiB of
 # weights twice, and vLLM's 32K prefill, do not fit an H100 (vLLM held 57 GiB there at VLLM_MEMORY=0.45).
