@@ -233,6 +233,15 @@ def engine_itl_over(before: dict[float, float], after: dict[float, float]) -> di
     return {"intervals": int(total), "over_ms": over}
 
 
+def _engine_itl_now(servers) -> dict[float, float] | None:
+    """:func:`engine_itl_buckets` of ``servers``; None without servers or when one does not answer (a
+    server that exited: the point says so, ``server_died``)."""
+    try:
+        return engine_itl_buckets([server.url for server in servers]) if servers else None
+    except OSError:
+        return None
+
+
 def sweep(stacks: dict[str, tuple[str, str | None]], inputs: list[int], rates: list[float], *, prompts: int, point_s: float, log=print,
           save=None, servers=(), warmup: int = 0, **point) -> dict:  # fmt: skip
     """``run_point`` for every stack (name: (url, key)), input length and rate: ``rate * point_s``
@@ -252,10 +261,11 @@ def sweep(stacks: dict[str, tuple[str, str | None]], inputs: list[int], rates: l
         for input_len in inputs:
             for rate in rates:
                 count = max(16, round(rate * point_s)) if np.isfinite(rate) else prompts
-                before = engine_itl_buckets([server.url for server in servers])
+                before = _engine_itl_now(servers)
                 got = run_point(url, key=key, input_len=input_len, rate=rate, prompts=count, workdir=workdir, vllm_pythonpath=vllm_pythonpath, **point)
-                with contextlib.suppress(OSError):  # a server that exited has no figures: said below
-                    got["engine_itl"] = engine_itl_over(before, engine_itl_buckets([server.url for server in servers]))
+                after = _engine_itl_now(servers)
+                if before is not None and after is not None:
+                    got["engine_itl"] = engine_itl_over(before, after)
                 dead = next((server for server in servers if server.process.poll() is not None), None) if got["failed"] else None
                 if dead is not None:
                     got["server_died"] = died(dead)
@@ -297,7 +307,7 @@ def slo_goodput(results: dict, ttft_p99_ms: float, itl_factor: float) -> dict:
     ``itl_factor`` times the stack's unloaded ITL (its ITL p50 at the lowest finite rate), nothing
     failed; 0 when no rate meets them. Beside it, vLLM's own goodput at its best rate
     (``request_goodput``: the requests per second each within TTFT and TPOT bounds, ``--slo-ttft-ms``
-    and ``--slo-tpot-ms``, as its benchmark counts them; DistServe's per-request form). With two
+    and ``--slo-tpot-ms``, as its benchmark counts them). With two
     stacks, each input's ratios of the first to the second (``ratio``, ``request_goodput_ratio``)."""
     out: dict = {}
     for stack, by_input in results.items():

@@ -11,11 +11,12 @@ import subprocess
 import sys
 import threading
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
-from bench_serving import _point as point_of, died, engine_itl_buckets, engine_itl_over, kept_results, memory_growth, merge_results, slo_goodput  # noqa: E402
+from bench_serving import _engine_itl_now, _point as point_of, died, engine_itl_buckets, engine_itl_over, kept_results, memory_growth, merge_results, slo_goodput  # noqa: E402
 
 
 def _point(rate: float, throughput: float, ttft_p99: float, itl_p50: float, itl_p99: float, failed: int = 0, goodput: float | None = None) -> dict:
@@ -158,6 +159,8 @@ def test_the_engines_itl_tail_is_read_from_vllms_histogram_summed_over_engines_a
     # between the reads: the second server recorded 10 intervals, half over 10 ms, none over 25
     assert engine_itl_over(before, after) == {"intervals": 10, "over_ms": {"10": 0.5, "25": 0.0, "50": 0.0, "100": 0.0}}
     assert engine_itl_over(after, after) == {"intervals": 0}
+    # no servers, or one that does not answer (exited): no figures, and the sweep goes on
+    assert _engine_itl_now([]) is None and _engine_itl_now([SimpleNamespace(url="http://127.0.0.1:9")]) is None
 
 
 def test_the_clients_itl_tail_is_the_share_of_every_requests_intervals_over_each_bound(tmp_path):
