@@ -87,6 +87,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
+from prometheus_client.parser import text_string_to_metric_families  # Ray's Prometheus client (ray[default])
 from bench_vllm_decode import GRAPH_BATCH_HELP, MODEL, REPO, start_tier, start_vllm, vllm_mode  # benchmarks/bench_vllm_decode.py
 from chaos_decode import ray_counter, tier_info  # benchmarks/chaos_decode.py
 from machine import machine  # benchmarks/machine.py
@@ -207,17 +208,15 @@ def run_point(url: str, *, workdir: Path, vllm_pythonpath: str | None = None, **
 def engine_itl_buckets(urls: list[str]) -> dict[float, float]:
     """vLLM's engine inter-token histogram (``ENGINE_ITL``) now, summed over the servers at ``urls`` and
     their engines: cumulative count per bucket's upper bound, in seconds (``inf`` the total)."""
-    found = re.compile(r'^(?P<name>[\w:]+)_bucket\{(?P<labels>[^}]*)\} (?P<count>\S+)$', re.M)
     total: dict[float, float] = {}
     for url in urls:
         with urllib.request.urlopen(f"{url}/metrics", timeout=10) as response:
-            text = response.read().decode()
-        buckets = [m for m in found.finditer(text) if m["name"] in ENGINE_ITL]
-        name = min((m["name"] for m in buckets), key=ENGINE_ITL.index, default=None)  # the newer name where a server has both
-        for m in buckets:
-            if m["name"] == name:
-                le = float(re.search(r'le="([^"]+)"', m["labels"]).group(1))
-                total[le] = total.get(le, 0.0) + float(m["count"])
+            families = {family.name: family for family in text_string_to_metric_families(response.read().decode())}
+        name = next((name for name in ENGINE_ITL if name in families), None)  # the newer name where a server has both
+        for sample in families[name].samples if name else ():
+            if sample.name == f"{name}_bucket":
+                le = float(sample.labels["le"])
+                total[le] = total.get(le, 0.0) + sample.value
     return total
 
 
@@ -406,15 +405,16 @@ def _children(root: int) -> list[int]:
     return out
 
 
-def ray_worker_pids() -> list[int]:
-    """Ray's busy worker processes on this host (``ray::...``, not ``ray::IDLE``): the tier's Serve actors
-    and pool workers."""
+def ray_worker_pids(prefix: bytes = b"ray::") -> list[int]:
+    """Ray's busy worker processes on this host whose command line starts with ``prefix`` (``ray::...``,
+    not ``ray::IDLE``): by default the tier's Serve actors and pool workers; ``b"ray::ProxyActor"``
+    Serve's proxy."""
     pids = []
     for entry in Path("/proc").iterdir():
         if entry.name.isdigit():
             try:
                 name = (entry / "cmdline").read_bytes()
-                if name.startswith(b"ray::") and not name.startswith(b"ray::IDLE"):  # idle workers come and go
+                if name.startswith(prefix) and not name.startswith(b"ray::IDLE"):  # idle workers come and go
                     pids.append(int(entry.name))
             except OSError:
                 continue

@@ -34,7 +34,7 @@ sys.path[:0] = [str(REPO / "tests"), str(REPO / "benchmarks")]
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import ray  # noqa: E402
-from bench_serving import _children  # noqa: E402 -- benchmarks/bench_serving.py
+from bench_serving import _children, ray_worker_pids  # noqa: E402 -- benchmarks/bench_serving.py
 from bench_vllm_decode import MODEL, start_tier  # noqa: E402 -- benchmarks/bench_vllm_decode.py: the tier of the decode benchmarks
 from chaos_decode import vllm_args  # noqa: E402 -- benchmarks/chaos_decode.py: a CPU decode server's arguments
 from hf_models import write_vllm_checkpoint  # noqa: E402 -- tests/hf_models.py
@@ -52,19 +52,6 @@ def cpu_s(pid: int) -> float:
     except OSError:
         return 0.0
     return (int(fields[11]) + int(fields[12])) * TICK_S
-
-
-def ray_actor_pids(prefix: bytes) -> list[int]:
-    """Ray's worker processes whose command line starts with ``prefix`` (``ray::ProxyActor``)."""
-    pids = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                if (entry / "cmdline").read_bytes().startswith(prefix):
-                    pids.append(int(entry.name))
-            except OSError:
-                continue
-    return pids
 
 
 def stream(url: str, prompt: str, max_tokens: int) -> int:
@@ -115,7 +102,7 @@ def main() -> None:
             tier = start_tier(SimpleNamespace(device="cpu", kv_cache_tokens=16384, moe_rounding="reference", ingress=args.ingress),
                               checkpoint, server.url, "float32", max_ongoing_requests=64)  # fmt: skip
             vllm = _children(server.process.pid)
-            processes = {"serve_proxy": ray_actor_pids(b"ray::ProxyActor"), "tier_replica": ray_actor_pids(b"ray::ServeReplica"),
+            processes = {"serve_proxy": ray_worker_pids(b"ray::ProxyActor"), "tier_replica": ray_worker_pids(b"ray::ServeReplica"),
                          "vllm_api_server": vllm[:1], "vllm_engine": vllm[1:]}  # fmt: skip
             phase(tier, processes, **{**shape, "requests": args.clients})  # warm: the first requests load code on every side
             through_tier = phase(tier, processes, **shape)

@@ -136,17 +136,20 @@ def _metrics_server(pages: list[str]) -> tuple[http.server.HTTPServer, str]:
     return server, f"http://127.0.0.1:{server.server_port}"
 
 
-def _itl_page(name: str, counts: dict[str, float], engine: str = "0") -> str:
-    lines = [f'{name}_bucket{{engine="{engine}",le="{le}",model_name="m"}} {n}' for le, n in counts.items()]
-    return "\n".join(["# TYPE x histogram", *lines, f'{name}_count{{engine="{engine}",model_name="m"}} {counts["+Inf"]}', "vllm:num_requests_running 0.0"])
+def _itl_page(name: str, *engines: dict[str, float]) -> str:
+    """A histogram as vLLM exports it (Prometheus' text format): one family, each engine's buckets and count."""
+    lines = [f"# HELP {name} Histogram of inter-token latency in seconds.", f"# TYPE {name} histogram"]
+    for engine, counts in enumerate(engines):
+        lines += [f'{name}_bucket{{engine="{engine}",le="{le}",model_name="m"}} {n}' for le, n in counts.items()]
+        lines.append(f'{name}_count{{engine="{engine}",model_name="m"}} {counts["+Inf"]}')
+    return "\n".join([*lines, "# TYPE vllm:num_requests_running gauge", "vllm:num_requests_running 0.0"]) + "\n"
 
 
 def test_the_engines_itl_tail_is_read_from_vllms_histogram_summed_over_engines_and_servers_by_either_of_its_names():
     new, old = "vllm:inter_token_latency_seconds", "vllm:time_per_output_token_seconds"
     # one server of two engines (DP 2) that also exports the old name (other counts: not to be added), one of the old name only
-    dp2 = "\n".join([_itl_page(new, {"0.01": 90, "0.025": 96, "0.05": 99, "0.1": 100, "+Inf": 100}, "0"),
-                     _itl_page(new, {"0.01": 40, "0.025": 48, "0.05": 50, "0.1": 50, "+Inf": 50}, "1"),
-                     _itl_page(old, {"0.01": 1, "0.025": 1, "0.05": 1, "0.1": 1, "+Inf": 1})])  # fmt: skip
+    dp2 = _itl_page(new, {"0.01": 90, "0.025": 96, "0.05": 99, "0.1": 100, "+Inf": 100}, {"0.01": 40, "0.025": 48, "0.05": 50, "0.1": 50, "+Inf": 50}) \
+        + _itl_page(old, {"0.01": 1, "0.025": 1, "0.05": 1, "0.1": 1, "+Inf": 1})  # fmt: skip
     single = _itl_page(old, {"0.01": 0, "0.025": 0, "0.05": 0, "0.1": 0, "+Inf": 0})
     servers = [_metrics_server([dp2]), _metrics_server([single, _itl_page(old, {"0.01": 5, "0.025": 10, "0.05": 10, "0.1": 10, "+Inf": 10})])]
     try:
