@@ -56,6 +56,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import queue
 import statistics
 import sys
 import time
@@ -79,6 +80,7 @@ from configs.model import EP_SCHEDULES  # noqa: E402
 from workers.worker import SAFE_NCCL_ENV  # noqa: E402
 
 PEAK_TFLOPS = {"bf16": 989.0, "fp8": 1979.0}  # H200 dense, datasheet
+ERROR_GRACE_S = 30  # how long the other ranks of a layout are given to report once one has failed
 
 
 class Layout(NamedTuple):
@@ -226,7 +228,7 @@ def _raw_gemms(experts, rows, weights, offs):
     )
 
 
-def _worker(rank: int, layout: Layout, args, port: int, queue) -> None:
+def _worker(rank: int, layout: Layout, args, port: int, reports) -> None:
     os.environ.update(SAFE_NCCL_ENV)
     if args.device == "cuda":
         torch.cuda.set_device(rank % torch.cuda.device_count() if args.share_gpus else rank)
@@ -286,9 +288,9 @@ def _worker(rank: int, layout: Layout, args, port: int, queue) -> None:
         if args.moe_tokens and worker.model.moe_layers():
             out["moe_layer"] = _moe_layer(worker, args.moe_tokens)
         out["peak_gpu_gib"] = torch.cuda.max_memory_allocated() / 2**30 if args.device == "cuda" else None
-        queue.put((rank, out))
+        reports.put((rank, out))
     except Exception as exc:  # noqa: BLE001 -- reported to the parent, which records it and goes on
-        queue.put((rank, {"error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()}))
+        reports.put((rank, {"error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()}))
     finally:
         if torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
@@ -303,24 +305,42 @@ def _free_port() -> int:
 
 
 def run(args, layout: Layout) -> list[dict]:
-    """One layout: every rank's results (rank order), or raises with the first error."""
+    """One layout: every rank's results (rank order), or raises with the first error. A rank that fails
+    (an out-of-memory) or dies leaves the others waiting in a collective for it: they are given
+    ``ERROR_GRACE_S`` to report too, then stopped, as is every rank after ``--timeout`` seconds."""
     ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
+    reports = ctx.Queue()
     port = _free_port()
-    procs = [ctx.Process(target=_worker, args=(r, layout, args, port, queue)) for r in range(layout.gpus)]
+    procs = [ctx.Process(target=_worker, args=(r, layout, args, port, reports)) for r in range(layout.gpus)]
     for proc in procs:
         proc.start()
+    got, deadline, first_error = {}, time.monotonic() + args.timeout, None
     try:
-        got = sorted((queue.get(timeout=args.timeout) for _ in procs), key=lambda item: item[0])
+        while len(got) < len(procs):
+            try:
+                rank, out = reports.get(timeout=2)
+                got[rank] = out
+                if "error" in out and first_error is None:
+                    first_error = time.monotonic()
+                continue
+            except queue.Empty:
+                pass
+            now, dead = time.monotonic(), [r for r, proc in enumerate(procs) if r not in got and proc.exitcode is not None]
+            if dead or now > deadline or (first_error is not None and now > first_error + ERROR_GRACE_S):
+                codes = {r: procs[r].exitcode for r in range(len(procs)) if r not in got}
+                why = f"rank {dead[0]} died" if dead else "a rank failed" if first_error is not None else f"--timeout {args.timeout:g} s"
+                break
     finally:
         for proc in procs:
-            proc.join(timeout=30)
+            proc.join(timeout=0 if len(got) < len(procs) else 30)
             if proc.is_alive():
                 proc.kill()
-    errors = [out for _, out in got if "error" in out]
+    errors = [out for _, out in sorted(got.items()) if "error" in out]
     if errors:
         raise RuntimeError(errors[0]["error"] + "\n" + errors[0]["traceback"])
-    return [out for _, out in got]
+    if len(got) < len(procs):
+        raise RuntimeError(f"ranks {sorted(codes)} gave no result: exit codes {codes} (None: still running, stopped as {why})")
+    return [got[r] for r in range(len(procs))]
 
 
 def evict_page_cache(checkpoint: Path) -> None:
@@ -410,7 +430,7 @@ def main() -> None:
                         help="run a layout's ranks on this machine's GPUs round-robin, to check a multi-GPU layout's "
                              "outputs on fewer GPUs: their process groups are gloo (NCCL refuses two ranks on one GPU), "
                              "so their times are not the pool's and no scaling is reported")  # fmt: skip
-    parser.add_argument("--timeout", type=float, default=540)
+    parser.add_argument("--timeout", type=float, default=540, help="seconds a layout may take before its ranks are stopped (default 540)")
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--scratch", default="/tmp/bench_moe", help="where workers leave their outputs for the comparisons")
     args = parser.parse_args()

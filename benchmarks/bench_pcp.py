@@ -24,6 +24,7 @@ import argparse
 import json
 import os
 import platform
+import queue
 import socket
 import time
 import traceback
@@ -309,6 +310,8 @@ def main() -> None:
     parser.add_argument("--check-chunk", type=int, default=4096)
     parser.add_argument("--backend", default=None, help="MLA prefill backend (default: the selector's choice)")
     parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda", help="cpu: a gloo smoke run of this script")
+    parser.add_argument("--stall-timeout", type=float, default=600,
+                        help="seconds without a finished case before every rank is stopped, what was measured kept (default 600)")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
     args.pcp = [p for p in args.pcp if p <= args.gpus]
@@ -324,12 +327,24 @@ def main() -> None:
     for proc in procs:
         proc.start()
     report = None
-    started = time.time()
+    started = last = time.time()
     while any(proc.is_alive() for proc in procs) or not results.empty():
         try:
             report = results.get(timeout=5)
-        except Exception:  # noqa: BLE001 -- queue.Empty: keep polling
+        except queue.Empty:
+            # a rank that fails inside a collective (an out-of-memory in the ring) leaves the others in it:
+            # stop every rank when one has died or no case has finished for --stall-timeout, keeping what was measured
+            died = {r: proc.exitcode for r, proc in enumerate(procs) if proc.exitcode not in (None, 0)}
+            if died or time.time() - last > args.stall_timeout:
+                why = f"ranks exited with {died}" if died else f"no case finished in --stall-timeout {args.stall_timeout:g} s"
+                print(f"stopping every rank: {why}", flush=True)
+                for proc in procs:
+                    proc.kill()
+                if report is not None:
+                    _write(args, {**report, "stopped": why}, started)
+                break
             continue
+        last = time.time()
         _write(args, report, started)
     for proc in procs:
         proc.join()

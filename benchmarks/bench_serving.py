@@ -16,9 +16,10 @@ sent ``--warmup`` prompts of each length at once, not kept (its kernels' first c
 completed and failed requests, TTFT, TPOT and ITL p50 and p99, output tokens/s, and goodput at TTFT
 <= ``--slo-ttft-ms`` and TPOT <= ``--slo-tpot-ms``. Where an ITL tail comes from: the share of the
 intervals over 10, 25, 50 and 100 ms as the client saw them (``itl_over_ms``, from the benchmark's
-per-request intervals) and as vLLM's engines recorded them (``engine_itl``: its Prometheus histogram,
-read from its servers before and after the point: its engine's step cadence, before its API server
-streams the tokens and before the tier relays them).
+per-request intervals; ``itl_over_ms_later`` without each request's first interval, which is given
+apart as ``first_itl``: through the tier it is the handoff to vLLM) and as vLLM's engines recorded
+them (``engine_itl``: its Prometheus histogram, read from its servers before and after the point: its
+engine's step cadence, before its API server streams the tokens and before the tier relays them).
 
 The stacks (``sweep``, ``--stacks``, all three by default): ``tier`` (the Serve tier, its pool on
 the GPU, the vLLM server with mlapool's connector as its decode server), ``vllm`` (that same vLLM
@@ -188,13 +189,25 @@ def _point(spec: dict) -> dict:
              "request_goodput": None if raw.get("request_goodput") is None else round(raw["request_goodput"], 4)}  # fmt: skip
     for metric in METRICS:
         point[metric] = {p: round(raw[f"{p}_{metric}_ms"], 2) for p in ("p50", "p99") if f"{p}_{metric}_ms" in raw}
-    itls = np.array([gap for request in raw.get("itls") or [] for gap in request])  # seconds, every request's (--save-detailed)
-    if itls.size:
-        point["itl_over_ms"] = {str(ms): round(float((itls > ms / 1000).mean()), 5) for ms in ITL_OVER_MS}
+    requests = [np.asarray(gaps, dtype=float) for gaps in raw.get("itls") or [] if len(gaps)]  # seconds, each request's (--save-detailed)
+    if requests:
+        point["itl_over_ms"] = _over(np.concatenate(requests))
+        # a request's first interval is the tier's handoff (its first token from the pool, the second from vLLM
+        # after the KV load), which vLLM's engine histogram does not hold: apart, and the tail without it
+        firsts = np.array([gaps[0] for gaps in requests]) * 1000
+        point["first_itl"] = {q: round(float(np.percentile(firsts, pct)), 2) for q, pct in (("p50", 50), ("p99", 99))}
+        later = np.concatenate([gaps[1:] for gaps in requests])
+        if later.size:
+            point["itl_over_ms_later"] = _over(later)
     if point["failed"]:
         failures = Path(spec["failures"])
         point["failures"] = json.loads(failures.read_text()) if failures.exists() else {"the replay did not run": 0}
     return point
+
+
+def _over(gaps: np.ndarray) -> dict[str, float]:
+    """The share of ``gaps`` (seconds) over each of ``ITL_OVER_MS``."""
+    return {str(ms): round(float((gaps > ms / 1000).mean()), 5) for ms in ITL_OVER_MS}
 
 
 def run_point(url: str, *, workdir: Path, vllm_pythonpath: str | None = None, **run) -> dict:

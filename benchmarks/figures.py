@@ -90,7 +90,8 @@ def serving_table(name: str) -> str:
     def inputs(run: dict) -> str:  # the input lengths a run measured where it lists them (the first runs measured all of theirs)
         return f" at {', '.join(str(n) for n in run['inputs'])} tokens in" if run.get("inputs") else ""
 
-    rows = [f"{machine(document)}, {str(document.get('date', '?'))[:10]}, vLLM {document.get('vllm_mode', '?')}; SLO for goodput: TTFT <= "
+    ingress = ", the client at the replica's own port (no proxy)" if document.get("ingress") == "replica" else ""
+    rows = [f"{machine(document)}, {str(document.get('date', '?'))[:10]}, vLLM {document.get('vllm_mode', '?')}{ingress}; SLO for goodput: TTFT <= "
             f"{document['slo']['ttft_ms']:g} ms and TPOT <= {document['slo']['tpot_ms']:g} ms ([{name}](benchmarks/results/{name})).", "",
             *([f"Stacks measured in {len(document['runs'])} runs, each starting its servers afresh: "
                + "; ".join(f"{', '.join(run['stacks'])}{inputs(run)} ({machine(run)}, {run['date']})" for run in document["runs"]) + ".", ""]
@@ -130,20 +131,35 @@ def _goodput_lines(document) -> list[str]:
 
 def _tail_table(document) -> list[str]:
     """Where the points' ITL tails arise: the share of the intervals over 10 / 25 / 50 ms at the client
-    and in vLLM's engines (points that have both)."""
-    rows = []
-    for stack, by_input in document["results"].items():
-        for input_len, points in by_input.items():
-            for p in sorted(points, key=lambda p: p["rate"]):
-                if "itl_over_ms" in p and p.get("engine_itl", {}).get("over_ms"):
-                    rate = "saturation" if p["rate"] == float("inf") else f"{p['rate']:g}"
-                    client, engine = (" / ".join(f"{100 * shares[ms]:.2f}" for ms in ("10", "25", "50")) for shares in (p["itl_over_ms"], p["engine_itl"]["over_ms"]))
-                    rows.append(f"| {stack} | {input_len} | {rate} | {client} | {engine} |")
-    if not rows:
+    and in vLLM's engines (points that have both); where the points have them, also the client's
+    without each request's first interval and that interval's p50 / p99."""
+    points = [(stack, input_len, p) for stack, by_input in document["results"].items() for input_len, points in by_input.items()
+              for p in sorted(points, key=lambda p: p["rate"]) if "itl_over_ms" in p and p.get("engine_itl", {}).get("over_ms")]  # fmt: skip
+    if not points:
         return []
+    apart = any("first_itl" in p for _, _, p in points)
+
+    def shares(got: dict | None) -> str:
+        return "-" if got is None else " / ".join(f"{100 * got[ms]:.2f}" for ms in ("10", "25", "50"))
+
+    rows = []
+    for stack, input_len, p in points:
+        rate = "saturation" if p["rate"] == float("inf") else f"{p['rate']:g}"
+        cells = [stack, input_len, rate, shares(p["itl_over_ms"])]
+        if apart:
+            first = p.get("first_itl")
+            cells += [shares(p.get("itl_over_ms_later")), "-" if first is None else f"{first['p50']:,.1f} / {first['p99']:,.1f}"]
+        rows.append("| " + " | ".join(str(c) for c in [*cells, shares(p["engine_itl"]["over_ms"])]) + " |")
+    head = ["stack", "input tokens", "rate (req/s)", "client, % over 10 / 25 / 50 ms"]
+    if apart:
+        head += ["client without each request's first interval, %", "first interval p50 / p99 (ms)"]
+    head.append("vLLM's engines, % over 10 / 25 / 50 ms")
     return ["", "Where the ITL tail arises: the share of the intervals over 10 / 25 / 50 ms, as the client saw them and as vLLM's engines "
-                "recorded them (their Prometheus histogram, before vLLM's API server and any relay).", "",
-            "| stack | input tokens | rate (req/s) | client, % over 10 / 25 / 50 ms | vLLM's engines, % over 10 / 25 / 50 ms |", "|---|---|---|---|---|", *rows]  # fmt: skip
+                "recorded them (their Prometheus histogram, before vLLM's API server and any relay)"
+                + (". Through the tier a request's first interval is the handoff (its first token from the pool, the second from vLLM after "
+                   "the KV load), which vLLM's histogram does not hold: the client's shares without it are the ones to set beside the engines'."
+                   if apart else "."), "",
+            "| " + " | ".join(head) + " |", "|" + "---|" * len(head), *rows]  # fmt: skip
 
 
 def rendered(page: Path, text: str) -> str:

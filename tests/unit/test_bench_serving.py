@@ -166,10 +166,17 @@ def test_the_engines_itl_tail_is_read_from_vllms_histogram_summed_over_engines_a
     assert _engine_itl_now([]) is None and _engine_itl_now([SimpleNamespace(url="http://127.0.0.1:9")]) is None
 
 
-def test_the_clients_itl_tail_is_the_share_of_every_requests_intervals_over_each_bound(tmp_path):
+def test_the_clients_itl_tail_is_the_share_of_every_requests_intervals_over_each_bound_and_apart_from_each_first(tmp_path):
     raw = {"completed": 2, "failed": 0, "duration": 1.0, "request_throughput": 2.0, "output_throughput": 8.0, "request_goodput": 2.0,
            "p50_itl_ms": 3.0, "p99_itl_ms": 40.0, "itls": [[0.003, 0.003, 0.030], [0.003, 0.060, 0.003, 0.200, 0.003]]}  # fmt: skip
     result = tmp_path / "r.json"
     result.write_text(json.dumps(raw))
     got = point_of({"result": str(result), "failures": str(tmp_path / "f.json"), "point": {"rate": 1.0, "prompts": 2}})
     assert got["itl_over_ms"] == {"10": 0.375, "25": 0.375, "50": 0.25, "100": 0.125}
+    # each request's first interval (3 and 3 ms) apart; the 6 after them: 30, 3 / 60, 3, 200, 3 ms
+    assert got["first_itl"] == {"p50": 3.0, "p99": 3.0}
+    assert got["itl_over_ms_later"] == {"10": 0.5, "25": 0.5, "50": 0.33333, "100": 0.16667}
+    raw["itls"] = [[0.050], [0.020]]  # one interval each: all of them first ones, nothing after them
+    result.write_text(json.dumps(raw))
+    got = point_of({"result": str(result), "failures": str(tmp_path / "f.json"), "point": {"rate": 1.0, "prompts": 2}})
+    assert got["first_itl"] == {"p50": 35.0, "p99": 49.7} and "itl_over_ms_later" not in got

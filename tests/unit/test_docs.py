@@ -52,6 +52,20 @@ def test_a_serving_table_that_disagrees_with_its_file_is_caught():
     assert tampered != text and figures.rendered(page, tampered) == text
 
 
+def test_the_tail_table_sets_the_clients_shares_without_each_first_interval_beside_the_engines_where_a_point_has_them():
+    shares = {"10": 0.005, "25": 0.001, "50": 0.0, "100": 0.0}
+    engine = {"intervals": 100, "over_ms": {"10": 0.001, "25": 0.0, "50": 0.0, "100": 0.0}}
+    new = {"rate": 1.0, "itl_over_ms": shares, "itl_over_ms_later": {"10": 0.001, "25": 0.0, "50": 0.0, "100": 0.0},
+           "first_itl": {"p50": 14.2, "p99": 30.0}, "engine_itl": engine}  # fmt: skip
+    old = {"rate": 2.0, "itl_over_ms": shares, "engine_itl": engine}  # a point of a sweep from before they were kept
+    rows = figures._tail_table({"results": {"tier-pd": {"17408": [old, new]}}})
+    assert "| client without each request's first interval, % | first interval p50 / p99 (ms) |" in rows[-4]
+    assert rows[-2:] == ["| tier-pd | 17408 | 1 | 0.50 / 0.10 / 0.00 | 0.10 / 0.00 / 0.00 | 14.2 / 30.0 | 0.10 / 0.00 / 0.00 |",
+                         "| tier-pd | 17408 | 2 | 0.50 / 0.10 / 0.00 | - | - | 0.10 / 0.00 / 0.00 |"]  # fmt: skip
+    # no point with them: the table as before, without those two columns
+    assert "first interval" not in "\n".join(figures._tail_table({"results": {"tier-pd": {"17408": [old]}}}))
+
+
 @pytest.mark.parametrize("page", PAGES, ids=lambda p: p.name)
 def test_every_markdown_link_resolves(page):
     for target in LINK.findall(page.read_text()):
