@@ -4,7 +4,8 @@
 # Steps: tests (FP8 and MoE kernels, torch's FP8 GEMMs), quantize (the FP8 quantization kernel's tiles), accuracy (tiny MoE models vs the CPU reference),
 # profile, profile-ep (one MoE layer on 1 GPU; on $EP_GPUS (default 2), every ep_schedule without and with an SM carveout of
 # $COMM_SMS (default 16), the all-to-all's CTAs capped to it), v2lite (the whole DeepSeek-V2-Lite), v3 (a DeepSeek-V3 slice on $LAYOUTS, by
-# default FP8 on 1, 2 and 4 GPUs and bf16 on 1; a layout may name its EP schedule and carveout, bench_moe.py --help),
+# default FP8 on 1, 2 and 4 GPUs and bf16 on 1; a layout may name its EP schedule and carveout, bench_moe.py --help; $PROMPTS,
+# by default 1x8192 1x32768 1x131072 16x4096/gpu: an 80 GB H100 runs out of memory at 1x131072 on one GPU and with TP 2),
 # layouts (the V3 slice's TP x PCP 2x2 and 1x4 outputs against 1x1, in bf16 and FP8, with each format's chunking noise floor,
 # on the GPUs at hand: ranks share them, bench_moe.py --share-gpus), load (the V3 slice written as an FP8 checkpoint in $CKPT
 # (default /tmp/v3-5layers; 27 GiB), loaded by 1 and by 4 ranks: load time, bytes read, peak host memory, outputs against the
@@ -29,7 +30,7 @@ for step in "$@"; do
     v2lite) python3 benchmarks/bench_moe.py --model deepseek-v2-lite --layouts bf16:1 \
               --prompts 1x4096 1x32768 --repeats 3 --out "$out/v2-lite.json" ;;
     v3) python3 benchmarks/bench_moe.py "${slice[@]}" --layouts ${LAYOUTS:-fp8:1 fp8:2 fp8:4 bf16:1} \
-          --prompts 1x8192 1x32768 1x131072 16x4096/gpu --repeats 2 --out "$out/v3-slice.json" ;;
+          --prompts ${PROMPTS:-1x8192 1x32768 1x131072 16x4096/gpu} --repeats 2 --out "$out/v3-slice.json" ;;
     layouts) for format in bf16 fp8; do
                python3 benchmarks/bench_moe.py "${slice[@]}" --share-gpus --prompts 1x8192 --repeats 1 --moe-tokens 0 \
                  --layouts $format:1 $format:1:chunk4096 $format:4:tp2 $format:4:tp2:chunk4096 $format:4 \
