@@ -56,7 +56,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import queue
 import statistics
 import sys
 import time
@@ -71,7 +70,7 @@ import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
-from spmd import chunk_batches  # noqa: E402 -- the tests' prompt-by-chunk batching, as the pool schedules it
+from spmd import _put, _results_while_alive, chunk_batches  # noqa: E402 -- the tests' rank plumbing and prompt-by-chunk batching, as the pool schedules it
 
 from machine import machine  # noqa: E402 -- benchmarks/machine.py
 from timing import seconds_per_call, sync  # noqa: E402 -- benchmarks/timing.py
@@ -80,7 +79,6 @@ from configs.model import EP_SCHEDULES  # noqa: E402
 from workers.worker import SAFE_NCCL_ENV  # noqa: E402
 
 PEAK_TFLOPS = {"bf16": 989.0, "fp8": 1979.0}  # H200 dense, datasheet
-ERROR_GRACE_S = 30  # how long the other ranks of a layout are given to report once one has failed
 
 
 class Layout(NamedTuple):
@@ -288,9 +286,9 @@ def _worker(rank: int, layout: Layout, args, port: int, reports) -> None:
         if args.moe_tokens and worker.model.moe_layers():
             out["moe_layer"] = _moe_layer(worker, args.moe_tokens)
         out["peak_gpu_gib"] = torch.cuda.max_memory_allocated() / 2**30 if args.device == "cuda" else None
-        reports.put((rank, out))
+        _put(reports, (rank, out))
     except Exception as exc:  # noqa: BLE001 -- reported to the parent, which records it and goes on
-        reports.put((rank, {"error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()}))
+        _put(reports, (rank, {"error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()}))
     finally:
         if torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
@@ -306,40 +304,25 @@ def _free_port() -> int:
 
 def run(args, layout: Layout) -> list[dict]:
     """One layout: every rank's results (rank order), or raises with the first error. A rank that fails
-    (an out-of-memory) or dies leaves the others waiting in a collective for it: they are given
-    ``ERROR_GRACE_S`` to report too, then stopped, as is every rank after ``--timeout`` seconds."""
+    (an out-of-memory) leaves the others waiting in a collective for it: the layout stops at the first
+    error reported, a rank that dies, or ``--timeout`` seconds (the tests' ``_results_while_alive``)."""
     ctx = mp.get_context("spawn")
     reports = ctx.Queue()
     port = _free_port()
     procs = [ctx.Process(target=_worker, args=(r, layout, args, port, reports)) for r in range(layout.gpus)]
     for proc in procs:
         proc.start()
-    got, deadline, first_error = {}, time.monotonic() + args.timeout, None
+    got: dict[int, dict] = {}
     try:
-        while len(got) < len(procs):
-            try:
-                rank, out = reports.get(timeout=2)
-                got[rank] = out
-                if "error" in out and first_error is None:
-                    first_error = time.monotonic()
-                continue
-            except queue.Empty:
-                pass
-            now, dead = time.monotonic(), [r for r, proc in enumerate(procs) if r not in got and proc.exitcode is not None]
-            if dead or now > deadline or (first_error is not None and now > first_error + ERROR_GRACE_S):
-                codes = {r: procs[r].exitcode for r in range(len(procs)) if r not in got}
-                why = f"rank {dead[0]} died" if dead else "a rank failed" if first_error is not None else f"--timeout {args.timeout:g} s"
-                break
+        for rank, out in _results_while_alive(reports, procs, args.timeout):
+            got[rank] = out
+            if "error" in out:
+                raise RuntimeError(out["error"] + "\n" + out["traceback"])
     finally:
         for proc in procs:
-            proc.join(timeout=0 if len(got) < len(procs) else 30)
+            proc.join(timeout=30 if len(got) == len(procs) else 0)
             if proc.is_alive():
                 proc.kill()
-    errors = [out for _, out in sorted(got.items()) if "error" in out]
-    if errors:
-        raise RuntimeError(errors[0]["error"] + "\n" + errors[0]["traceback"])
-    if len(got) < len(procs):
-        raise RuntimeError(f"ranks {sorted(codes)} gave no result: exit codes {codes} (None: still running, stopped as {why})")
     return [got[r] for r in range(len(procs))]
 
 
