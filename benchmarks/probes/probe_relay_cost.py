@@ -40,7 +40,7 @@ from chaos_decode import vllm_args  # noqa: E402 -- benchmarks/chaos_decode.py: 
 from hf_models import write_vllm_checkpoint  # noqa: E402 -- tests/hf_models.py
 from machine import machine  # noqa: E402 -- benchmarks/machine.py
 from ray import serve  # noqa: E402
-from vllm_server import VLLMServer, running  # noqa: E402 -- tests/vllm_server.py
+from vllm_server import VLLMServer, running, stream_events  # noqa: E402 -- tests/vllm_server.py
 
 TICK_S = 1.0 / os.sysconf("SC_CLK_TCK")
 
@@ -59,12 +59,9 @@ def stream(url: str, prompt: str, max_tokens: int) -> int:
     body = {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True, "stream": True, "temperature": 0.0,
             "stream_options": {"include_usage": True}}  # fmt: skip
     request = urllib.request.Request(url + "/v1/completions", json.dumps(body).encode(), {"content-type": "application/json"})
-    generated = 0
     with urllib.request.urlopen(request, timeout=600) as response:
-        for raw in response:
-            line = raw.decode().strip()
-            if line.startswith("data:") and line != "data: [DONE]":
-                generated = (json.loads(line[5:]).get("usage") or {}).get("completion_tokens", generated)
+        events = stream_events(response)
+    generated = next((e["usage"]["completion_tokens"] for e in reversed(events) if e != "[DONE]" and e.get("usage")), 0)
     if generated != max_tokens:
         raise RuntimeError(f"{url}: a completion of {max_tokens} tokens gave {generated}")
     return generated
