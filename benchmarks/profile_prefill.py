@@ -4,7 +4,8 @@ Builds a ``PrefillWorker`` of ``--model`` (``--num-layers`` of it, random weight
 checkpoint format is FP8 and ``--weights fp8``), prefills ``--prompts N L`` (N prompts of L tokens,
 all in one batch when they fit ``--chunk-tokens``) twice to warm up, times a third run, profiles a
 fourth, and prints and writes the operators and kernels by GPU time, with the sum of kernel times
-and the time the GPU was busy (kernels merged) against the run's wall time.
+and the time the GPU was busy (kernels merged) against the run's wall time, and ``shares``: the
+kernel time by part of the model (:data:`PARTS`, :func:`kernel_shares`).
 
     python benchmarks/profile_prefill.py --model deepseek-v3 --num-layers 5 --prompts 16 4096 --out FILE.json
 """
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 import time
 from datetime import datetime, timezone
@@ -31,6 +33,30 @@ from spmd import chunk_batches  # noqa: E402 -- the tests' prompt-by-chunk batch
 
 from configs.pool import PoolConfig  # noqa: E402
 from workers.worker import PrefillWorker, rendezvous_address  # noqa: E402
+
+
+# the parts of a prefill, by kernel name (the first pattern that matches; case-insensitive): FP8 activation quantization
+# serves the linears and the experts alike, so it is a part of its own
+PARTS = (
+    ("moe_experts", r"GroupProblemShape|grouped|m_grouped|fused_moe"),
+    ("attention", r"flash_?attn|fmha|attention|mla"),
+    ("linears", r"nvjet|gemm|cutlass|sm90_xmma"),
+    ("fp8_quantize", r"quantize|quant_"),
+    ("moe_routing", r"route|gather_sum|radix_sort|topk|sort"),
+    ("norms", r"rms_norm|layer_norm"),
+    ("rope_and_keys", r"rotate|rope|keys"),
+)
+
+
+def kernel_shares(kernels: list[tuple[str, float]]) -> dict:
+    """GPU milliseconds and share of the total per part of :data:`PARTS` (the rest: ``glue``, copies,
+    adds, gathers) of ``(kernel name, ms)`` pairs."""
+    parts = {name: 0.0 for name, _ in PARTS} | {"glue": 0.0}
+    for kernel, ms in kernels:
+        part = next((name for name, pattern in PARTS if re.search(pattern, kernel, re.IGNORECASE)), "glue")
+        parts[part] += ms
+    total = sum(parts.values())
+    return {name: {"ms": round(ms, 3), "share": round(ms / total, 4) if total else 0.0} for name, ms in parts.items()}
 
 
 def _busy_ms(events) -> float:
@@ -93,7 +119,8 @@ def main() -> None:
         "model": args.model, "layers": args.num_layers, "weights": info.weights, "backend": info.backend,
         "prompts": count, "prompt_tokens": length, "wall_s": wall,
         "layer_tokens_per_s": count * length * args.num_layers / wall,
-        "kernel_sum_ms": sum(e.device_time for e in gpu) / 1e3, "gpu_busy_ms": _busy_ms(gpu), "top": top,
+        "kernel_sum_ms": sum(e.device_time for e in gpu) / 1e3, "gpu_busy_ms": _busy_ms(gpu),
+        "shares": kernel_shares([(e.name, e.device_time / 1e3) for e in gpu]), "top": top,
     }  # fmt: skip
     print(f"{count} x {length} tokens, {args.num_layers} layers, {info.weights}, {info.backend}: {wall * 1e3:.1f} ms, "
           f"kernels {result['kernel_sum_ms']:.1f} ms, GPU busy {result['gpu_busy_ms']:.1f} ms")  # fmt: skip

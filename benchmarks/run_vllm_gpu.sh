@@ -29,7 +29,10 @@
 # bench_serving.py --pd, the pool on GPU 0 and vLLM on GPU 1 against vLLM DP 2 on both, or with PD_BASELINE=two-servers a vLLM
 # server per GPU behind a round robin, PD_BASELINE=none against nothing; prompts of 2-32K, answers of 30-482 tokens); chaos (two
 # GPUs: benchmarks/chaos.py, 2 replicas x TP 2, spare workers on as they are with GPUs: the pool's faults and fault-to-serving).
-# VLLM_ARGS: more arguments for vLLM's server (speed, speed-kv, pd), e.g. "--disable-custom-all-reduce". speed needs an H200: the slice's 26.5 GiB of
+# prefill (the slice's prefill through the pool, and through vLLM with each of its MoE backends MOE_BACKENDS (flashinfer_cutlass
+# too where FlashInfer's JIT cache is carried: its nvcc build had not finished in 8 minutes on 2026-11-28), on CASES, with
+# bench_moe.py's workers' own times and MoE layer, its KV cache sized by the prompts (--share-gpus) to leave the MoE layer
+# alone room: benchmarks/bench_vllm_prefill.py). VLLM_ARGS: more arguments for vLLM's server (speed, speed-kv, pd), e.g. "--disable-custom-all-reduce". speed needs an H200: the slice's 26.5 GiB of
 # weights twice, and vLLM's 32K prefill, do not fit an H100 (vLLM held 57 GiB there at VLLM_MEMORY=0.45).
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
@@ -93,6 +96,11 @@ for step in "$@"; do
                      --out "$out/probe-ingress.json" ;;
     chaos) python3 benchmarks/chaos.py --device cuda --worker-gpus 0.5 --out "$out/chaos.json" 2>&1 | tail -30 ;;
     multi-gpu) python3 -m pytest -q -m multi_gpu tests 2>&1 | tee "$out/pytest-multi-gpu.txt" | tail -5 ;;
+    prefill) slice_ckpt; cases=${CASES:-16x4096 1x32768}
+             python3 benchmarks/bench_moe.py --model deepseek-v3 --num-layers 5 --layouts fp8:1 --prompts $cases --moe-tokens ${MOE_TOKENS:-32768} \
+               --share-gpus --repeats 3 --out "$out/prefill-workers.json" 2>&1 | tail -3
+             python3 benchmarks/bench_vllm_prefill.py --checkpoint "$ckpt" --cases $cases --workers "$out/prefill-workers.json" --moe-tokens ${MOE_TOKENS:-32768} \
+               --backends ${MOE_BACKENDS:-triton deep_gemm triton-tuned} --vllm-timeout ${VLLM_TIMEOUT:-900} --out "$out/vllm-prefill.json" ;;
     kv-load) python3 benchmarks/bench_kv_load.py --layers 61 5 --tokens 32768 4096 --chunk-rows 16384 65536 --out "$out/kv-load.json" ;;
     *) echo "unknown step $step"; exit 2 ;;
   esac

@@ -1,0 +1,128 @@
+"""``benchmarks/bench_vllm_prefill.py``'s reading of its runs (the GPU run against vLLM's MoE backends
+is only as right as these): the cases and prompts every side gets, the MoE layer's FLOPs, the backend
+vLLM's log names, the ratios and the MoE table, bench_moe.py's run folded in, the arguments it
+refuses; and ``benchmarks/profile_prefill.kernel_shares``, the parts of a profiled prefill."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
+sys.path.insert(0, str(BENCHMARKS))
+from bench_vllm_prefill import backend_in_log, moe_layer_flops, moe_layer_table, parse_case, prompts, ratios, workers_side  # noqa: E402
+from profile_prefill import kernel_shares  # noqa: E402
+
+V3 = {"hidden_size": 7168, "moe_intermediate_size": 2048, "n_routed_experts": 256, "num_experts_per_tok": 8, "n_shared_experts": 1}
+
+
+def test_a_case_is_prompts_times_tokens_and_anything_else_is_refused_naming_the_form():
+    assert parse_case("16x4096") == (16, 4096)
+    assert parse_case("1X32768") == (1, 32768)
+    for bad in ("16", "x4096", "0x10", "4x-1", "16*4096"):
+        with pytest.raises(Exception, match="expected NxL"):
+            parse_case(bad)
+
+
+def test_every_side_gets_the_same_prompts_and_every_repeat_new_ones():
+    first = prompts("4x64", 0, vocab=1000, seed=0)
+    assert first == prompts("4x64", 0, vocab=1000, seed=0)
+    assert len(first) == 4 and all(len(p) == 64 and all(0 <= t < 1000 for t in p) for p in first)
+    assert first != prompts("4x64", 1, vocab=1000, seed=0) != prompts("4x64", -1, vocab=1000, seed=0)
+    assert len({tuple(p) for p in first}) == 4  # no two prompts of a case alike: no prefix shared between them
+
+
+def test_the_moe_layer_counts_the_router_the_k_routed_and_the_shared_experts():
+    tokens = 32768
+    router = 2 * tokens * 7168 * 256
+    expert = 2 * tokens * 3 * 7168 * 2048  # gate, up and down
+    assert moe_layer_flops(V3, tokens) == router + 9 * expert
+    assert moe_layer_flops({**V3, "n_shared_experts": 0}, tokens) == router + 8 * expert
+
+
+def test_the_backend_and_triton_config_are_what_vllms_log_says():
+    log = """INFO [fp8.py:325] Using TRITON Fp8 MoE backend out of potential backends: ['TRITON', 'AITER'].
+WARNING [fused_moe.py:1107] Using default MoE config. Performance might be sub-optimal! Config file not found at /x.json"""
+    assert backend_in_log(log) == {"moe_backend": "TRITON", "moe_config": "default"}
+    tuned = "INFO Using DEEPGEMM Fp8 MoE backend out of x\nINFO [fused_moe.py:1094] Using configuration from /t/E=256.json for MoE layer."
+    assert backend_in_log(tuned) == {"moe_backend": "DEEPGEMM", "moe_config": "/t/E=256.json"}
+    assert backend_in_log("no MoE here") == {"moe_backend": None, "moe_config": None}
+
+
+def _side(seconds: dict, layer_s: float | None = None) -> dict:
+    side = {"cases": {case: {"seconds_p50": s, "layer_tokens_per_s": 1000 / s} for case, s in seconds.items()}}
+    if layer_s is not None:
+        side["moe_layer"] = {"tokens": 32768, "layer_s": layer_s}
+    return side
+
+
+def test_the_pool_is_set_against_each_vllm_side_and_the_fastest_per_case():
+    sides = {
+        "pool": _side({"16x4096": 0.55, "1x32768": 0.54}),
+        "workers": _side({"16x4096": 0.535}, layer_s=0.032),
+        "vllm:triton": _side({"16x4096": 0.60, "1x32768": 0.57}, layer_s=0.045),
+        "vllm:deep_gemm": _side({"16x4096": 0.53, "1x32768": 0.58}, layer_s=0.029),
+        "vllm:flashinfer_cutlass": {"error": "stopped after 480 s"},
+    }
+    out = ratios(sides, ["16x4096", "1x32768", "2x8"])
+    assert out["16x4096"]["vllm_best"] == "vllm:deep_gemm"
+    assert out["16x4096"]["pool_over_vllm_best"] == pytest.approx(0.53 / 0.55)
+    assert out["1x32768"]["vllm_best"] == "vllm:triton"  # the fastest per case, not one backend for all
+    assert out["1x32768"]["pool_over"] == {"vllm:triton": pytest.approx(0.57 / 0.54), "vllm:deep_gemm": pytest.approx(0.58 / 0.54)}
+    assert "2x8" not in out  # a case no side ran
+    assert ratios({"vllm:triton": sides["vllm:triton"]}, ["16x4096"]) == {}  # no pool, no ratio
+
+    table = moe_layer_table(V3, sides, 32768)
+    assert set(table["sides"]) == {"workers", "vllm:triton", "vllm:deep_gemm"}
+    deep = table["sides"]["vllm:deep_gemm"]
+    assert deep["tflops"] == pytest.approx(moe_layer_flops(V3, 32768) / 0.029 / 1e12)
+    assert deep["fraction_of_peak"] == pytest.approx(deep["tflops"] / 1979.0)
+    assert moe_layer_table(V3, sides, 65536)["sides"] == {}  # timed at another token count: not comparable
+
+
+def test_bench_moes_one_gpu_run_is_folded_in_with_its_moe_layer_or_its_error():
+    run = {"layout": "fp8-1gpu", "gpus": 1, "moe_layer": [{"tokens_per_gpu": 32768, "layer_s": 0.0318}],
+           "cases": [{"case": "16x4096", "seconds": 0.5347, "layer_tokens_per_s_per_gpu": 612877.0},
+                     {"case": "1x8192", "seconds": 0.08, "layer_tokens_per_s_per_gpu": 5e5}]}  # fmt: skip
+    two = {**run, "layout": "fp8-2gpu", "gpus": 2}
+    side = workers_side({"runs": [two, run]}, Path("w.json"), ["16x4096", "1x32768"])
+    assert side == {"source": "w.json", "layout": "fp8-1gpu", "cases": {"16x4096": {"seconds_p50": 0.5347, "layer_tokens_per_s": 612877.0}},
+                    "moe_layer": {"tokens": 32768, "layer_s": 0.0318}}  # fmt: skip
+    failed = workers_side({"runs": [], "errors": [{"layout": "fp8-1gpu", "error": "x" * 500 + "CUDA out of memory"}]}, Path("w.json"), ["16x4096"])
+    assert failed["error"][0].endswith("CUDA out of memory") and "cases" not in failed
+
+
+@pytest.mark.parametrize(
+    "backends, message",
+    [(["triton-tuned", "triton"], "triton-tuned needs triton before it"), (["deep-gemm"], "expected one of auto, triton, deep_gemm")],
+)
+def test_backends_it_cannot_run_are_refused_before_anything_starts(tmp_path, backends, message):
+    (tmp_path / "ckpt").mkdir()
+    config = {**V3, "num_hidden_layers": 5, "vocab_size": 1000, "quantization_config": {"weight_block_size": [128, 128]}}
+    (tmp_path / "ckpt" / "config.json").write_text(json.dumps(config))
+    command = [sys.executable, str(BENCHMARKS / "bench_vllm_prefill.py"), "--checkpoint", str(tmp_path / "ckpt"), "--out", str(tmp_path / "o.json")]
+    done = subprocess.run([*command, "--backends", *backends], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2 and message in done.stderr, done.stderr
+    (tmp_path / "ckpt" / "config.json").write_text(json.dumps({**config, "quantization_config": {}}))  # bf16: nothing to tune
+    done = subprocess.run([*command, "--backends", "triton", "triton-tuned"], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2 and "is not in a block-FP8 format" in done.stderr, done.stderr
+    assert not (tmp_path / "o.json").exists()
+
+
+def test_a_profiles_kernels_fall_into_the_parts_of_the_model_by_name():
+    kernels = [
+        ("nvjet_sm90_qqtst_128x128_128x6_2x1_v_bz_coopA_algo2_Ablk128_Bvec128_TNN", 245.0),  # FP8 block-scaled linear
+        ("_ZN7cutlass13device_kernelINS_4gemm6kernel13GemmUniversalINS1_17GroupProblemShapeIN4cute5tupleIJiiiEEEEE", 105.0),  # experts
+        ("kernel_cutlass_kernel_flash_attncuteflash_fwd_sm90FlashAttentionForwardSm90_object_at__tensor", 93.0),  # FA4
+        ("_quantize_kernel", 21.0), ("_rms_norm_kernel", 13.6), ("_keys_kernel", 7.5), ("_rotate_kernel", 3.2),
+        ("_gather_sum_kernel", 3.9), ("_route_kernel", 1.0), ("void at_cuda_detail::cub::detail::radix_sort::DeviceRadixSortOnesweepKernel", 0.2),
+        ("void at::native::vectorized_elementwise_kernel<8, at::native::CUDAFunctor_add<c10::BFloat16>>", 1.3), ("Memcpy DtoH (Device -> Pageable)", 3.1),
+    ]  # fmt: skip
+    shares = kernel_shares(kernels)
+    assert {part: entry["ms"] for part, entry in shares.items()} == {
+        "moe_experts": 105.0, "attention": 93.0, "linears": 245.0, "fp8_quantize": 21.0, "moe_routing": 5.1, "norms": 13.6,
+        "rope_and_keys": 10.7, "glue": 4.4}  # fmt: skip
+    assert sum(entry["share"] for entry in shares.values()) == pytest.approx(1.0, abs=1e-3)
+    assert kernel_shares([])["glue"] == {"ms": 0.0, "share": 0.0}
