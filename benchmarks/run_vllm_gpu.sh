@@ -32,7 +32,8 @@
 # prefill (the slice's prefill through the pool, and through vLLM with each of its MoE backends MOE_BACKENDS (flashinfer_cutlass
 # too where FlashInfer's JIT cache is carried: its nvcc build had not finished in 8 minutes on 2026-11-28), on CASES, with
 # bench_moe.py's workers' own times and MoE layer, its KV cache sized by the prompts (--share-gpus) to leave the MoE layer
-# alone room: benchmarks/bench_vllm_prefill.py). VLLM_ARGS: more arguments for vLLM's server (speed, speed-kv, pd), e.g. "--disable-custom-all-reduce". speed needs an H200: the slice's 26.5 GiB of
+# alone room: benchmarks/bench_vllm_prefill.py); gemms (benchmarks/bench_grouped_gemm.py with DeepGEMM as vLLM's wheel carries it:
+# the experts' grouped GEMMs and the dense FP8 linears by torch's kernels and by DeepGEMM's, on V3's shapes). VLLM_ARGS: more arguments for vLLM's server (speed, speed-kv, pd), e.g. "--disable-custom-all-reduce". speed needs an H200: the slice's 26.5 GiB of
 # weights twice, and vLLM's 32K prefill, do not fit an H100 (vLLM held 57 GiB there at VLLM_MEMORY=0.45).
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
@@ -101,6 +102,8 @@ for step in "$@"; do
                --share-gpus --repeats 3 --out "$out/prefill-workers.json" 2>&1 | tail -3
              python3 benchmarks/bench_vllm_prefill.py --checkpoint "$ckpt" --cases $cases --workers "$out/prefill-workers.json" --moe-tokens ${MOE_TOKENS:-32768} \
                --backends ${MOE_BACKENDS:-triton deep_gemm triton-tuned} --vllm-timeout ${VLLM_TIMEOUT:-900} --out "$out/vllm-prefill.json" ;;
+    gemms) PYTHONPATH=/tmp/vllm-site:$PWD python3 benchmarks/bench_grouped_gemm.py --tokens 16384 65536 --experts 256 \
+             --out "$out/grouped-gemm-candidates.json" ;;
     kv-load) python3 benchmarks/bench_kv_load.py --layers 61 5 --tokens 32768 4096 --chunk-rows 16384 65536 --out "$out/kv-load.json" ;;
     *) echo "unknown step $step"; exit 2 ;;
   esac
