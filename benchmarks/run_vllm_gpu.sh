@@ -31,8 +31,8 @@
 # GPUs: benchmarks/chaos.py, 2 replicas x TP 2, spare workers on as they are with GPUs: the pool's faults and fault-to-serving).
 # prefill (the slice's prefill through the pool, and through vLLM with each of its MoE backends MOE_BACKENDS (flashinfer_cutlass
 # too where FlashInfer's JIT cache is carried: its nvcc build had not finished in 8 minutes on 2026-11-28), on CASES, with
-# bench_moe.py's workers' own times and MoE layer, its KV cache sized by the prompts (--share-gpus) to leave the MoE layer
-# alone room: benchmarks/bench_vllm_prefill.py); gemms (benchmarks/bench_grouped_gemm.py with DeepGEMM as vLLM's wheel carries it:
+# bench_moe.py's workers' own times and MoE layer, its KV cache sized by the prompts (--share-gpus), as measured on 2026-11-28:
+# benchmarks/bench_vllm_prefill.py); gemms (benchmarks/bench_grouped_gemm.py with DeepGEMM as vLLM's wheel carries it:
 # the experts' grouped GEMMs and the dense FP8 linears by torch's kernels and by DeepGEMM's, on V3's shapes). VLLM_ARGS: more arguments for vLLM's server (speed, speed-kv, pd), e.g. "--disable-custom-all-reduce". speed needs an H200: the slice's 26.5 GiB of
 # weights twice, and vLLM's 32K prefill, do not fit an H100 (vLLM held 57 GiB there at VLLM_MEMORY=0.45).
 set -uo pipefail
