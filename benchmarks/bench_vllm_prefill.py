@@ -56,8 +56,9 @@ import numpy as np
 REPO = Path(__file__).resolve().parents[1]
 HOPPER_FP8_TFLOPS = 1979.0  # dense FP8 peak of an H100 SXM and an H200 (NVIDIA's datasheets), as bench_moe.py counts
 BACKENDS = ("auto", "triton", "deep_gemm", "flashinfer_cutlass", "cutlass", "triton-tuned")  # vLLM 0.26's moe_backend names for block FP8
-# Triton fused-MoE configs tried for triton-tuned: DeepSeek's 128x128 weight blocks fix BLOCK_SIZE_K at 128 and let
-# BLOCK_SIZE_N be 64 or 128 (a divisor of the block); the rest spans the tiles vLLM's shipped Hopper configs use
+# Triton fused-MoE configs tried for triton-tuned, a narrow space around vLLM's default for block FP8 at large batches
+# (BLOCK_SIZE_M 64, N 128, K 128, GROUP_SIZE_M 32, 4 warps, 3 stages; BLOCK_SIZE_N must divide the 128-row weight block).
+# vLLM's shipped H200 files for E=256 at 1K-4K tokens also use BLOCK_SIZE_K 256 and GROUP_SIZE_M 16: not tried here
 SEARCH_SPACE = [
     {"BLOCK_SIZE_M": m, "BLOCK_SIZE_N": n, "BLOCK_SIZE_K": 128, "GROUP_SIZE_M": g, "num_warps": w, "num_stages": s}
     for m, n, g, w, s in itertools.product((64, 128), (64, 128), (1, 32), (4, 8), (3, 4))
