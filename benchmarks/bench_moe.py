@@ -1,8 +1,8 @@
 """MoE prefill benchmark: DeepSeek-shaped slices and whole smaller models, 1..N GPUs, FP8 and bf16.
 
-For each layout ``FORMAT:G[:tpT][:SCHEDULE][:smsN][:chunkC]`` (weights ``fp8`` or ``bf16``, G GPUs,
+For each layout ``FORMAT:G[:tpT][:SCHEDULE][:smsN][:chunkC][:deep_gemm]`` (weights ``fp8`` or ``bf16``, G GPUs,
 TP=T, default 1; the EP schedule and SM carveout of ``PoolConfig.ep_schedule``/``ep_comm_sms``;
-chunks of C tokens instead of ``--chunk-tokens``), one
+chunks of C tokens instead of ``--chunk-tokens``; FP8 experts run by DeepGEMM, ``PoolConfig.moe_gemm``), one
 process per GPU runs a ``PrefillWorker`` of one replica (TP=T x PCP=G/T: the PCP ranks take their
 share of every prompt's tokens, and the MoE layers' routed experts are split over all G GPUs,
 EP=G), with the model's seeded random weights (FP8 in DeepSeek's
@@ -75,7 +75,7 @@ from spmd import _put, _results_while_alive, chunk_batches  # noqa: E402 -- the 
 from machine import machine  # noqa: E402 -- benchmarks/machine.py
 from timing import seconds_per_call, sync  # noqa: E402 -- benchmarks/timing.py
 
-from configs.model import EP_SCHEDULES  # noqa: E402
+from configs.model import EP_SCHEDULES, MOE_GEMMS  # noqa: E402
 from workers.worker import SAFE_NCCL_ENV  # noqa: E402
 
 PEAK_TFLOPS = {"bf16": 989.0, "fp8": 1979.0}  # H200 dense, datasheet
@@ -89,10 +89,12 @@ class Layout(NamedTuple):
     comm_sms: int = 0  # PoolConfig.ep_comm_sms
     chunk: int = 0  # tokens per chunk, 0: --chunk-tokens (chunk_tokens())
     checkpoint: bool = False  # load --checkpoint instead of drawing the seeded weights
+    moe_gemm: str = "torch"  # PoolConfig.moe_gemm
 
     @classmethod
     def parse(cls, text: str) -> Layout:
-        """``FORMAT:GPUS`` followed by any of ``:tpT``, ``:SCHEDULE`` (an EP schedule), ``:smsN``, ``:chunkC`` and ``:ckpt``."""
+        """``FORMAT:GPUS`` followed by any of ``:tpT``, ``:SCHEDULE`` (an EP schedule), ``:smsN``, ``:chunkC``, ``:ckpt``
+        and ``:deep_gemm`` (the FP8 experts run by DeepGEMM, ``PoolConfig.moe_gemm``)."""
         weights, _, rest = text.partition(":")
         gpus, *options = rest.split(":")
         fields = {}
@@ -107,13 +109,15 @@ class Layout(NamedTuple):
                 fields["schedule"] = option
             elif option == "ckpt":
                 fields["checkpoint"] = True
+            elif option in MOE_GEMMS:
+                fields["moe_gemm"] = option
             else:
                 fields = None
                 break
         if weights not in ("fp8", "bf16") or not gpus.isdigit() or fields is None or int(gpus) % fields.get("tp", 1):
             raise ValueError(
-                f"layout {text!r} is not FORMAT:GPUS[:tpT][:SCHEDULE][:smsN][:chunkC][:ckpt] (FORMAT fp8 or bf16, T dividing "
-                f"GPUS, SCHEDULE one of {', '.join(EP_SCHEDULES)}, C > 0 tokens)"
+                f"layout {text!r} is not FORMAT:GPUS[:tpT][:SCHEDULE][:smsN][:chunkC][:ckpt][:GEMM] (FORMAT fp8 or bf16, T dividing "
+                f"GPUS, SCHEDULE one of {', '.join(EP_SCHEDULES)}, C > 0 tokens, GEMM one of {', '.join(MOE_GEMMS)})"
             )
         return cls(weights, int(gpus), **fields)
 
@@ -128,6 +132,7 @@ class Layout(NamedTuple):
             options += [f"sms{self.comm_sms}"] if self.comm_sms else []
         options += [f"chunk{self.chunk}"] if self.chunk else []
         options += ["ckpt"] if self.checkpoint else []
+        options += [self.moe_gemm] if self.moe_gemm != "torch" else []
         return "-".join([self.weights, f"{self.gpus}gpu", *options])
 
 
@@ -216,8 +221,20 @@ def _raw_gemms(experts, rows, weights, offs):
             torch._grouped_mm(x, experts.gate_up_proj.transpose(-2, -1), offs=offs),
             torch._grouped_mm(h, experts.down_proj.transpose(-2, -1), offs=offs),
         )
-    from workers.fp8 import FP8, quantize_activations
+    from workers.fp8 import BLOCK, FP8, quantize_activations
 
+    if experts.block:  # DeepGEMM's two grouped GEMMs, on the call's rows placed in its contiguous layout
+        from workers import moe_deepgemm
+
+        dg = moe_deepgemm.load()
+        a, a_scale, _, m_indices = moe_deepgemm.place(rows, offs, dg.get_mk_alignment_for_contiguous_layout())
+        up = torch.empty(m_indices.numel(), 2 * width, dtype=torch.bfloat16, device=a.device)
+        gate_up = ((a, a_scale), (experts.gate_up_proj, experts.gate_up_proj_scale), up, m_indices)
+        dg.m_grouped_fp8_gemm_nt_contiguous(*gate_up)
+        h, h_scale = quantize_activations(up, BLOCK, silu_mul=True)
+        out = torch.empty(m_indices.numel(), experts.down_proj.shape[1], dtype=torch.bfloat16, device=a.device)
+        down = ((h, h_scale.t()), (experts.down_proj, experts.down_proj_scale), out, m_indices)
+        return lambda: (dg.m_grouped_fp8_gemm_nt_contiguous(*gate_up), dg.m_grouped_fp8_gemm_nt_contiguous(*down))
     q, scale = rows[0].view(FP8), rows[1]
     up = (q, experts.gate_up_proj.transpose(-2, -1), scale, experts.gate_up_proj_scale)
     gate_up = torch._scaled_grouped_mm(*up, offs=offs, out_dtype=torch.bfloat16)
@@ -247,7 +264,7 @@ def _worker(rank: int, layout: Layout, args, port: int, reports) -> None:
         dtype="bfloat16" if args.device == "cuda" else "float32",
         quantization="auto" if weights == "fp8" else "none", device=args.device, chunk_tokens=chunk,
         max_batch_tokens=max(chunk, max(n * min(length, chunk) for n, length in cases.values())),
-        gpu_memory_utilization=0.85, ep_schedule=layout.schedule, ep_comm_sms=layout.comm_sms, seed=0,
+        gpu_memory_utilization=0.85, ep_schedule=layout.schedule, ep_comm_sms=layout.comm_sms, moe_gemm=layout.moe_gemm, seed=0,
         # ranks sharing a GPU would each size their cache by the whole GPU's memory: size it by the prompts
         kv_cache_tokens=max(n * length for n, length in cases.values()) + chunk if args.share_gpus else None,
     )  # fmt: skip

@@ -4,7 +4,8 @@
 # Steps: tests (FP8 and MoE kernels, torch's FP8 GEMMs), quantize (the FP8 quantization kernel's tiles), accuracy (tiny MoE models vs the CPU reference),
 # profile, profile-ep (one MoE layer on 1 GPU; on $EP_GPUS (default 2), every ep_schedule without and with an SM carveout of
 # $COMM_SMS (default 16), the all-to-all's CTAs capped to it), v2lite (the whole DeepSeek-V2-Lite), v3 (a DeepSeek-V3 slice on $LAYOUTS, by
-# default FP8 on 1, 2 and 4 GPUs and bf16 on 1; a layout may name its EP schedule and carveout, bench_moe.py --help; $PROMPTS,
+# default FP8 on 1, 2 and 4 GPUs and bf16 on 1; a layout may name its EP schedule and carveout, and :deep_gemm its experts' GEMMs
+# (DeepGEMM on the path: run_vllm_gpu.sh's install links vLLM's build into /tmp/gpu-site), bench_moe.py --help; $PROMPTS,
 # by default 1x8192 1x32768 1x131072 16x4096/gpu: an 80 GB H100 runs out of memory at 1x131072 on one GPU and with TP 2),
 # layouts (the V3 slice's TP x PCP 2x2 and 1x4 outputs against 1x1, in bf16 and FP8, with each format's chunking noise floor,
 # on the GPUs at hand: ranks share them, bench_moe.py --share-gpus), load (the V3 slice written as an FP8 checkpoint in $CKPT

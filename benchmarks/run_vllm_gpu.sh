@@ -66,6 +66,7 @@ for step in "$@"; do
                python3 deploy/offline_bundle.py install --bundle /tmp/bundle-$set --target /tmp/$set-site | tail -1
              done
              ln -sf /tmp/vllm-site/nixl* /tmp/gpu-site/  # the pool's holders serve NIXL with the same wheel
+             ln -sfn /tmp/vllm-site/vllm/third_party/deep_gemm /tmp/gpu-site/deep_gemm  # DeepGEMM for moe_gemm deep_gemm: vLLM's build of it
              python3 -m compileall -q -j 16 /tmp/vllm-site /tmp/gpu-site > /dev/null  # else every process of a first start compiles vLLM
              python3 -c "import ray, flash_attn.cute, nixl_cu13; print('gpu site ok', ray.__version__)"
              PYTHONPATH=/tmp/vllm-site:$PWD python3 -c "import vllm, kv.vllm_connector; print('vllm site ok', vllm.__version__)" ;;

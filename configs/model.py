@@ -51,6 +51,8 @@ def builtin_models() -> list[str]:
 EP_SCHEDULES = ("all-to-all", "local-first", "two-micro-batches")
 # where a MoE layer rounds (configs.pool.PoolConfig.moe_rounding explains each)
 MOE_ROUNDINGS = ("reference", "vllm")
+# what runs the routed experts' FP8 GEMMs (configs.pool.PoolConfig.moe_gemm explains each)
+MOE_GEMMS = ("torch", "deep_gemm")
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from attention.backends.registry import MLAPrefillBackendEnum
-from configs.model import DTYPES, EP_SCHEDULES, MOE_ROUNDINGS, ModelConfig, load_model_config
+from configs.model import DTYPES, EP_SCHEDULES, MOE_GEMMS, MOE_ROUNDINGS, ModelConfig, load_model_config
 
 DEVICES = ("auto", "cpu", "cuda")
 QUANTIZATIONS = ("auto", "none")
@@ -65,6 +65,12 @@ class PoolConfig:
                      vLLM alone's on 30 of 32 prompts, against 28 (docs/vllm-decode.md). Unquantized
                      experts, replicas of one worker, noaux_tc + sigmoid routing only; its down GEMM runs
                      one GEMM per expert after a host sync
+    moe_gemm         what runs the routed experts' FP8 GEMMs (SM90 GPUs; elsewhere the experts are dequantized
+                     and this has no effect): "torch" (torch._scaled_grouped_mm, the only FP8 recipe its grouped
+                     GEMM has on SM90: one scale per token and per output row, the checkpoint's 128x128 weight
+                     blocks requantized per row at load), or "deep_gemm" (DeepGEMM's grouped GEMM, the package
+                     deep_gemm: the checkpoint's own weight blocks and 1x128 activation scales, as vLLM's DEEPGEMM
+                     MoE backend; workers.moe_deepgemm). Not yet measured on a GPU here: "torch" stays the default
     device           "cuda", "cpu" or "auto" (cuda when the workers see a GPU)
     chunk_tokens     prompts are prefilled in chunks of at most this many tokens per request (32768:
                      on H200 a 128K prompt of a DeepSeek-V3 layer runs 10% faster than with 8K chunks on
@@ -122,6 +128,7 @@ class PoolConfig:
     ep_schedule: str = "all-to-all"
     ep_comm_sms: int = 0
     moe_rounding: str = "reference"
+    moe_gemm: str = "torch"
     device: str = "auto"
     chunk_tokens: int = 32768  # measured: benchmarks/results/2026-11-21-4xh200-pcp-chunk-sweep-128k.json
     max_batch_tokens: int = 32768
@@ -166,6 +173,8 @@ class PoolConfig:
             raise ValueError(f"pool config: ep_comm_sms must be an integer in 0..64, got {self.ep_comm_sms!r}")
         if self.moe_rounding not in MOE_ROUNDINGS:
             raise ValueError(f"pool config: moe_rounding {self.moe_rounding!r} is not one of {', '.join(MOE_ROUNDINGS)}")
+        if self.moe_gemm not in MOE_GEMMS:
+            raise ValueError(f"pool config: moe_gemm {self.moe_gemm!r} is not one of {', '.join(MOE_GEMMS)}")
         if self.moe_rounding == "vllm" and self.tp * self.pcp > 1:
             raise ValueError(f"pool config: moe_rounding 'vllm' needs replicas of one worker (tp = pcp = 1), got tp={self.tp}, pcp={self.pcp}")
         if self.spare_workers not in SPARE_MODES:

@@ -9,8 +9,14 @@ computes the documented result in float32 from the dequantized operands:
   which must be 16-byte aligned when ``N > 128`` (cuBLAS computes wrong results otherwise, measured:
   ``workers.fp8.block_gemm_shape_ok``);
 - ``_scaled_grouped_mm`` row-wise: ``a [P, K]`` with scales ``[P]``; ``b [E, K, N]`` with ``stride(1) == 1``
-  ("transposed") and scales ``[E, N]``; ``offs [E]`` int32, the end of each group's rows.
+  ("transposed") and scales ``[E, N]``; ``offs [E]`` int32, the end of each group's rows;
+- DeepGEMM's ``m_grouped_fp8_gemm_nt_contiguous`` (:data:`deep_gemm`, for ``workers.moe_deepgemm``):
+  ``a = (q [M, K], scale [M, K/128] float32 M-major)``, ``b = (w [G, N, K], scale [G, N/128, K/128])``,
+  ``d [M, N]`` bfloat16, ``m_indices [M]`` int32 (-1: padding, left unwritten), every group's rows
+  starting on a multiple of the M alignment, as its contiguous layout asks.
 """
+
+import types
 
 import pytest
 import torch
@@ -46,10 +52,44 @@ def scaled_grouped_mm(a, b, scale_a, scale_b, offs, out_dtype, **_):
     return out
 
 
+M_ALIGNMENT = 128  # DeepGEMM's on SM90 (its largest BLOCK_M)
+
+
+def m_grouped_fp8_gemm_nt_contiguous(a, b, d, m_indices):
+    (q, scale_a), (w, scale_w) = a, b
+    m, k = q.shape
+    groups, n, _ = w.shape
+    assert q.dtype == w.dtype == FP8 and q.stride(1) == 1 and w.is_contiguous(), "FP8 operands, K-major"
+    assert scale_a.dtype == torch.float32 and scale_a.shape == (m, -(-k // 128)) and scale_a.stride(0) == 1, (scale_a.shape, scale_a.stride())
+    assert scale_w.shape == (groups, -(-n // 128), -(-k // 128)) and scale_w.dtype == torch.float32
+    assert d.shape == (m, n) and d.dtype == torch.bfloat16 and m_indices.shape == (m,) and m_indices.dtype == torch.int32
+    assert m % M_ALIGNMENT == 0, f"M = {m} is not a multiple of the M alignment {M_ALIGNMENT}"
+    ids = m_indices.tolist()
+    for row, group in enumerate(ids):
+        if group >= 0 and (row == 0 or ids[row - 1] != group):
+            assert row % M_ALIGNMENT == 0, f"group {group} starts at row {row}, not on the M alignment"
+    for group in range(groups):
+        rows = torch.nonzero(m_indices == group).squeeze(1)
+        a_full = q[rows].float() * scale_a[rows].repeat_interleave(128, dim=1)[:, :k]
+        w_full = w[group].float() * scale_w[group].repeat_interleave(128, dim=0)[:n].repeat_interleave(128, dim=1)[:, :k]
+        d[rows] = (a_full @ w_full.t()).to(d.dtype)
+
+
+deep_gemm = types.SimpleNamespace(  # the part of DeepGEMM's interface workers.moe_deepgemm uses
+    __name__="deep_gemm (fp8_emulation)",
+    m_grouped_fp8_gemm_nt_contiguous=m_grouped_fp8_gemm_nt_contiguous,
+    get_mk_alignment_for_contiguous_layout=lambda: M_ALIGNMENT,
+)
+
+
 def install(monkeypatch: pytest.MonkeyPatch | None = None) -> None:
-    """Put the stand-ins in place of torch's (through ``monkeypatch``, or for good in a child process)."""
-    for name, fn in (("_scaled_mm", scaled_mm), ("_scaled_grouped_mm", scaled_grouped_mm)):
+    """Put the stand-ins in place of torch's and of DeepGEMM (``workers.moe_deepgemm.load``), through
+    ``monkeypatch``, or for good in a child process."""
+    from workers import moe_deepgemm
+
+    for owner, name, fn in ((torch, "_scaled_mm", scaled_mm), (torch, "_scaled_grouped_mm", scaled_grouped_mm),
+                            (moe_deepgemm, "load", lambda: deep_gemm)):  # fmt: skip
         if monkeypatch is not None:
-            monkeypatch.setattr(torch, name, fn)
+            monkeypatch.setattr(owner, name, fn)
         else:
-            setattr(torch, name, fn)
+            setattr(owner, name, fn)

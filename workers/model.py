@@ -153,7 +153,7 @@ def _stack_checkpoint_rows(module: nn.Module, state: dict, prefix: str, *_) -> N
 class DecoderLayer(nn.Module):
     def __init__(
         self, config: ModelConfig, index: int, backend: MLAPrefillBackend, tp: TPShard, ep: EPGroup,
-        *, dtype: torch.dtype, device, fp8: bool, ep_schedule: str, ep_comm_sms: int, moe_rounding: str,
+        *, dtype: torch.dtype, device, fp8: bool, ep_schedule: str, ep_comm_sms: int, moe_rounding: str, moe_gemm: str,
     ) -> None:  # fmt: skip
         super().__init__()
         eps, kw = config.attention.rms_norm_eps, {"dtype": dtype, "device": device}
@@ -165,7 +165,7 @@ class DecoderLayer(nn.Module):
             shared = DenseMLP(config.hidden_size, moe.shared_intermediate_size // tp.size, **kw) if moe.n_shared_experts else None
             self.mlp = MoE(
                 moe, config.hidden_size, ep=ep, shared_experts=shared, fp8=fp8, schedule=ep_schedule, comm_sms=ep_comm_sms,
-                rounding=moe_rounding, **kw,
+                rounding=moe_rounding, gemm=moe_gemm, **kw,
             )  # fmt: skip
         else:
             self.mlp = DenseMLP(config.hidden_size, config.intermediate_size // tp.size, **kw)
@@ -197,6 +197,7 @@ class DeepseekPrefillModel(nn.Module):
         ep_schedule: str = "all-to-all",
         ep_comm_sms: int = 0,
         moe_rounding: str = "reference",
+        moe_gemm: str = "torch",
         dtype: torch.dtype | None = None,
         device: torch.device | str = "cpu",
     ) -> None:
@@ -208,7 +209,8 @@ class DeepseekPrefillModel(nn.Module):
         if fp8 and dtype != torch.bfloat16:
             raise ValueError(f"FP8 GEMMs write bfloat16: the compute dtype must be bfloat16, got {dtype}")
         self.config, self.backend, self.tp, self.ep, self.fp8 = config, backend, tp, ep, fp8
-        kw = {"dtype": dtype, "device": "meta", "fp8": fp8, "ep_schedule": ep_schedule, "ep_comm_sms": ep_comm_sms, "moe_rounding": moe_rounding}
+        kw = {"dtype": dtype, "device": "meta", "fp8": fp8, "ep_schedule": ep_schedule, "ep_comm_sms": ep_comm_sms, "moe_rounding": moe_rounding,
+              "moe_gemm": moe_gemm}  # fmt: skip
         self.model = Backbone(config, backend, tp, ep, **kw)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False, dtype=dtype, device="meta")
         if fp8:
@@ -222,7 +224,7 @@ class DeepseekPrefillModel(nn.Module):
         cls, config: ModelConfig, backend_cls: type[MLAPrefillBackend], *, tp: TPShard = TPShard(), device: torch.device | str = "cpu", **kw
     ) -> DeepseekPrefillModel:
         """A model whose layers share one backend instance for this rank's heads; ``kw`` are the
-        constructor's other keywords (``ep``, ``fp8``, ``ep_schedule``, ``ep_comm_sms``, ``moe_rounding``, ``dtype``)."""
+        constructor's other keywords (``ep``, ``fp8``, ``ep_schedule``, ``ep_comm_sms``, ``moe_rounding``, ``moe_gemm``, ``dtype``)."""
         config.check_tp(tp.size)
         backend = config.attention.create_backend(backend_cls, num_heads=config.num_heads // tp.size, device=device)
         return cls(config, backend, tp=tp, device=device, **kw)

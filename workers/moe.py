@@ -51,11 +51,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from attention.kernel_choice import use_triton
-from configs.model import EP_SCHEDULES, MOE_ROUNDINGS, MoEConfig
-from workers import moe_vllm
+from configs.model import EP_SCHEDULES, MOE_GEMMS, MOE_ROUNDINGS, MoEConfig
+from workers import moe_deepgemm, moe_vllm
 from workers.activation import silu_mul
 from workers.expert_parallel import Dispatch, EPGroup, exchange_counts, sm_carveout
-from workers.fp8 import FP8, quantize_activations
+from workers.fp8 import BLOCK, FP8, quantize_activations
 
 def gather_sum(
     src: torch.Tensor, index: torch.Tensor, dtype: torch.dtype, *, out: torch.Tensor | None = None, impl: str = "auto"
@@ -163,37 +163,51 @@ class Router(nn.Module):
 class Experts(nn.Module):
     """This rank's routed experts, stacked: ``gate_up_proj [E_r, 2I, H]``, ``down_proj [E_r, H, I]``.
 
-    ``fp8``: the weights are ``float8_e4m3fn`` with ``gate_up_proj_scale [E_r, 2I]`` and
-    ``down_proj_scale [E_r, H]`` (one scale per output row), run by ``_scaled_grouped_mm``.
+    ``fp8``: the weights are ``float8_e4m3fn``. With ``gemm="torch"`` (:data:`MOE_GEMMS`) they carry
+    ``gate_up_proj_scale [E_r, 2I]`` and ``down_proj_scale [E_r, H]`` (one scale per output row) and
+    run by ``_scaled_grouped_mm`` on per-token activation scales; with ``gemm="deep_gemm"`` (``block``)
+    the checkpoint's 128x128 block scales ``[E_r, 2I/128, H/128]`` and ``[E_r, H/128, I/128]``, run by
+    DeepGEMM on 1x128 activation scales (``workers.moe_deepgemm``).
     ``rounding="vllm"``: the routing weight multiplies the down GEMM's float32 result
     (:func:`workers.moe_vllm.weighted_down`), not its input.
     """
 
     def __init__(
-        self, num_local: int, hidden: int, intermediate: int, *, dtype: torch.dtype, fp8: bool, rounding: str = "reference", device=None
+        self, num_local: int, hidden: int, intermediate: int, *, dtype: torch.dtype, fp8: bool, rounding: str = "reference",
+        gemm: str = "torch", device=None,
     ) -> None:  # fmt: skip
         super().__init__()
+        if gemm not in MOE_GEMMS:
+            raise ValueError(f"MoE GEMM {gemm!r} is not one of {', '.join(MOE_GEMMS)}")
+        self.block = fp8 and gemm == "deep_gemm"
+        if self.block and (hidden % BLOCK or intermediate % BLOCK):
+            raise ValueError(f"moe_gemm 'deep_gemm' needs 128-wide blocks: hidden {hidden} and expert width {intermediate} must be multiples of 128")
         self.fp8, self.intermediate, self.rounding = fp8, intermediate, rounding
         stored = {"dtype": FP8 if fp8 else dtype, "device": device}
         self.gate_up_proj = nn.Parameter(torch.empty(num_local, 2 * intermediate, hidden, **stored), requires_grad=False)
         self.down_proj = nn.Parameter(torch.empty(num_local, hidden, intermediate, **stored), requires_grad=False)
         if fp8:
             f32 = {"dtype": torch.float32, "device": device}
-            self.gate_up_proj_scale = nn.Parameter(torch.empty(num_local, 2 * intermediate, **f32), requires_grad=False)
-            self.down_proj_scale = nn.Parameter(torch.empty(num_local, hidden, **f32), requires_grad=False)
+            if self.block:  # one per 128x128 block, as the checkpoint stores them
+                up_scale, down_scale = (2 * intermediate // BLOCK, hidden // BLOCK), (hidden // BLOCK, intermediate // BLOCK)
+            else:  # one per output row
+                up_scale, down_scale = (2 * intermediate,), (hidden,)
+            self.gate_up_proj_scale = nn.Parameter(torch.empty(num_local, *up_scale, **f32), requires_grad=False)
+            self.down_proj_scale = nn.Parameter(torch.empty(num_local, *down_scale, **f32), requires_grad=False)
 
     @property
     def num_local(self) -> int:
         return self.gate_up_proj.shape[0]
 
     def prepare(self, x: torch.Tensor, scatter_to: torch.Tensor | None = None, rows: int = 0) -> list[torch.Tensor]:
-        """The rows to dispatch for tokens ``x [T, H]``: ``[x]``, or in FP8 ``[q [T, H] (bytes), scale [T]]``
-        (quantized once per token, before the rows are copied to their experts). In FP8 with
-        ``scatter_to [T, k]`` each token's row is quantized straight into the ``rows`` pair rows it names."""
+        """The rows to dispatch for tokens ``x [T, H]``: ``[x]``, or in FP8 ``[q [T, H] (bytes), scale]``
+        (quantized once per token, before the rows are copied to their experts; ``scale [T]``, or with
+        ``block`` 1x128 scales ``[T, H/128]``). In FP8 with ``scatter_to [T, k]`` each token's row is
+        quantized straight into the ``rows`` pair rows it names."""
         if not self.fp8:
             return [x]
-        q, scale = quantize_activations(x, x.shape[1], scatter_to=scatter_to, scatter_rows=rows)
-        return [q.view(torch.uint8), scale[0]]
+        q, scale = quantize_activations(x, BLOCK if self.block else x.shape[1], scatter_to=scatter_to, scatter_rows=rows)
+        return [q.view(torch.uint8), scale.t() if self.block else scale[0]]
 
     def forward(self, rows: list[torch.Tensor], weights: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
         """``rows`` (as :meth:`prepare` makes them) of ``P`` pairs sorted by local expert (``offs [E_r]``:
@@ -204,6 +218,8 @@ class Experts(nn.Module):
             if self.rounding == "vllm":
                 return moe_vllm.weighted_down(silu_mul(gate_up), self.down_proj, offs, weights)
             return torch._grouped_mm(silu_mul(gate_up, weights), self.down_proj.transpose(-2, -1), offs=offs)
+        if self.block:
+            return moe_deepgemm.experts_forward(self, rows, weights, offs)
         q, scale = rows[0].view(FP8), rows[1]
         gate_up = torch._scaled_grouped_mm(
             q, self.gate_up_proj.transpose(-2, -1), scale, self.gate_up_proj_scale, offs=offs, out_dtype=torch.bfloat16
@@ -228,7 +244,8 @@ class MoE(nn.Module):
     ``schedule`` (one of :data:`EP_SCHEDULES`; see ``configs.pool.PoolConfig.ep_schedule``) orders the
     expert-parallel work; ``comm_sms`` is the SM carveout (``workers.expert_parallel.sm_carveout``) of
     the kernels that run beside an all-to-all. ``rounding`` (one of :data:`MOE_ROUNDINGS`; see
-    ``configs.pool.PoolConfig.moe_rounding``): "reference", or "vllm" (``workers.moe_vllm``).
+    ``configs.pool.PoolConfig.moe_rounding``): "reference", or "vllm" (``workers.moe_vllm``). ``gemm``
+    (one of :data:`MOE_GEMMS`; ``PoolConfig.moe_gemm``): what runs FP8 experts (:class:`Experts`).
     """
 
     def __init__(
@@ -243,6 +260,7 @@ class MoE(nn.Module):
         schedule: str = "all-to-all",
         comm_sms: int = 0,
         rounding: str = "reference",
+        gemm: str = "torch",
         device=None,
     ) -> None:
         super().__init__()
@@ -258,7 +276,7 @@ class MoE(nn.Module):
         local = ep.experts(config.n_routed_experts)
         self.first_expert = local.start
         self.gate = Router(config, hidden, dtype=dtype, rounding=rounding, device=device)
-        self.experts = Experts(len(local), hidden, config.moe_intermediate_size, dtype=dtype, fp8=fp8, rounding=rounding, device=device)
+        self.experts = Experts(len(local), hidden, config.moe_intermediate_size, dtype=dtype, fp8=fp8, rounding=rounding, gemm=gemm, device=device)
         self.shared_experts = shared_experts
         self.pairs = 0  # (token, expert) pairs computed here (reset by the worker after its warm-up)
         self._tables: tuple[torch.Tensor, torch.Tensor] | None = None

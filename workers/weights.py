@@ -25,9 +25,10 @@ use (other ranks' experts, the MTP layers after the last decoder layer, layers
 past ``num_layers``) are never read.
 
 FP8 tensors (DeepSeek's format: ``float8_e4m3fn`` with ``<name>_scale_inv`` per
-128x128 block, ``workers.fp8``) are kept as they are by ``FP8Linear`` layers,
-requantized per output row for FP8 experts, and dequantized to the compute
-dtype for everything else, on the rank's device.
+128x128 block, ``workers.fp8``) are kept as they are by ``FP8Linear`` layers and
+by FP8 experts that DeepGEMM runs (``Experts.block``), requantized per output row
+for the other FP8 experts, and dequantized to the compute dtype for everything
+else, on the rank's device.
 
 Random weights (no checkpoint) come from :class:`RandomWeights`, a checkpoint
 drawn on the fly: each tensor ``N(0, std)`` (norms ``1 + N(0, std)``) from a
@@ -44,7 +45,7 @@ import logging
 import resource
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -315,6 +316,9 @@ def load_from(model: DeepseekPrefillModel, source) -> LoadReport:
         param = params[piece.param]
         if isinstance(owner, FP8Linear) and piece.param.endswith(".weight"):
             _load_block_fp8(source, piece, param, params[piece.param + SCALE])
+        elif isinstance(owner, Experts) and owner.block:  # expert j's blocks as they are (piece.dest: j, then its rows)
+            expert, rows = piece.dest[0], piece.dest[1:]
+            _load_block_fp8(source, replace(piece, dest=rows), param[expert], params[piece.param + "_scale"][expert])
         elif isinstance(owner, Experts) and owner.fp8:
             scale = params[piece.param + "_scale"]
             for rows, part in _read_float(source, piece, torch.float32, param.device):
@@ -364,7 +368,7 @@ def _read_float(source, piece: Piece, dtype: torch.dtype, device: torch.device) 
 
 
 def _load_block_fp8(source, piece: Piece, weight: nn.Parameter, scale: nn.Parameter) -> None:
-    """An ``FP8Linear``'s weight and block scales (or one stacked part of them, from ``piece.dest``'s
+    """An ``FP8Linear``'s weight and block scales, or a DeepGEMM-run expert's (or one stacked part of them, from ``piece.dest``'s
     first row on): the checkpoint's own (a shard or part starts on a block boundary:
     ``workers.model.fp8_shard_aligned``), or a float tensor quantized here."""
     cols = piece.cols.indices(piece.full_shape[1])
