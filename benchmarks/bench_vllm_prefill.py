@@ -190,21 +190,17 @@ def _tune(worker, token_counts: list[int], block: list[int], space: list[dict]) 
 
 
 def vllm_job(job_path: str, out_path: str) -> None:
-    from vllm import LLM, SamplingParams
+    import vllm
 
     job = json.loads(Path(job_path).read_text())
     engine = dict(model=job["checkpoint"], skip_tokenizer_init=True, max_model_len=job["max_model_len"], enable_prefix_caching=False,
                   max_num_batched_tokens=job["batch_tokens"], max_num_seqs=job["max_seqs"], seed=0, **job["engine"])  # fmt: skip
-    if job["moe_backend"] not in ("auto", "triton-tuned"):
-        engine["moe_backend"] = job["moe_backend"]
-    elif job["moe_backend"] == "triton-tuned":
-        engine["moe_backend"] = "triton"
+    if job["moe_backend"] != "auto":  # triton-tuned is Triton reading the tuned file (VLLM_TUNED_CONFIG_FOLDER)
+        engine["moe_backend"] = {"triton-tuned": "triton"}.get(job["moe_backend"], job["moe_backend"])
     started = time.perf_counter()
-    llm = LLM(**engine)
-    import vllm
-
+    llm = vllm.LLM(**engine)
     out = {"vllm": vllm.__version__, "start_s": time.perf_counter() - started, "engine": {k: v for k, v in engine.items() if k != "model"}, "cases": {}}
-    params = SamplingParams(max_tokens=1, temperature=0.0, detokenize=False)
+    params = vllm.SamplingParams(max_tokens=1, temperature=0.0, detokenize=False)
     for case in job["cases"]:
         count, length = parse_case(case)
         seconds = []
