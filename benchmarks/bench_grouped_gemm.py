@@ -12,16 +12,16 @@ and the down GEMM ``[m_e, 2048] x [2048, 7168]`` of every expert, by
   scales, 128x128 weight scales: the checkpoint's own), host-side expert offsets;
 - ``loop_fp8_1x128``: the same with the weight scales expanded to 1x128 (exact for 128x128 blocks);
 - ``grouped_fp8_block_deepgemm``: DeepGEMM's ``m_grouped_fp8_gemm_nt_contiguous`` (DeepSeek's recipe,
-  the checkpoint's 128x128 weight blocks, one kernel for all experts), each expert's rows padded to
-  DeepGEMM's M alignment (``padded_rows``: what the kernel computes; the TF/s count the real rows).
+  the checkpoint's 128x128 weight blocks, one kernel for all experts) on the rows placed in its
+  contiguous layout as the pool's ``moe_gemm: deep_gemm`` places them (``workers.moe_deepgemm``;
+  ``padded_rows``: the layout's rows; the TF/s count the real rows).
 
 Dense FP8 linear layers: ``torch._scaled_mm`` with both block recipes, and DeepGEMM's ``fp8_gemm_nt``
 (``fp8_deepgemm``), against bf16 ``torch.mm`` for each V3 projection at ``--tokens`` rows, plus the
 cost of quantizing the activations per token per 128 columns with torch ops.
 
-DeepGEMM is taken as its own package (``deep_gemm``) or, failing that, as the copy vLLM's wheel
-carries (``vllm.third_party.deep_gemm``: put vLLM's site on ``PYTHONPATH``); without either its
-candidates say so in the results.
+DeepGEMM is the package ``deep_gemm`` (``workers.moe_deepgemm.load``; ``run_vllm_gpu.sh``'s install links
+vLLM's build of it); without it its candidates say so in the results.
 
     python benchmarks/bench_grouped_gemm.py --tokens 16384 65536 --out FILE.json
 """
@@ -29,7 +29,6 @@ candidates say so in the results.
 from __future__ import annotations
 
 import argparse
-import importlib
 import json
 import platform
 import statistics
@@ -38,6 +37,8 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 import torch
+
+from workers import moe_deepgemm
 
 HIDDEN, EXPERT, TOPK = 7168, 2048, 8
 FP8 = torch.float8_e4m3fn
@@ -51,19 +52,6 @@ DENSE = {  # name: (out, in) of DeepSeek-V3's linear layers at TP=1
     "gate_up_proj": (36864, 7168),
     "down_proj": (7168, 18432),
 }
-
-
-def deep_gemm():
-    """DeepGEMM as its own package, else vLLM's copy of it; None where neither imports."""
-    for name in ("deep_gemm", "vllm.third_party.deep_gemm"):
-        try:
-            return importlib.import_module(name)
-        except ImportError:
-            continue
-    return None
-
-
-DEEP_GEMM_MISSING = "DeepGEMM not importable (neither deep_gemm nor vllm.third_party.deep_gemm)"
 
 
 def bench(fn, repeats: int = 20) -> float:
@@ -218,33 +206,24 @@ def bench_experts(tokens: int, experts: int) -> dict:
             out[name] = {"error": f"{type(exc).__name__}: {exc}"[:300]}
             print(f"  {name} failed:", exc)
 
-    # DeepGEMM's grouped kernel: the rows of each expert padded to its M alignment, -1 marking the padding
-    dg = deep_gemm()
-    if dg is None:
-        out["grouped_fp8_block_deepgemm"] = {"error": DEEP_GEMM_MISSING}
+    # DeepGEMM's grouped kernel, on the rows placed in its contiguous layout as the pool places them
+    try:
+        align = moe_deepgemm.load().get_mk_alignment_for_contiguous_layout()
+    except RuntimeError as exc:
+        out["grouped_fp8_block_deepgemm"] = {"error": str(exc)[:300]}
         return out
-    align = dg.get_mk_alignment_for_contiguous_layout()
-    padded = [-(-c // align) * align for c in counts]
-    starts = torch.tensor([0, *padded[:-1]]).cumsum(0).tolist()
-    real = torch.cat([torch.arange(start, start + c) for start, c in zip(starts, counts)]).cuda()
-    m_indices = torch.full((sum(padded),), -1, dtype=torch.int32, device="cuda")
-    m_indices[real] = torch.repeat_interleave(torch.arange(experts, device="cuda", dtype=torch.int32), torch.tensor(counts, device="cuda"))
-    x_pad = torch.zeros(sum(padded), HIDDEN, device="cuda", dtype=torch.bfloat16).index_copy_(0, real, x)
-    h_pad = torch.zeros(sum(padded), EXPERT, device="cuda", dtype=torch.bfloat16).index_copy_(0, real, h)
-    xq_d, hq_d = quantize_1x128(x_pad), quantize_1x128(h_pad)
+    a, a_scale, at, m_indices = moe_deepgemm.place([xq_b.view(torch.uint8), xs_b], offs, align)
+    h_pad, h_scale, _, _ = moe_deepgemm.place([hq_b.view(torch.uint8), hs_b], offs, align)
     w13_d = (torch.stack([q for q, _ in w13_b]), torch.stack([s for _, s in w13_b]))
     w2_d = (torch.stack([q for q, _ in w2_b]), torch.stack([s for _, s in w2_b]))
-    up = torch.empty(sum(padded), 2 * EXPERT, device="cuda", dtype=torch.bfloat16)
-    down = torch.empty(sum(padded), HIDDEN, device="cuda", dtype=torch.bfloat16)
 
     def deepgemm():
-        dg.m_grouped_fp8_gemm_nt_contiguous(xq_d, w13_d, up, m_indices)
-        dg.m_grouped_fp8_gemm_nt_contiguous(hq_d, w2_d, down, m_indices)
+        got["a"] = moe_deepgemm.grouped_gemm(a, a_scale, *w13_d, m_indices)
+        moe_deepgemm.grouped_gemm(h_pad, h_scale, *w2_d, m_indices)
 
     try:
-        seconds = bench(deepgemm)
-        report("grouped_fp8_block_deepgemm", seconds, ref["a"], up[real])
-        out["grouped_fp8_block_deepgemm"].update(padded_rows=sum(padded), m_alignment=align, deep_gemm=dg.__name__, version=getattr(dg, "__version__", None))
+        report("grouped_fp8_block_deepgemm", bench(deepgemm), ref["a"], got["a"][at])
+        out["grouped_fp8_block_deepgemm"].update(padded_rows=m_indices.numel(), m_alignment=align)
     except Exception as exc:  # noqa: BLE001 -- reported as the candidate's failure
         out["grouped_fp8_block_deepgemm"] = {"error": f"{type(exc).__name__}: {exc}"[:300]}
         print("  grouped_fp8_block_deepgemm failed:", exc)
@@ -269,17 +248,14 @@ def bench_dense(tokens: int) -> dict:
                 entry[recipe.replace("_s", "_rel_err")] = ((got.float() - ref.float()).norm() / ref.float().norm()).item()
             except Exception as exc:  # noqa: BLE001 -- reported per recipe
                 entry[recipe] = f"{type(exc).__name__}: {exc}"[:300]
-        dg = deep_gemm()
-        if dg is None:
-            entry["fp8_deepgemm_s"] = DEEP_GEMM_MISSING
-        else:  # the checkpoint's block scales as they are, the activations' 1x128 scales column-major (as vLLM passes them)
-            d = torch.empty(tokens, n, device="cuda", dtype=torch.bfloat16)
-            try:
-                dg.fp8_gemm_nt((xq, xs), (wq, ws), d)
-                entry["fp8_deepgemm_rel_err"] = ((d.float() - ref.float()).norm() / ref.float().norm()).item()
-                entry["fp8_deepgemm_s"] = bench(lambda: dg.fp8_gemm_nt((xq, xs), (wq, ws), d))
-            except Exception as exc:  # noqa: BLE001 -- reported per recipe
-                entry["fp8_deepgemm_s"] = f"{type(exc).__name__}: {exc}"[:300]
+        d = torch.empty(tokens, n, device="cuda", dtype=torch.bfloat16)
+        try:  # the checkpoint's block scales as they are, the activations' 1x128 scales column-major (as vLLM passes them)
+            dg = moe_deepgemm.load()
+            dg.fp8_gemm_nt((xq, xs), (wq, ws), d)
+            entry["fp8_deepgemm_rel_err"] = ((d.float() - ref.float()).norm() / ref.float().norm()).item()
+            entry["fp8_deepgemm_s"] = bench(lambda: dg.fp8_gemm_nt((xq, xs), (wq, ws), d))
+        except Exception as exc:  # noqa: BLE001 -- reported per recipe, DeepGEMM missing included
+            entry["fp8_deepgemm_s"] = f"{type(exc).__name__}: {exc}"[:300]
         for key in ("bf16_s", "fp8_block_s", "fp8_1x128_s", "fp8_deepgemm_s"):
             if isinstance(entry.get(key), float):
                 entry[key.replace("_s", "_tflops")] = flops / entry[key] / 1e12

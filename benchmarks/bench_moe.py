@@ -226,15 +226,11 @@ def _raw_gemms(experts, rows, weights, offs):
     if experts.block:  # DeepGEMM's two grouped GEMMs, on the call's rows placed in its contiguous layout
         from workers import moe_deepgemm
 
-        dg = moe_deepgemm.load()
-        a, a_scale, _, m_indices = moe_deepgemm.place(rows, offs, dg.get_mk_alignment_for_contiguous_layout())
-        up = torch.empty(m_indices.numel(), 2 * width, dtype=torch.bfloat16, device=a.device)
-        gate_up = ((a, a_scale), (experts.gate_up_proj, experts.gate_up_proj_scale), up, m_indices)
-        dg.m_grouped_fp8_gemm_nt_contiguous(*gate_up)
-        h, h_scale = quantize_activations(up, BLOCK, silu_mul=True)
-        out = torch.empty(m_indices.numel(), experts.down_proj.shape[1], dtype=torch.bfloat16, device=a.device)
-        down = ((h, h_scale.t()), (experts.down_proj, experts.down_proj_scale), out, m_indices)
-        return lambda: (dg.m_grouped_fp8_gemm_nt_contiguous(*gate_up), dg.m_grouped_fp8_gemm_nt_contiguous(*down))
+        a, a_scale, _, m_indices = moe_deepgemm.place(rows, offs, moe_deepgemm.load().get_mk_alignment_for_contiguous_layout())
+        up = (a, a_scale, experts.gate_up_proj, experts.gate_up_proj_scale, m_indices)
+        h, h_scale = quantize_activations(moe_deepgemm.grouped_gemm(*up), BLOCK, silu_mul=True)
+        down = (h, h_scale.t(), experts.down_proj, experts.down_proj_scale, m_indices)
+        return lambda: (moe_deepgemm.grouped_gemm(*up), moe_deepgemm.grouped_gemm(*down))
     q, scale = rows[0].view(FP8), rows[1]
     up = (q, experts.gate_up_proj.transpose(-2, -1), scale, experts.gate_up_proj_scale)
     gate_up = torch._scaled_grouped_mm(*up, offs=offs, out_dtype=torch.bfloat16)

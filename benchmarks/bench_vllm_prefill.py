@@ -221,13 +221,12 @@ def vllm_job(job_path: str, out_path: str) -> None:
 
 def run_vllm(args, backend: str, config: dict, tuned: Path) -> dict:
     """One vLLM side in a process of its own; its results, or what stopped it."""
-    lengths = [parse_case(case)[1] for case in args.cases]
-    layers, vocab = config["num_hidden_layers"], config["vocab_size"]
+    cases = [parse_case(case) for case in args.cases]
     job = {"checkpoint": str(args.checkpoint), "moe_backend": backend, "cases": args.cases, "repeats": args.repeats, "seed": args.seed,
-           "vocab": vocab, "layers": layers, "batch_tokens": args.batch_tokens, "max_model_len": max(lengths) + 16,
-           "max_seqs": max(parse_case(case)[0] for case in args.cases), "moe_tokens": args.moe_tokens,
+           "vocab": config["vocab_size"], "layers": config["num_hidden_layers"], "batch_tokens": args.batch_tokens,
+           "max_model_len": max(length for _, length in cases) + 16, "max_seqs": max(count for count, _ in cases), "moe_tokens": args.moe_tokens,
            "block": config.get("quantization_config", {}).get("weight_block_size"),
-           "tune": sorted({min(args.batch_tokens, count * length) for count, length in map(parse_case, args.cases)})
+           "tune": sorted({min(args.batch_tokens, count * length) for count, length in cases})
            if backend == "triton" and "triton-tuned" in args.backends else None}  # fmt: skip
     if args.device == "cpu":
         job["engine"] = {"enforce_eager": True, "gpu_memory_utilization": 0.25, "kv_cache_memory_bytes": 1 << 30}
@@ -343,8 +342,7 @@ def main() -> None:
     if "triton-tuned" in args.backends and not config.get("quantization_config", {}).get("weight_block_size"):
         parser.error(f"--backends triton-tuned: {args.checkpoint} is not in a block-FP8 format (its config.json has no weight_block_size)")
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    sys.path.insert(0, str(Path(__file__).parent))
-    from machine import machine  # benchmarks/machine.py
+    from machine import machine  # benchmarks/machine.py (this script's folder is first on the path)
 
     results = {"benchmark": "bench_vllm_prefill", "date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "machine": machine(),
                "command": " ".join(sys.argv), "checkpoint": str(args.checkpoint), "layers": layers, "cases": args.cases,

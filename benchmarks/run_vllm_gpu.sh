@@ -33,7 +33,7 @@
 # too once the flashinfer-moe step has built FlashInfer's SM90 CUTLASS MoE into its JIT cache: that nvcc build had not finished
 # in 8 minutes inside vLLM's start on 2026-11-28; run the step detached, beside the others), on CASES, with
 # bench_moe.py's workers' own times and MoE layer, its KV cache sized by the prompts (--share-gpus), as measured on 2026-11-28:
-# benchmarks/bench_vllm_prefill.py); gemms (benchmarks/bench_grouped_gemm.py with DeepGEMM as vLLM's wheel carries it:
+# benchmarks/bench_vllm_prefill.py); gemms (benchmarks/bench_grouped_gemm.py with DeepGEMM as vLLM's wheel carries it, linked by install:
 # the experts' grouped GEMMs and the dense FP8 linears by torch's kernels and by DeepGEMM's, on V3's shapes). VLLM_ARGS: more arguments for vLLM's server (speed, speed-kv, pd), e.g. "--disable-custom-all-reduce". speed needs an H200: the slice's 26.5 GiB of
 # weights twice, and vLLM's 32K prefill, do not fit an H100 (vLLM held 57 GiB there at VLLM_MEMORY=0.45).
 set -uo pipefail
@@ -106,7 +106,7 @@ for step in "$@"; do
                --backends ${MOE_BACKENDS:-triton deep_gemm triton-tuned} --vllm-timeout ${VLLM_TIMEOUT:-900} --out "$out/vllm-prefill.json" ;;
     flashinfer-moe) PYTHONPATH=/tmp/vllm-site MAX_JOBS=16 python3 -c "from flashinfer.fused_moe.core import get_cutlass_fused_moe_module as m; m('90')" \
                       2>&1 | tail -3 ;;
-    gemms) PYTHONPATH=/tmp/vllm-site:$PWD python3 benchmarks/bench_grouped_gemm.py --tokens 16384 65536 --experts 256 \
+    gemms) python3 benchmarks/bench_grouped_gemm.py --tokens 16384 65536 --experts 256 \
              --out "$out/grouped-gemm-candidates.json" ;;
     kv-load) python3 benchmarks/bench_kv_load.py --layers 61 5 --tokens 32768 4096 --chunk-rows 16384 65536 --out "$out/kv-load.json" ;;
     *) echo "unknown step $step"; exit 2 ;;

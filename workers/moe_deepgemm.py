@@ -75,16 +75,19 @@ def place(rows: list[torch.Tensor], offs: torch.Tensor, alignment: int):
     return a, a_scale, at, m_indices
 
 
+def grouped_gemm(x: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, m_indices: torch.Tensor) -> torch.Tensor:
+    """``x [M, K]`` FP8 (1x128 scales ``[M, K/128]`` M-major) times each row's expert of ``weight [E, N, K]``
+    (128x128 block scales), the rows in the contiguous layout ``m_indices``: ``[M, N]`` bfloat16."""
+    out = torch.empty(m_indices.numel(), weight.shape[1], dtype=torch.bfloat16, device=x.device)
+    load().m_grouped_fp8_gemm_nt_contiguous((x, x_scale), (weight, weight_scale), out, m_indices)
+    return out
+
+
 def experts_forward(experts, rows: list[torch.Tensor], weights: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
     """``experts`` (``workers.moe.Experts`` holding DeepSeek's blocks) on ``rows`` of ``P`` pairs sorted by
     expert (as its ``prepare`` makes them), times the pairs' ``weights [P]`` -> ``[P, H]`` bfloat16."""
-    dg = load()
-    a, a_scale, at, m_indices = place(rows, offs, dg.get_mk_alignment_for_contiguous_layout())
-    total, width = m_indices.numel(), experts.intermediate
-    up = torch.empty(total, 2 * width, dtype=torch.bfloat16, device=a.device)
-    dg.m_grouped_fp8_gemm_nt_contiguous((a, a_scale), (experts.gate_up_proj, experts.gate_up_proj_scale), up, m_indices)
-    row_weight = weights.new_zeros(total, dtype=torch.float32).index_copy_(0, at, weights.float())
+    a, a_scale, at, m_indices = place(rows, offs, load().get_mk_alignment_for_contiguous_layout())
+    up = grouped_gemm(a, a_scale, experts.gate_up_proj, experts.gate_up_proj_scale, m_indices)
+    row_weight = weights.new_zeros(m_indices.numel(), dtype=torch.float32).index_copy_(0, at, weights.float())
     h, h_scale = quantize_activations(up, BLOCK, silu_mul=True, row_weight=row_weight)
-    down = torch.empty(total, a.shape[1], dtype=torch.bfloat16, device=a.device)
-    dg.m_grouped_fp8_gemm_nt_contiguous((h, h_scale.t()), (experts.down_proj, experts.down_proj_scale), down, m_indices)
-    return down.index_select(0, at)
+    return grouped_gemm(h, h_scale.t(), experts.down_proj, experts.down_proj_scale, m_indices).index_select(0, at)
