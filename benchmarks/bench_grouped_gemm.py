@@ -13,14 +13,14 @@ and the down GEMM ``[m_e, 2048] x [2048, 7168]`` of every expert, by
 - ``loop_fp8_1x128``: the same with the weight scales expanded to 1x128 (exact for 128x128 blocks);
 - ``grouped_fp8_block_deepgemm``: DeepGEMM's ``m_grouped_fp8_gemm_nt_contiguous`` (DeepSeek's recipe,
   the checkpoint's 128x128 weight blocks, one kernel for all experts) on the rows placed in its
-  contiguous layout as the pool's ``moe_gemm: deep_gemm`` places them (``workers.moe_deepgemm``;
+  contiguous layout as the pool's ``fp8_gemm: deep_gemm`` places them (``workers.deepgemm``;
   ``padded_rows``: the layout's rows; the TF/s count the real rows).
 
 Dense FP8 linear layers: ``torch._scaled_mm`` with both block recipes, and DeepGEMM's ``fp8_gemm_nt``
 (``fp8_deepgemm``), against bf16 ``torch.mm`` for each V3 projection at ``--tokens`` rows, plus the
 cost of quantizing the activations per token per 128 columns with torch ops.
 
-DeepGEMM is the package ``deep_gemm`` (``workers.moe_deepgemm.load``; ``run_vllm_gpu.sh``'s install links
+DeepGEMM is the package ``deep_gemm`` (``workers.deepgemm.load``; ``run_vllm_gpu.sh``'s install links
 vLLM's build of it); without it its candidates say so in the results.
 
     python benchmarks/bench_grouped_gemm.py --tokens 16384 65536 --out FILE.json
@@ -38,7 +38,7 @@ from pathlib import Path
 
 import torch
 
-from workers import moe_deepgemm
+from workers import deepgemm
 
 HIDDEN, EXPERT, TOPK = 7168, 2048, 8
 FP8 = torch.float8_e4m3fn
@@ -208,21 +208,24 @@ def bench_experts(tokens: int, experts: int) -> dict:
 
     # DeepGEMM's grouped kernel, on the rows placed in its contiguous layout as the pool places them
     try:
-        align = moe_deepgemm.load().get_mk_alignment_for_contiguous_layout()
+        align = deepgemm.load().get_mk_alignment_for_contiguous_layout()
     except RuntimeError as exc:
         out["grouped_fp8_block_deepgemm"] = {"error": str(exc)[:300]}
         return out
-    a, a_scale, at, m_indices = moe_deepgemm.place([xq_b.view(torch.uint8), xs_b], offs, align)
-    h_pad, h_scale, _, _ = moe_deepgemm.place([hq_b.view(torch.uint8), hs_b], offs, align)
+    layout = deepgemm.Layout.of(offs, xq_b.shape[0], align)
+    source = layout.source(torch.arange(xq_b.shape[0], device=offs.device))
+    a, a_scale = deepgemm.gather_rows([xq_b.view(torch.uint8), xs_b], source)
+    h_pad, h_scale = deepgemm.gather_rows([hq_b.view(torch.uint8), hs_b], source)
+    a, h_pad, m_indices = a.view(FP8), h_pad.view(FP8), layout.m_indices
     w13_d = (torch.stack([q for q, _ in w13_b]), torch.stack([s for _, s in w13_b]))
     w2_d = (torch.stack([q for q, _ in w2_b]), torch.stack([s for _, s in w2_b]))
 
     def deepgemm():
-        got["a"] = moe_deepgemm.grouped_gemm(a, a_scale, *w13_d, m_indices)
-        moe_deepgemm.grouped_gemm(h_pad, h_scale, *w2_d, m_indices)
+        got["a"] = deepgemm.grouped_gemm(a, a_scale, *w13_d, m_indices)
+        deepgemm.grouped_gemm(h_pad, h_scale, *w2_d, m_indices)
 
     try:
-        report("grouped_fp8_block_deepgemm", bench(deepgemm), ref["a"], got["a"][at])
+        report("grouped_fp8_block_deepgemm", bench(deepgemm), ref["a"], got["a"][layout.at])
         out["grouped_fp8_block_deepgemm"].update(padded_rows=m_indices.numel(), m_alignment=align)
     except Exception as exc:  # noqa: BLE001 -- reported as the candidate's failure
         out["grouped_fp8_block_deepgemm"] = {"error": f"{type(exc).__name__}: {exc}"[:300]}
@@ -250,7 +253,7 @@ def bench_dense(tokens: int) -> dict:
                 entry[recipe] = f"{type(exc).__name__}: {exc}"[:300]
         d = torch.empty(tokens, n, device="cuda", dtype=torch.bfloat16)
         try:  # the checkpoint's block scales as they are, the activations' 1x128 scales column-major (as vLLM passes them)
-            dg = moe_deepgemm.load()
+            dg = deepgemm.load()
             dg.fp8_gemm_nt((xq, xs), (wq, ws), d)
             entry["fp8_deepgemm_rel_err"] = ((d.float() - ref.float()).norm() / ref.float().norm()).item()
             entry["fp8_deepgemm_s"] = bench(lambda: dg.fp8_gemm_nt((xq, xs), (wq, ws), d))

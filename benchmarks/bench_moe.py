@@ -2,7 +2,7 @@
 
 For each layout ``FORMAT:G[:tpT][:SCHEDULE][:smsN][:chunkC][:deep_gemm]`` (weights ``fp8`` or ``bf16``, G GPUs,
 TP=T, default 1; the EP schedule and SM carveout of ``PoolConfig.ep_schedule``/``ep_comm_sms``;
-chunks of C tokens instead of ``--chunk-tokens``; FP8 experts run by DeepGEMM, ``PoolConfig.moe_gemm``), one
+chunks of C tokens instead of ``--chunk-tokens``; FP8 GEMMs run by DeepGEMM, ``PoolConfig.fp8_gemm``), one
 process per GPU runs a ``PrefillWorker`` of one replica (TP=T x PCP=G/T: the PCP ranks take their
 share of every prompt's tokens, and the MoE layers' routed experts are split over all G GPUs,
 EP=G), with the model's seeded random weights (FP8 in DeepSeek's
@@ -75,7 +75,7 @@ from spmd import _put, _results_while_alive, chunk_batches  # noqa: E402 -- the 
 from machine import machine  # noqa: E402 -- benchmarks/machine.py
 from timing import seconds_per_call, sync  # noqa: E402 -- benchmarks/timing.py
 
-from configs.model import EP_SCHEDULES, MOE_GEMMS  # noqa: E402
+from configs.model import EP_SCHEDULES, FP8_GEMM_LIBRARIES  # noqa: E402
 from workers.worker import SAFE_NCCL_ENV  # noqa: E402
 
 PEAK_TFLOPS = {"bf16": 989.0, "fp8": 1979.0}  # H200 dense, datasheet
@@ -89,12 +89,12 @@ class Layout(NamedTuple):
     comm_sms: int = 0  # PoolConfig.ep_comm_sms
     chunk: int = 0  # tokens per chunk, 0: --chunk-tokens (chunk_tokens())
     checkpoint: bool = False  # load --checkpoint instead of drawing the seeded weights
-    moe_gemm: str = "torch"  # PoolConfig.moe_gemm
+    fp8_gemm: str = "torch"  # PoolConfig.fp8_gemm
 
     @classmethod
     def parse(cls, text: str) -> Layout:
         """``FORMAT:GPUS`` followed by any of ``:tpT``, ``:SCHEDULE`` (an EP schedule), ``:smsN``, ``:chunkC``, ``:ckpt``
-        and ``:deep_gemm`` (the FP8 experts run by DeepGEMM, ``PoolConfig.moe_gemm``)."""
+        and ``:deep_gemm`` (the FP8 GEMMs run by DeepGEMM, ``PoolConfig.fp8_gemm``; torch's otherwise)."""
         weights, _, rest = text.partition(":")
         gpus, *options = rest.split(":")
         fields = {}
@@ -109,15 +109,15 @@ class Layout(NamedTuple):
                 fields["schedule"] = option
             elif option == "ckpt":
                 fields["checkpoint"] = True
-            elif option in MOE_GEMMS:
-                fields["moe_gemm"] = option
+            elif option in FP8_GEMM_LIBRARIES:
+                fields["fp8_gemm"] = option
             else:
                 fields = None
                 break
         if weights not in ("fp8", "bf16") or not gpus.isdigit() or fields is None or int(gpus) % fields.get("tp", 1):
             raise ValueError(
                 f"layout {text!r} is not FORMAT:GPUS[:tpT][:SCHEDULE][:smsN][:chunkC][:ckpt][:GEMM] (FORMAT fp8 or bf16, T dividing "
-                f"GPUS, SCHEDULE one of {', '.join(EP_SCHEDULES)}, C > 0 tokens, GEMM one of {', '.join(MOE_GEMMS)})"
+                f"GPUS, SCHEDULE one of {', '.join(EP_SCHEDULES)}, C > 0 tokens, GEMM one of {', '.join(FP8_GEMM_LIBRARIES)})"
             )
         return cls(weights, int(gpus), **fields)
 
@@ -132,7 +132,7 @@ class Layout(NamedTuple):
             options += [f"sms{self.comm_sms}"] if self.comm_sms else []
         options += [f"chunk{self.chunk}"] if self.chunk else []
         options += ["ckpt"] if self.checkpoint else []
-        options += [self.moe_gemm] if self.moe_gemm != "torch" else []
+        options += [self.fp8_gemm] if self.fp8_gemm != "torch" else []
         return "-".join([self.weights, f"{self.gpus}gpu", *options])
 
 
@@ -182,9 +182,9 @@ def _moe_layer(worker, tokens: int) -> dict:
     calls = []  # the experts' inputs of the last routed call (one per micro-batch): no more, they are GiBs at 32K tokens
     forward = experts.forward
 
-    def capture(rows, weights, offs):
-        calls.append((rows, weights, offs))
-        return forward(rows, weights, offs)
+    def capture(rows, weights, offs, layout=None):
+        calls.append((rows, weights, offs, layout))
+        return forward(rows, weights, offs, layout)
 
     def routed():
         calls.clear()
@@ -199,7 +199,7 @@ def _moe_layer(worker, tokens: int) -> dict:
     gemm_s = seconds_per_call(lambda: [run() for run in gemms], 10)
     shared_s = seconds_per_call(lambda: moe.shared_experts(x), 10) if moe.shared_experts is not None else 0.0
     layer_s = seconds_per_call(lambda: moe(x), 10)  # router, routed and shared experts (beside the combine)
-    pairs = sum(int(offs[-1]) for _, _, offs in calls)
+    pairs = sum(int(offs[-1]) for _, _, offs, _ in calls)
     width = experts.intermediate
     flops = 2 * pairs * (hidden * 2 * width + width * hidden)
     return {
@@ -211,7 +211,7 @@ def _moe_layer(worker, tokens: int) -> dict:
     }  # fmt: skip
 
 
-def _raw_gemms(experts, rows, weights, offs):
+def _raw_gemms(experts, rows, weights, offs, layout=None):
     """A function running just the two grouped-GEMM kernels of one experts call, on its inputs."""
     width = experts.intermediate
     if not experts.fp8:
@@ -223,14 +223,16 @@ def _raw_gemms(experts, rows, weights, offs):
         )
     from workers.fp8 import BLOCK, FP8, quantize_activations
 
-    if experts.block:  # DeepGEMM's two grouped GEMMs, on the call's rows placed in its contiguous layout
-        from workers import moe_deepgemm
+    if experts.block:  # DeepGEMM's two grouped GEMMs, on the call's rows in its contiguous layout (placed there first if they came in order)
+        from workers import deepgemm
 
-        a, a_scale, _, m_indices = moe_deepgemm.place(rows, offs, moe_deepgemm.load().get_mk_alignment_for_contiguous_layout())
-        up = (a, a_scale, experts.gate_up_proj, experts.gate_up_proj_scale, m_indices)
-        h, h_scale = quantize_activations(moe_deepgemm.grouped_gemm(*up), BLOCK, silu_mul=True)
-        down = (h, h_scale.t(), experts.down_proj, experts.down_proj_scale, m_indices)
-        return lambda: (moe_deepgemm.grouped_gemm(*up), moe_deepgemm.grouped_gemm(*down))
+        if layout is None:
+            layout = deepgemm.Layout.of(offs, rows[0].shape[0])
+            rows = deepgemm.gather_rows(rows, layout.source(torch.arange(rows[0].shape[0], device=offs.device)))
+        up = (rows[0].view(FP8), rows[1], experts.gate_up_proj, experts.gate_up_proj_scale, layout.m_indices)
+        h, h_scale = quantize_activations(deepgemm.grouped_gemm(*up), BLOCK, silu_mul=True)
+        down = (h, h_scale.t(), experts.down_proj, experts.down_proj_scale, layout.m_indices)
+        return lambda: (deepgemm.grouped_gemm(*up), deepgemm.grouped_gemm(*down))
     q, scale = rows[0].view(FP8), rows[1]
     up = (q, experts.gate_up_proj.transpose(-2, -1), scale, experts.gate_up_proj_scale)
     gate_up = torch._scaled_grouped_mm(*up, offs=offs, out_dtype=torch.bfloat16)
@@ -260,7 +262,7 @@ def _worker(rank: int, layout: Layout, args, port: int, reports) -> None:
         dtype="bfloat16" if args.device == "cuda" else "float32",
         quantization="auto" if weights == "fp8" else "none", device=args.device, chunk_tokens=chunk,
         max_batch_tokens=max(chunk, max(n * min(length, chunk) for n, length in cases.values())),
-        gpu_memory_utilization=0.85, ep_schedule=layout.schedule, ep_comm_sms=layout.comm_sms, moe_gemm=layout.moe_gemm, seed=0,
+        gpu_memory_utilization=0.85, ep_schedule=layout.schedule, ep_comm_sms=layout.comm_sms, fp8_gemm=layout.fp8_gemm, seed=0,
         # ranks sharing a GPU would each size their cache by the whole GPU's memory: size it by the prompts
         kv_cache_tokens=max(n * length for n, length in cases.values()) + chunk if args.share_gpus else None,
     )  # fmt: skip
@@ -369,7 +371,7 @@ def summarize(args, model_config, layout: Layout, ranks: list[dict]) -> dict:
     info = ranks[0]["info"]
     entry = {
         "layout": layout.name, "weights": weights, "gpus": gpus, "tp": tp, "pcp": gpus // tp, "ep": gpus,
-        "ep_schedule": schedule, "ep_comm_sms": comm_sms, "backend": info["backend"],
+        "ep_schedule": schedule, "ep_comm_sms": comm_sms, "fp8_gemm": layout.fp8_gemm, "backend": info["backend"],
         "checkpoint": str(args.checkpoint) if layout.checkpoint else None,
         "load_s": [r["info"]["load_s"] for r in ranks], "read_gib": [r["info"]["read_bytes"] / 2**30 for r in ranks],
         "peak_host_mib_before_load": [r["info"]["peak_host_mib_before_load"] for r in ranks],

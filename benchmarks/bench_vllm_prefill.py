@@ -6,7 +6,8 @@ new ones for every repeat, prefix caching off on both: no cache serves them). Pe
 prompts of L tokens submitted together) the median over ``--repeats`` runs after one warm-up run:
 
 - ``pool``: a :class:`cluster.pool.PrefillPool` in this process (Ray driver, scheduler and worker:
-  what a user of the pool waits for), from the submission of the prompts to the last result;
+  what a user of the pool waits for), from the submission of the prompts to the last result; one side
+  per ``--fp8-gemms`` (``PoolConfig.fp8_gemm``: ``pool`` for ``auto``, ``pool:torch``, ``pool:deep_gemm``);
 - ``vllm:BACKEND``, one per ``--backends``: vLLM's offline ``LLM`` in a process of its own
   (``--vllm-pythonpath`` first on its path; its engine in that process, ``VLLM_ENABLE_V1_MULTIPROCESSING=0``),
   ``moe_backend=BACKEND`` (``auto``: vLLM's own choice), compiled without CUDA graphs (vLLM replays
@@ -14,13 +15,15 @@ prompts of L tokens submitted together) the median over ``--repeats`` runs after
   The MoE backend vLLM says it used, and which Triton config, are read from its log.
 
 ``layer_tokens_per_s`` = prompt tokens x layers / seconds (one GPU); for one prompt the seconds are its TTFT.
-``ratios``: the pool's throughput over each vLLM side's and over the fastest of them, per case.
+``ratios``: per case, the fastest pool side's throughput over each vLLM side's and over the fastest of
+them, and each pool side's over vLLM's fastest.
 
 The MoE layer alone (``moe_layer``), at ``--moe-tokens`` random hidden rows (the tokens of one 32K step):
 vLLM's first ``DeepseekV2MoE`` (router, routed and shared experts; GPU time of calls queued back to
 back, as ``timing.seconds_per_call``) in each vLLM process, and ours from ``--workers``, a
 ``bench_moe.py`` run of the same model on the same cases (its ``moe_layer.layer_s``, the same parts),
-whose workers' own prefill seconds (no Ray, no driver) are folded in beside the pool's. Its TF/s count
+whose workers' own prefill seconds (no Ray, no driver) are folded in beside the pool's (a side per
+one-GPU layout: ``workers``, ``workers:deep_gemm``). Its TF/s count
 the router, the k routed and the shared experts' GEMMs (2 x multiply-adds), against the card's dense
 FP8 peak.
 
@@ -105,17 +108,22 @@ def summary(seconds: list[float], count: int, length: int, layers: int) -> dict:
 # ---- the pool (this process) ----------------------------------------------------------------------
 
 
-def run_pool(args, layers: int, vocab: int) -> dict:
+def pool_side(fp8_gemm: str) -> str:
+    """The results' name of the pool side whose FP8 GEMMs run on ``fp8_gemm``."""
+    return "pool" if fp8_gemm == "auto" else f"pool:{fp8_gemm}"
+
+
+def run_pool(args, layers: int, vocab: int, fp8_gemm: str) -> dict:
     from cluster.pool import PrefillPool
     from configs.pool import PoolConfig
 
-    config = PoolConfig(checkpoint=str(args.checkpoint), device=args.device, prefix_caching=False, seed=0,
+    config = PoolConfig(checkpoint=str(args.checkpoint), device=args.device, prefix_caching=False, seed=0, fp8_gemm=fp8_gemm,
                         max_batch_tokens=args.batch_tokens, chunk_tokens=max(length for _, length in map(parse_case, args.cases)),
                         worker_cpus=1.0 if args.device == "cuda" else 0.5)  # fmt: skip
     started = time.perf_counter()
     with PrefillPool(config).start() as pool:
-        out = {"start_s": time.perf_counter() - started, "config": {"max_batch_tokens": config.max_batch_tokens, "chunk_tokens": config.chunk_tokens},
-               "cases": {}}  # fmt: skip
+        out = {"start_s": time.perf_counter() - started, "config": {"max_batch_tokens": config.max_batch_tokens, "chunk_tokens": config.chunk_tokens,
+               "fp8_gemm": fp8_gemm}, "fp8_gemm_used": pool.weights_report()["fp8_gemm"], "cases": {}}  # fmt: skip
         for case in args.cases:
             count, length = parse_case(case)
             seconds, ttft = [], []
@@ -127,7 +135,7 @@ def run_pool(args, layers: int, vocab: int) -> dict:
                     seconds.append(time.perf_counter() - began)
                     ttft.append(statistics.median(r.ttft_s for r in results))
             out["cases"][case] = {**summary(seconds, count, length, layers), "ttft_p50_s": statistics.median(ttft)}
-            print(f"pool {case}: {out['cases'][case]['seconds_p50']:.3f} s", flush=True)
+            print(f"{pool_side(fp8_gemm)} {case}: {out['cases'][case]['seconds_p50']:.3f} s", flush=True)
     return out
 
 
@@ -275,39 +283,51 @@ def moe_layer_table(config: dict, sides: dict, tokens: int) -> dict:
 
 
 def ratios(sides: dict, cases: list[str]) -> dict:
-    """Per case: the pool's throughput over each vLLM side's, and over the fastest of them."""
+    """Per case: the fastest pool side's throughput over each vLLM side's and over the fastest of them,
+    and each pool side's over vLLM's fastest."""
     out = {}
     for case in cases:
-        pool = sides.get("pool", {}).get("cases", {}).get(case)
-        vllm = {name: side["cases"][case]["layer_tokens_per_s"] for name, side in sides.items() if name.startswith("vllm:") and case in side.get("cases", {})}
-        if not pool or not vllm:
+        pools, vllm = ({name: side["cases"][case]["layer_tokens_per_s"] for name, side in sides.items()
+                        if name.split(":")[0] == kind and case in side.get("cases", {})} for kind in ("pool", "vllm"))  # fmt: skip
+        if not pools or not vllm:
             continue
-        best = max(vllm, key=vllm.get)
-        out[case] = {"vllm_best": best, "pool_over_vllm_best": pool["layer_tokens_per_s"] / vllm[best],
-                     "pool_over": {name: pool["layer_tokens_per_s"] / value for name, value in vllm.items()}}  # fmt: skip
+        best, pool = max(vllm, key=vllm.get), max(pools, key=pools.get)
+        out[case] = {"vllm_best": best, "pool_best": pool, "pool_over_vllm_best": pools[pool] / vllm[best],
+                     "pool_over": {name: pools[pool] / value for name, value in vllm.items()},
+                     "pools_over_vllm_best": {name: value / vllm[best] for name, value in pools.items()}}  # fmt: skip
     return out
 
 
-def workers_side(workers: dict, source: Path, cases: list[str]) -> dict:
-    """bench_moe.py's one-GPU run: its workers' own seconds per case (no Ray, no driver) and its MoE
-    layer alone (router, routed and shared experts), or its error."""
-    run = next((r for r in workers["runs"] if r["gpus"] == 1), None)
-    if run is None:
-        return {"source": str(source), "error": [e["error"][-300:] for e in workers.get("errors", [])]}
-    side = {"source": str(source), "layout": run["layout"], "cases": {
-        c["case"]: {"seconds_p50": c["seconds"], "layer_tokens_per_s": c["layer_tokens_per_s_per_gpu"]} for c in run["cases"] if c["case"] in cases}}  # fmt: skip
-    if run.get("moe_layer"):
-        side["moe_layer"] = {"tokens": run["moe_layer"][0]["tokens_per_gpu"], "layer_s": run["moe_layer"][0]["layer_s"]}
-    return side
+def workers_sides(workers: dict, source: Path, cases: list[str]) -> dict:
+    """bench_moe.py's one-GPU runs, a side each (``workers`` for torch's experts, ``workers:GEMM`` for
+    another ``fp8_gemm``): the workers' own seconds per case (no Ray, no driver) and the MoE layer alone
+    (router, routed and shared experts); ``workers`` holds the errors when no run has torch's experts."""
+    out = {}
+    for run in (r for r in workers["runs"] if r["gpus"] == 1):
+        side = {"source": str(source), "layout": run["layout"], "cases": {
+            c["case"]: {"seconds_p50": c["seconds"], "layer_tokens_per_s": c["layer_tokens_per_s_per_gpu"]} for c in run["cases"] if c["case"] in cases}}  # fmt: skip
+        if run.get("moe_layer"):
+            side["moe_layer"] = {"tokens": run["moe_layer"][0]["tokens_per_gpu"], "layer_s": run["moe_layer"][0]["layer_s"]}
+        gemm = run.get("fp8_gemm", "torch")
+        out.setdefault("workers" if gemm == "torch" else f"workers:{gemm}", side)
+    if "workers" not in out:
+        out["workers"] = {"source": str(source), "error": [e["error"][-300:] for e in workers.get("errors", [])]}
+    return out
 
 
 def main() -> None:
+    if len(sys.argv) == 4 and sys.argv[1] == "--vllm-job":  # vLLM's process: the project is not imported there
+        return vllm_job(sys.argv[2], sys.argv[3])
+    from configs.model import FP8_GEMMS
+
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
     parser.add_argument("--checkpoint", type=Path, required=True, help="the checkpoint every side loads")
     parser.add_argument("--cases", nargs="+", default=["16x4096", "1x32768"], help="NxL: N prompts of L tokens submitted together")
     parser.add_argument("--backends", nargs="+", default=["triton", "deep_gemm", "triton-tuned", "flashinfer_cutlass"],
                         help=f"vLLM's MoE backends, one vLLM process each, in this order: {', '.join(BACKENDS)} (auto: vLLM's choice; "
                              "triton-tuned needs triton before it); none: the pool only")  # fmt: skip
+    parser.add_argument("--fp8-gemms", nargs="+", choices=FP8_GEMMS, default=["auto"],
+                        help="a pool side per value of PoolConfig.fp8_gemm, what runs its FP8 GEMMs (default: auto)")  # fmt: skip
     parser.add_argument("--no-pool", action="store_true", help="vLLM's sides only")
     parser.add_argument("--add", action="store_true", help="keep the sides of --out (the same checkpoint and cases) that this run does not measure")
     parser.add_argument("--repeats", type=int, default=3)
@@ -320,8 +340,6 @@ def main() -> None:
     parser.add_argument("--vllm-timeout", type=float, default=900, help="seconds one vLLM side may take, start included (default 900)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, required=True)
-    if len(sys.argv) == 4 and sys.argv[1] == "--vllm-job":
-        return vllm_job(sys.argv[2], sys.argv[3])
     args = parser.parse_args()
     args.backends = [] if args.backends == ["none"] else args.backends
     for backend in args.backends:
@@ -354,7 +372,7 @@ def main() -> None:
         results["sides"] = kept["sides"]
         results["command"] = f"{kept['command']}; then {results['command']}"
     if args.workers:
-        results["sides"]["workers"] = workers_side(json.loads(args.workers.read_text()), args.workers, args.cases)
+        results["sides"].update(workers_sides(json.loads(args.workers.read_text()), args.workers, args.cases))
 
     def save():
         results["ratios"] = ratios(results["sides"], args.cases)
@@ -362,8 +380,8 @@ def main() -> None:
             results["moe_layer"] = moe_layer_table(config, results["sides"], args.moe_tokens)
         args.out.write_text(json.dumps(results, indent=1) + "\n")
 
-    if not args.no_pool:
-        results["sides"]["pool"] = run_pool(args, layers, vocab)
+    for fp8_gemm in [] if args.no_pool else args.fp8_gemms:
+        results["sides"][pool_side(fp8_gemm)] = run_pool(args, layers, vocab, fp8_gemm)
         save()
     for backend in args.backends:
         side = run_vllm(args, backend, config, tuned)

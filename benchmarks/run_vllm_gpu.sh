@@ -11,7 +11,7 @@
 # layers at its MLA widths, everything else small: write_checkpoint.py --kv-shaped, in /tmp/v3-kv-shaped),
 # kv-load (benchmarks/bench_kv_load.py: the mapped transport against NIXL READs, no vLLM), truth (benchmarks/
 # bench_vllm_truth.py: vLLM alone and the tier + vLLM against float32, tokens and KV rows; CHECKPOINTS picks the
-# seeds, default all three), probe-cg (benchmarks/probes/probe_compiled_graph.py on the slice: the pool's per-batch
+# seeds, default all three; FP8=1: the checkpoints in FP8, both engines on their FP8 GEMMs, the pool's on FP8_GEMM, default auto), probe-cg (benchmarks/probes/probe_compiled_graph.py on the slice: the pool's per-batch
 # call as Ray tasks against a Ray Compiled Graph), probe-graphs (benchmarks/probes/probe_cuda_graphs.py on the slice: one prompt's prefill in the worker, eager
 # against replayed from its CUDA graphs), probe-ingress (benchmarks/probes/probe_ingress.py on the slice: the
 # tier's fixed cost through Serve's proxy and at the replica's own port; INGRESS=replica gives speed, serving, pd and soak that way too;
@@ -33,7 +33,7 @@
 # too once the flashinfer-moe step has built FlashInfer's SM90 CUTLASS MoE into its JIT cache: that nvcc build had not finished
 # in 8 minutes inside vLLM's start on 2026-11-28; run the step detached, beside the others), on CASES, with
 # bench_moe.py's workers' own times and MoE layer, its KV cache sized by the prompts (--share-gpus), as measured on 2026-11-28:
-# benchmarks/bench_vllm_prefill.py); gemms (benchmarks/bench_grouped_gemm.py with DeepGEMM as vLLM's wheel carries it, linked by install:
+# benchmarks/bench_vllm_prefill.py; FP8_GEMMS: a pool side per PoolConfig.fp8_gemm, default auto; WORKER_GEMMS: bench_moe.py's, default the same but auto; ADD=1 keeps the sides already in OUT_DIR); gemms (benchmarks/bench_grouped_gemm.py with DeepGEMM as vLLM's wheel carries it, linked by install:
 # the experts' grouped GEMMs and the dense FP8 linears by torch's kernels and by DeepGEMM's, on V3's shapes). VLLM_ARGS: more arguments for vLLM's server (speed, speed-kv, pd), e.g. "--disable-custom-all-reduce". speed needs an H200: the slice's 26.5 GiB of
 # weights twice, and vLLM's 32K prefill, do not fit an H100 (vLLM held 57 GiB there at VLLM_MEMORY=0.45).
 set -uo pipefail
@@ -66,7 +66,7 @@ for step in "$@"; do
                python3 deploy/offline_bundle.py install --bundle /tmp/bundle-$set --target /tmp/$set-site | tail -1
              done
              ln -sf /tmp/vllm-site/nixl* /tmp/gpu-site/  # the pool's holders serve NIXL with the same wheel
-             ln -sfn /tmp/vllm-site/vllm/third_party/deep_gemm /tmp/gpu-site/deep_gemm  # DeepGEMM for moe_gemm deep_gemm: vLLM's build of it
+             ln -sfn /tmp/vllm-site/vllm/third_party/deep_gemm /tmp/gpu-site/deep_gemm  # DeepGEMM for fp8_gemm deep_gemm: vLLM's build of it
              python3 -m compileall -q -j 16 /tmp/vllm-site /tmp/gpu-site > /dev/null  # else every process of a first start compiles vLLM
              python3 -c "import ray, flash_attn.cute, nixl_cu13; print('gpu site ok', ray.__version__)"
              PYTHONPATH=/tmp/vllm-site:$PWD python3 -c "import vllm, kv.vllm_connector; print('vllm site ok', vllm.__version__)" ;;
@@ -80,7 +80,7 @@ for step in "$@"; do
            python3 benchmarks/bench_vllm_decode.py speed --checkpoint "$ckpt" --lengths ${LENGTHS_KV:-32768x8 4096x8} \
              --scatter ${SCATTER:-200} --kv-cache-tokens 131072 --vllm-kv-cache-gib 8 --vllm-memory ${VLLM_MEMORY:-0.4} ${VLLM_EAGER:+--vllm-eager} --vllm-max-graph-batch ${VLLM_GRAPH_BATCH:-8} --ingress ${INGRESS:-proxy} --decode-endpoint ${DECODE_ENDPOINT:-generate} --decode-forward ${DECODE_FORWARD:-early} --vllm-tp ${TP:-1} --vllm-dp ${DP:-1} ${VLLM_GPUS:+--vllm-gpus $VLLM_GPUS} --vllm-args="${VLLM_ARGS:-}" --out "$out/vllm-decode-speed-kv-shaped.json" ;;
     truth) python3 benchmarks/bench_vllm_truth.py --checkpoints ${CHECKPOINTS:-1 2:one-scale 3:one-scale} --vllm-tp ${TP:-1} \
-             --max-len ${TRUTH_MAX_LEN:-4096} --out "$out/vllm-decode-truth.json" ;;
+             --max-len ${TRUTH_MAX_LEN:-4096} ${FP8:+--fp8 --fp8-gemm ${FP8_GEMM:-auto}} --out "$out/vllm-decode-truth${FP8:+-fp8-${FP8_GEMM:-auto}}.json" ;;
     probe-graphs) slice_ckpt; python3 benchmarks/probes/probe_cuda_graphs.py --checkpoint "$ckpt" --tokens ${PROBE_TOKENS:-16 512 1024 2048 4096} \
                    --out "$out/probe-cuda-graphs.json" ;;
     probe-cg) slice_ckpt; python3 benchmarks/probes/probe_compiled_graph.py --device cuda --tp 1 --checkpoint "$ckpt" --tokens 16 512 4096 \
@@ -99,14 +99,15 @@ for step in "$@"; do
                      --out "$out/probe-ingress.json" ;;
     chaos) python3 benchmarks/chaos.py --device cuda --worker-gpus 0.5 --out "$out/chaos.json" 2>&1 | tail -30 ;;
     multi-gpu) python3 -m pytest -q -m multi_gpu tests 2>&1 | tee "$out/pytest-multi-gpu.txt" | tail -5 ;;
-    prefill) slice_ckpt; cases=${CASES:-16x4096 1x32768}
-             python3 benchmarks/bench_moe.py --model deepseek-v3 --num-layers 5 --layouts fp8:1 --prompts $cases --moe-tokens ${MOE_TOKENS:-32768} \
+    prefill) slice_ckpt; cases=${CASES:-16x4096 1x32768}; gemms=${FP8_GEMMS:-auto}
+             layouts=$(for gemm in ${WORKER_GEMMS:-$gemms}; do [ $gemm = auto ] || echo fp8:1:$gemm; done)
+             python3 benchmarks/bench_moe.py --model deepseek-v3 --num-layers 5 --layouts $layouts --prompts $cases --moe-tokens ${MOE_TOKENS:-32768} \
                --share-gpus --repeats 3 --out "$out/prefill-workers.json" 2>&1 | tail -3
              python3 benchmarks/bench_vllm_prefill.py --checkpoint "$ckpt" --cases $cases --workers "$out/prefill-workers.json" --moe-tokens ${MOE_TOKENS:-32768} \
-               --backends ${MOE_BACKENDS:-triton deep_gemm triton-tuned} --vllm-timeout ${VLLM_TIMEOUT:-900} --out "$out/vllm-prefill.json" ;;
+               --fp8-gemms $gemms --backends ${MOE_BACKENDS:-triton deep_gemm triton-tuned} --vllm-timeout ${VLLM_TIMEOUT:-900} ${ADD:+--add} --out "$out/vllm-prefill.json" ;;
     flashinfer-moe) PYTHONPATH=/tmp/vllm-site MAX_JOBS=16 python3 -c "from flashinfer.fused_moe.core import get_cutlass_fused_moe_module as m; m('90')" \
                       2>&1 | tail -3 ;;
-    gemms) python3 benchmarks/bench_grouped_gemm.py --tokens 16384 65536 --experts 256 \
+    gemms) python3 benchmarks/bench_grouped_gemm.py --tokens ${GEMM_TOKENS:-16384} --experts 256 \
              --out "$out/grouped-gemm-candidates.json" ;;
     kv-load) python3 benchmarks/bench_kv_load.py --layers 61 5 --tokens 32768 4096 --chunk-rows 16384 65536 --out "$out/kv-load.json" ;;
     *) echo "unknown step $step"; exit 2 ;;

@@ -28,7 +28,7 @@ from attention.backends.base import DeviceCapability, MLAPrefillSelectorConfig
 from attention.backends.registry import MLAPrefillBackendEnum
 from attention.backends.selector import ENV_BACKEND, backend_priorities, backend_reasons, get_mla_prefill_backend
 from attention.mla import DEFAULT_WORKSPACE_TOKENS
-from configs.model import DTYPES, EP_SCHEDULES, MOE_GEMMS, MOE_ROUNDINGS, builtin_models, load_model_config
+from configs.model import DTYPES, EP_SCHEDULES, FP8_GEMMS, MOE_ROUNDINGS, builtin_models, load_model_config
 from configs.pool import DEVICES, PCP_STRATEGIES, QUANTIZATIONS, PoolConfig
 
 BACKEND_CHOICES = ["AUTO"] + [m.name for m in MLAPrefillBackendEnum]
@@ -99,9 +99,10 @@ def add_pool_arguments(parser: argparse.ArgumentParser) -> None:
     pool.add_argument("--moe-rounding", default=DEFAULTS.moe_rounding, choices=MOE_ROUNDINGS,
                       help="where MoE layers round: reference (transformers', the default) or vllm (as vLLM's CUDA path: "
                            "handed-off KV closer to a vLLM decode server's own; one-worker replicas, unquantized experts)")  # fmt: skip
-    pool.add_argument("--moe-gemm", default=DEFAULTS.moe_gemm, choices=MOE_GEMMS,
-                      help="what runs FP8 routed experts on SM90 GPUs: torch (its grouped GEMM, row-wise scales; the default) or "
-                           "deep_gemm (DeepGEMM's, the checkpoint's 128x128 weight blocks; needs the deep_gemm package)")  # fmt: skip
+    pool.add_argument("--fp8-gemm", default=DEFAULTS.fp8_gemm, choices=FP8_GEMMS,
+                      help="what runs an FP8 checkpoint's GEMMs on SM90 GPUs: torch (its block-scaled and row-wise grouped GEMMs), "
+                           "deep_gemm (DeepGEMM's, on the checkpoint's 128x128 weight blocks; needs the deep_gemm package) or "
+                           "auto (deep_gemm where it imports, else torch; the default)")  # fmt: skip
     pool.add_argument("--device", default=DEFAULTS.device, choices=DEVICES, help="worker device (default: cuda when the workers see a GPU)")
     pool.add_argument("--chunk-tokens", type=int, default=DEFAULTS.chunk_tokens, help=f"prefill the prompt in chunks of this many tokens (default: {DEFAULTS.chunk_tokens})")
     pool.add_argument("--workspace-tokens", type=int, default=DEFAULT_WORKSPACE_TOKENS,
@@ -132,7 +133,7 @@ def pool_config(args: argparse.Namespace) -> PoolConfig:
         ep_schedule=args.ep_schedule,
         ep_comm_sms=args.ep_comm_sms,
         moe_rounding=args.moe_rounding,
-        moe_gemm=args.moe_gemm,
+        fp8_gemm=args.fp8_gemm,
         device=args.device,
         chunk_tokens=args.chunk_tokens,
         max_batch_tokens=max(args.chunk_tokens, DEFAULTS.max_batch_tokens),

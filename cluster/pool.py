@@ -383,14 +383,14 @@ class PrefillPool:
         return report
 
     def weights_report(self) -> dict:
-        """How each worker holds its weights: the format (``fp8`` or a dtype), what runs FP8 experts, bytes, the bytes it read
+        """How each worker holds its weights: the format (``fp8`` or a dtype), what runs its FP8 GEMMs, bytes, the bytes it read
         from the checkpoint, load seconds and peak host memory before and after loading, per replica and rank."""
         infos = self.worker_infos
         return {
             "format": infos[0][0].weights,
             "bytes_per_rank": [[i.weight_bytes for i in r] for r in infos],
             "experts_per_rank": [[i.experts for i in r] for r in infos] if infos[0][0].experts else None,
-            "experts_gemm": infos[0][0].experts_gemm,
+            "fp8_gemm": infos[0][0].fp8_gemm,
             "read_bytes_per_rank": [[i.read_bytes for i in r] for r in infos],
             "load_s": [[i.load_s for i in r] for r in infos],
             "peak_host_mib_before_load": [[i.peak_host_mib_before_load for i in r] for r in infos],

@@ -51,8 +51,10 @@ def builtin_models() -> list[str]:
 EP_SCHEDULES = ("all-to-all", "local-first", "two-micro-batches")
 # where a MoE layer rounds (configs.pool.PoolConfig.moe_rounding explains each)
 MOE_ROUNDINGS = ("reference", "vllm")
-# what runs the routed experts' FP8 GEMMs (configs.pool.PoolConfig.moe_gemm explains each)
-MOE_GEMMS = ("torch", "deep_gemm")
+# the libraries that run FP8 GEMMs, and the choice among them (configs.pool.PoolConfig.fp8_gemm explains each;
+# the worker resolves "auto")
+FP8_GEMM_LIBRARIES = ("torch", "deep_gemm")
+FP8_GEMMS = ("auto", *FP8_GEMM_LIBRARIES)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from attention.backends.registry import MLAPrefillBackendEnum
-from configs.model import DTYPES, EP_SCHEDULES, MOE_GEMMS, MOE_ROUNDINGS, ModelConfig, load_model_config
+from configs.model import DTYPES, EP_SCHEDULES, FP8_GEMMS, MOE_ROUNDINGS, ModelConfig, load_model_config
 
 DEVICES = ("auto", "cpu", "cuda")
 QUANTIZATIONS = ("auto", "none")
@@ -65,12 +65,19 @@ class PoolConfig:
                      vLLM alone's on 30 of 32 prompts, against 28 (docs/vllm-decode.md). Unquantized
                      experts, replicas of one worker, noaux_tc + sigmoid routing only; its down GEMM runs
                      one GEMM per expert after a host sync
-    moe_gemm         what runs the routed experts' FP8 GEMMs (SM90 GPUs; elsewhere the experts are dequantized
-                     and this has no effect): "torch" (torch._scaled_grouped_mm, the only FP8 recipe its grouped
-                     GEMM has on SM90: one scale per token and per output row, the checkpoint's 128x128 weight
-                     blocks requantized per row at load), or "deep_gemm" (DeepGEMM's grouped GEMM, the package
-                     deep_gemm: the checkpoint's own weight blocks and 1x128 activation scales, as vLLM's DEEPGEMM
-                     MoE backend; workers.moe_deepgemm). Not yet measured on a GPU here: "torch" stays the default
+    fp8_gemm         what runs the FP8 GEMMs of an FP8 checkpoint (SM90 GPUs; elsewhere the weights are
+                     dequantized and this has no effect): "torch" (the linear layers on torch._scaled_mm with
+                     DeepSeek's recipe; the routed experts on torch._scaled_grouped_mm, the only FP8 recipe torch's
+                     grouped GEMM has on SM90: one scale per token and per output row, the checkpoint's 128x128
+                     weight blocks requantized per row at load), "deep_gemm" (DeepGEMM, the package deep_gemm: its
+                     dense GEMM for the linear layers whose both sides are whole blocks, as vLLM gives it its
+                     linears, and its grouped GEMM for the experts on the checkpoint's own blocks, as vLLM's
+                     DEEPGEMM MoE backend; workers.deepgemm), or "auto": deep_gemm where DeepGEMM imports and the
+                     experts are whole blocks, torch otherwise (the worker logs its choice). On one H200 the
+                     DeepSeek-V3 slice's 16x4K prefill took 0.475 s on DeepGEMM, 0.526 s on torch's GEMMs
+                     (benchmarks/results/2026-11-28-h200-deepseek-v3-5layers-fp8-1gpu-prefill-workers-deep-gemm.json).
+                     DeepGEMM compiles a kernel when first used (cached on disk): a batch of a token count the
+                     worker's start did not meet may take seconds more the first time
     device           "cuda", "cpu" or "auto" (cuda when the workers see a GPU)
     chunk_tokens     prompts are prefilled in chunks of at most this many tokens per request (32768:
                      on H200 a 128K prompt of a DeepSeek-V3 layer runs 10% faster than with 8K chunks on
@@ -128,7 +135,7 @@ class PoolConfig:
     ep_schedule: str = "all-to-all"
     ep_comm_sms: int = 0
     moe_rounding: str = "reference"
-    moe_gemm: str = "torch"
+    fp8_gemm: str = "auto"
     device: str = "auto"
     chunk_tokens: int = 32768  # measured: benchmarks/results/2026-11-21-4xh200-pcp-chunk-sweep-128k.json
     max_batch_tokens: int = 32768
@@ -173,8 +180,8 @@ class PoolConfig:
             raise ValueError(f"pool config: ep_comm_sms must be an integer in 0..64, got {self.ep_comm_sms!r}")
         if self.moe_rounding not in MOE_ROUNDINGS:
             raise ValueError(f"pool config: moe_rounding {self.moe_rounding!r} is not one of {', '.join(MOE_ROUNDINGS)}")
-        if self.moe_gemm not in MOE_GEMMS:
-            raise ValueError(f"pool config: moe_gemm {self.moe_gemm!r} is not one of {', '.join(MOE_GEMMS)}")
+        if self.fp8_gemm not in FP8_GEMMS:
+            raise ValueError(f"pool config: fp8_gemm {self.fp8_gemm!r} is not one of {', '.join(FP8_GEMMS)}")
         if self.moe_rounding == "vllm" and self.tp * self.pcp > 1:
             raise ValueError(f"pool config: moe_rounding 'vllm' needs replicas of one worker (tp = pcp = 1), got tp={self.tp}, pcp={self.pcp}")
         if self.spare_workers not in SPARE_MODES:

@@ -10,10 +10,12 @@ computes the documented result in float32 from the dequantized operands:
   ``workers.fp8.block_gemm_shape_ok``);
 - ``_scaled_grouped_mm`` row-wise: ``a [P, K]`` with scales ``[P]``; ``b [E, K, N]`` with ``stride(1) == 1``
   ("transposed") and scales ``[E, N]``; ``offs [E]`` int32, the end of each group's rows;
-- DeepGEMM's ``m_grouped_fp8_gemm_nt_contiguous`` (:data:`deep_gemm`, for ``workers.moe_deepgemm``):
-  ``a = (q [M, K], scale [M, K/128] float32 M-major)``, ``b = (w [G, N, K], scale [G, N/128, K/128])``,
-  ``d [M, N]`` bfloat16, ``m_indices [M]`` int32 (-1: padding, left unwritten), every group's rows
-  starting on a multiple of the M alignment, as its contiguous layout asks.
+- DeepGEMM (:data:`deep_gemm`, for ``workers.deepgemm``): ``fp8_gemm_nt``, ``a = (q [M, K], scale [M, K/128]
+  float32 M-major, M % 4 == 0: TMA-aligned)``, ``b = (w [N, K], scale [N/128, K/128])`` with whole
+  blocks, ``d [M, N]`` bfloat16; and ``m_grouped_fp8_gemm_nt_contiguous``, the same ``a``,
+  ``b = (w [G, N, K], scale [G, N/128, K/128])``, ``d [M, N]``, ``m_indices [M]`` int32 (-1: padding,
+  left unwritten), every group's rows starting on a multiple of the M alignment, as its contiguous
+  layout asks.
 """
 
 import types
@@ -55,6 +57,23 @@ def scaled_grouped_mm(a, b, scale_a, scale_b, offs, out_dtype, **_):
 M_ALIGNMENT = 128  # DeepGEMM's on SM90 (its largest BLOCK_M)
 
 
+def _block_weight(w, scale_w):
+    n, k = w.shape
+    return w.float() * scale_w.repeat_interleave(128, dim=0)[:n].repeat_interleave(128, dim=1)[:, :k]
+
+
+def fp8_gemm_nt(a, b, d):
+    (q, scale_a), (w, scale_w) = a, b
+    m, k = q.shape
+    n = w.shape[0]
+    assert q.dtype == w.dtype == FP8 and q.stride(1) == 1 and w.is_contiguous(), "FP8 operands, K-major"
+    assert k % 128 == 0 and n % 128 == 0, f"whole 128x128 blocks: N {n}, K {k}"
+    assert m % 4 == 0 and scale_a.dtype == torch.float32 and scale_a.shape == (m, k // 128) and scale_a.stride() == (1, m), (scale_a.shape, scale_a.stride())
+    assert scale_w.shape == (n // 128, k // 128) and scale_w.dtype == torch.float32 and scale_w.is_contiguous()
+    assert d.shape == (m, n) and d.dtype == torch.bfloat16
+    d.copy_(((q.float() * scale_a.repeat_interleave(128, dim=1)) @ _block_weight(w, scale_w).t()).to(d.dtype))
+
+
 def m_grouped_fp8_gemm_nt_contiguous(a, b, d, m_indices):
     (q, scale_a), (w, scale_w) = a, b
     m, k = q.shape
@@ -71,24 +90,25 @@ def m_grouped_fp8_gemm_nt_contiguous(a, b, d, m_indices):
     for group in range(groups):
         rows = torch.nonzero(m_indices == group).squeeze(1)
         a_full = q[rows].float() * scale_a[rows].repeat_interleave(128, dim=1)[:, :k]
-        w_full = w[group].float() * scale_w[group].repeat_interleave(128, dim=0)[:n].repeat_interleave(128, dim=1)[:, :k]
+        w_full = _block_weight(w[group], scale_w[group])
         d[rows] = (a_full @ w_full.t()).to(d.dtype)
 
 
-deep_gemm = types.SimpleNamespace(  # the part of DeepGEMM's interface workers.moe_deepgemm uses
+deep_gemm = types.SimpleNamespace(  # the part of DeepGEMM's interface workers.deepgemm uses
     __name__="deep_gemm (fp8_emulation)",
+    fp8_gemm_nt=fp8_gemm_nt,
     m_grouped_fp8_gemm_nt_contiguous=m_grouped_fp8_gemm_nt_contiguous,
     get_mk_alignment_for_contiguous_layout=lambda: M_ALIGNMENT,
 )
 
 
 def install(monkeypatch: pytest.MonkeyPatch | None = None) -> None:
-    """Put the stand-ins in place of torch's and of DeepGEMM (``workers.moe_deepgemm.load``), through
+    """Put the stand-ins in place of torch's and of DeepGEMM (``workers.deepgemm.load``), through
     ``monkeypatch``, or for good in a child process."""
-    from workers import moe_deepgemm
+    from workers import deepgemm
 
     for owner, name, fn in ((torch, "_scaled_mm", scaled_mm), (torch, "_scaled_grouped_mm", scaled_grouped_mm),
-                            (moe_deepgemm, "load", lambda: deep_gemm)):  # fmt: skip
+                            (deepgemm, "load", lambda: deep_gemm)):  # fmt: skip
         if monkeypatch is not None:
             monkeypatch.setattr(owner, name, fn)
         else:

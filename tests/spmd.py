@@ -20,7 +20,7 @@ class RankResult:
     moe_load: dict  # MoE layer -> (token, expert) pairs computed here
     experts: tuple | None  # the routed experts this rank holds
     ep_schedules: set  # the schedules of this rank's MoE layers
-    experts_gemm: str | None = None  # what ran its FP8 routed experts (WorkerInfo.experts_gemm)
+    fp8_gemm: str | None = None  # what ran its FP8 GEMMs (WorkerInfo.fp8_gemm)
 
 
 def chunk_batches(prompts: list[np.ndarray], chunk: int, prefix: str = "r"):
@@ -54,7 +54,7 @@ def _run_rank(rank, config, port, prompts, chunk, results, prepare):
             logits.update({r.request_id: r.logits for r in out.results})
     kv = {f"r{i}": worker.fetch_kv(f"r{i}").tensor().float().numpy() for i in range(len(prompts))}
     schedules = {moe.schedule for _, moe in worker.model.moe_layers()}
-    _put(results, RankResult(rank, logits, kv, strategies, worker.moe_load(), info.experts, schedules, info.experts_gemm))
+    _put(results, RankResult(rank, logits, kv, strategies, worker.moe_load(), info.experts, schedules, info.fp8_gemm))
     if torch.distributed.is_initialized():
         torch.distributed.barrier()
         torch.distributed.destroy_process_group()

@@ -9,10 +9,12 @@ columns, ``x[m, g] = qx[m, g] * sx[m, g]`` with ``sx = max|x[m, g*128:(g+1)*128]
 
     y[m, n] = sum_g sx[m, g] * scale[n // 128, g] * (qx[m, g-block] . q[n, g-block])   (fp32 accumulate)
 
-which is :class:`FP8Linear`. Routed experts run through torch's grouped FP8 GEMM, which on SM90 only
+which is :class:`FP8Linear` (torch's block-scaled ``_scaled_mm``; ``workers.deepgemm.DeepGEMMLinear``
+runs the same on DeepGEMM). Routed experts run through torch's grouped FP8 GEMM, which on SM90 only
 takes one scale per row of each operand: their weights are requantized at load to one scale per
 output row (:func:`requantize_rows`; one more FP8 rounding of the checkpoint's values) and their
-activations quantized per token (see ``workers.moe``). Everywhere else (CPU, other GPUs, another
+activations quantized per token (see ``workers.moe``), or through DeepGEMM's grouped GEMM on the
+checkpoint's blocks (``workers.deepgemm``). Everywhere else (CPU, other GPUs, another
 compute dtype) FP8 weights are dequantized to the compute dtype at load.
 """
 
@@ -149,9 +151,12 @@ class FP8Linear(nn.Module):
         shape = x.shape
         x2 = x.reshape(-1, self.in_features * (2 if silu_mul else 1))
         q, scale = quantize_activations(x2, BLOCK, pad_rows_to=4, silu_mul=silu_mul)
+        return self.gemm(q, scale.t())[: x2.shape[0]].view(*shape[:-1], self.out_features)
+
+    def gemm(self, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        """FP8 rows ``q [M, K]`` (``M % 4 == 0``) with 1x128 scales ``[M, K/128]`` M-major -> ``[M, N]``."""
         # the weight scales as torch takes them: [K blocks, N blocks], inner-dim-major (a view)
-        y = torch._scaled_mm(q, self.weight.t(), scale_a=scale.t(), scale_b=self.weight_scale_inv.t(), out_dtype=self.out_dtype)
-        return y[: x2.shape[0]].view(*shape[:-1], self.out_features)
+        return torch._scaled_mm(q, self.weight.t(), scale_a=scale, scale_b=self.weight_scale_inv.t(), out_dtype=self.out_dtype)
 
     def dequantized(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The weight ``[N, K]`` in ``dtype`` (for code that needs it whole, such as the absorbed decoder)."""

@@ -36,7 +36,8 @@ routed experts' (transformers' ``mlp.experts.gate_up_proj``/``down_proj``) and t
 dense MLPs' ``gate_up_proj``, ``gate_proj`` over ``up_proj`` (:class:`DenseMLP`).
 
 With ``fp8`` the linear layers whose shard keeps DeepSeek's 128x128 blocks whole
-are ``workers.fp8.FP8Linear`` and the experts FP8 (``workers.moe.Experts``);
+are ``workers.fp8.FP8Linear`` (``workers.deepgemm.DeepGEMMLinear`` with ``fp8_gemm="deep_gemm"``,
+where DeepGEMM takes the shape) and the experts FP8 (``workers.moe.Experts``);
 the modules are built on the meta device and materialized once, so no bf16
 copy of an FP8 weight is ever allocated.
 """
@@ -55,6 +56,7 @@ from attention.mla import MLAAttention, PrefillBatch, RMSNorm
 from configs.model import ModelConfig
 from workers.activation import silu_mul
 from workers.collectives import GroupRank, all_gather_into, reduce_scatter_into
+from workers.deepgemm import DeepGEMMLinear, dense_shape_ok
 from workers.fp8 import BLOCK, FP8Linear, block_gemm_shape_ok
 from workers.expert_parallel import EPGroup
 from workers.moe import MoE
@@ -153,7 +155,7 @@ def _stack_checkpoint_rows(module: nn.Module, state: dict, prefix: str, *_) -> N
 class DecoderLayer(nn.Module):
     def __init__(
         self, config: ModelConfig, index: int, backend: MLAPrefillBackend, tp: TPShard, ep: EPGroup,
-        *, dtype: torch.dtype, device, fp8: bool, ep_schedule: str, ep_comm_sms: int, moe_rounding: str, moe_gemm: str,
+        *, dtype: torch.dtype, device, fp8: bool, ep_schedule: str, ep_comm_sms: int, moe_rounding: str, fp8_gemm: str,
     ) -> None:  # fmt: skip
         super().__init__()
         eps, kw = config.attention.rms_norm_eps, {"dtype": dtype, "device": device}
@@ -165,7 +167,7 @@ class DecoderLayer(nn.Module):
             shared = DenseMLP(config.hidden_size, moe.shared_intermediate_size // tp.size, **kw) if moe.n_shared_experts else None
             self.mlp = MoE(
                 moe, config.hidden_size, ep=ep, shared_experts=shared, fp8=fp8, schedule=ep_schedule, comm_sms=ep_comm_sms,
-                rounding=moe_rounding, gemm=moe_gemm, **kw,
+                rounding=moe_rounding, gemm=fp8_gemm, **kw,
             )  # fmt: skip
         else:
             self.mlp = DenseMLP(config.hidden_size, config.intermediate_size // tp.size, **kw)
@@ -197,7 +199,7 @@ class DeepseekPrefillModel(nn.Module):
         ep_schedule: str = "all-to-all",
         ep_comm_sms: int = 0,
         moe_rounding: str = "reference",
-        moe_gemm: str = "torch",
+        fp8_gemm: str = "torch",
         dtype: torch.dtype | None = None,
         device: torch.device | str = "cpu",
     ) -> None:
@@ -210,11 +212,11 @@ class DeepseekPrefillModel(nn.Module):
             raise ValueError(f"FP8 GEMMs write bfloat16: the compute dtype must be bfloat16, got {dtype}")
         self.config, self.backend, self.tp, self.ep, self.fp8 = config, backend, tp, ep, fp8
         kw = {"dtype": dtype, "device": "meta", "fp8": fp8, "ep_schedule": ep_schedule, "ep_comm_sms": ep_comm_sms, "moe_rounding": moe_rounding,
-              "moe_gemm": moe_gemm}  # fmt: skip
+              "fp8_gemm": fp8_gemm}  # fmt: skip
         self.model = Backbone(config, backend, tp, ep, **kw)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False, dtype=dtype, device="meta")
         if fp8:
-            self._use_fp8_linears()
+            self._use_fp8_linears(fp8_gemm)
         # to_empty(device), without its empty_like of meta tensors (that imports sympy, a third of a
         # second of every worker's start)
         self._apply(lambda t: torch.empty(t.shape, dtype=t.dtype, device=device))
@@ -224,21 +226,23 @@ class DeepseekPrefillModel(nn.Module):
         cls, config: ModelConfig, backend_cls: type[MLAPrefillBackend], *, tp: TPShard = TPShard(), device: torch.device | str = "cpu", **kw
     ) -> DeepseekPrefillModel:
         """A model whose layers share one backend instance for this rank's heads; ``kw`` are the
-        constructor's other keywords (``ep``, ``fp8``, ``ep_schedule``, ``ep_comm_sms``, ``moe_rounding``, ``moe_gemm``, ``dtype``)."""
+        constructor's other keywords (``ep``, ``fp8``, ``ep_schedule``, ``ep_comm_sms``, ``moe_rounding``, ``fp8_gemm``, ``dtype``)."""
         config.check_tp(tp.size)
         backend = config.attention.create_backend(backend_cls, num_heads=config.num_heads // tp.size, device=device)
         return cls(config, backend, tp=tp, device=device, **kw)
 
-    def _use_fp8_linears(self) -> None:
+    def _use_fp8_linears(self, gemm: str) -> None:
         """Swap every quantized linear layer (all but ``lm_head``) whose shard keeps the 128x128 blocks
-        whole for an :class:`FP8Linear`; the others stay in bf16 (their FP8 weights are dequantized)."""
+        whole for an :class:`FP8Linear`, run by DeepGEMM where ``gemm`` is "deep_gemm" and it takes the
+        shape; the others stay in bf16 (their FP8 weights are dequantized)."""
         for name, module in list(self.model.named_modules()):
             if not isinstance(module, nn.Linear):
                 continue
             parts = tuple(rows for _, rows in merged_parts(self.model, name))
             if fp8_shard_aligned(module, self.tp.split_dim(name + ".weight"), self.tp.size, parts):
                 parent, _, child = name.rpartition(".")
-                setattr(self.model.get_submodule(parent), child, FP8Linear(module.in_features, module.out_features, device="meta"))
+                linear = DeepGEMMLinear if gemm == "deep_gemm" and dense_shape_ok(module.in_features, module.out_features) else FP8Linear
+                setattr(self.model.get_submodule(parent), child, linear(module.in_features, module.out_features, device="meta"))
 
     @property
     def dtype(self) -> torch.dtype:

@@ -51,8 +51,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from attention.kernel_choice import use_triton
-from configs.model import EP_SCHEDULES, MOE_GEMMS, MOE_ROUNDINGS, MoEConfig
-from workers import moe_deepgemm, moe_vllm
+from configs.model import EP_SCHEDULES, FP8_GEMM_LIBRARIES, MOE_ROUNDINGS, MoEConfig
+from workers import deepgemm, moe_vllm
 from workers.activation import silu_mul
 from workers.expert_parallel import Dispatch, EPGroup, exchange_counts, sm_carveout
 from workers.fp8 import BLOCK, FP8, quantize_activations
@@ -163,11 +163,11 @@ class Router(nn.Module):
 class Experts(nn.Module):
     """This rank's routed experts, stacked: ``gate_up_proj [E_r, 2I, H]``, ``down_proj [E_r, H, I]``.
 
-    ``fp8``: the weights are ``float8_e4m3fn``. With ``gemm="torch"`` (:data:`MOE_GEMMS`) they carry
+    ``fp8``: the weights are ``float8_e4m3fn``. With ``gemm="torch"`` (of :data:`FP8_GEMM_LIBRARIES`) they carry
     ``gate_up_proj_scale [E_r, 2I]`` and ``down_proj_scale [E_r, H]`` (one scale per output row) and
     run by ``_scaled_grouped_mm`` on per-token activation scales; with ``gemm="deep_gemm"`` (``block``)
     the checkpoint's 128x128 block scales ``[E_r, 2I/128, H/128]`` and ``[E_r, H/128, I/128]``, run by
-    DeepGEMM on 1x128 activation scales (``workers.moe_deepgemm``).
+    DeepGEMM on 1x128 activation scales (``workers.deepgemm``).
     ``rounding="vllm"``: the routing weight multiplies the down GEMM's float32 result
     (:func:`workers.moe_vllm.weighted_down`), not its input.
     """
@@ -177,11 +177,11 @@ class Experts(nn.Module):
         gemm: str = "torch", device=None,
     ) -> None:  # fmt: skip
         super().__init__()
-        if gemm not in MOE_GEMMS:
-            raise ValueError(f"MoE GEMM {gemm!r} is not one of {', '.join(MOE_GEMMS)}")
+        if gemm not in FP8_GEMM_LIBRARIES:
+            raise ValueError(f"MoE GEMM {gemm!r} is not one of {', '.join(FP8_GEMM_LIBRARIES)}")
         self.block = fp8 and gemm == "deep_gemm"
         if self.block and (hidden % BLOCK or intermediate % BLOCK):
-            raise ValueError(f"moe_gemm 'deep_gemm' needs 128-wide blocks: hidden {hidden} and expert width {intermediate} must be multiples of 128")
+            raise ValueError(f"fp8_gemm 'deep_gemm' needs 128-wide blocks: hidden {hidden} and expert width {intermediate} must be multiples of 128")
         self.fp8, self.intermediate, self.rounding = fp8, intermediate, rounding
         stored = {"dtype": FP8 if fp8 else dtype, "device": device}
         self.gate_up_proj = nn.Parameter(torch.empty(num_local, 2 * intermediate, hidden, **stored), requires_grad=False)
@@ -209,9 +209,15 @@ class Experts(nn.Module):
         q, scale = quantize_activations(x, BLOCK if self.block else x.shape[1], scatter_to=scatter_to, scatter_rows=rows)
         return [q.view(torch.uint8), scale.t() if self.block else scale[0]]
 
-    def forward(self, rows: list[torch.Tensor], weights: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    def layout(self, offs: torch.Tensor, pairs: int) -> deepgemm.Layout | None:
+        """Where :meth:`forward` wants ``pairs`` rows sorted by expert (``offs``): DeepGEMM's padded
+        contiguous layout for ``block`` experts, None (the pairs' own order) otherwise."""
+        return deepgemm.Layout.of(offs, pairs) if self.block else None
+
+    def forward(self, rows: list[torch.Tensor], weights: torch.Tensor, offs: torch.Tensor, layout: deepgemm.Layout | None = None) -> torch.Tensor:
         """``rows`` (as :meth:`prepare` makes them) of ``P`` pairs sorted by local expert (``offs [E_r]``:
-        the end of each expert's pairs, int32), times the pairs' routing ``weights [P]`` -> ``[P, H]``."""
+        the end of each expert's pairs, int32), times the pairs' routing ``weights [P]`` -> ``[P, H]``;
+        with ``layout`` (:meth:`layout`) the rows are in it, and so is the result (``[M, H]``)."""
         if not self.fp8:
             (x,) = rows
             gate_up = torch._grouped_mm(x, self.gate_up_proj.transpose(-2, -1), offs=offs)
@@ -219,7 +225,7 @@ class Experts(nn.Module):
                 return moe_vllm.weighted_down(silu_mul(gate_up), self.down_proj, offs, weights)
             return torch._grouped_mm(silu_mul(gate_up, weights), self.down_proj.transpose(-2, -1), offs=offs)
         if self.block:
-            return moe_deepgemm.experts_forward(self, rows, weights, offs)
+            return deepgemm.experts_forward(self, rows, weights, offs, layout)
         q, scale = rows[0].view(FP8), rows[1]
         gate_up = torch._scaled_grouped_mm(
             q, self.gate_up_proj.transpose(-2, -1), scale, self.gate_up_proj_scale, offs=offs, out_dtype=torch.bfloat16
@@ -245,7 +251,7 @@ class MoE(nn.Module):
     expert-parallel work; ``comm_sms`` is the SM carveout (``workers.expert_parallel.sm_carveout``) of
     the kernels that run beside an all-to-all. ``rounding`` (one of :data:`MOE_ROUNDINGS`; see
     ``configs.pool.PoolConfig.moe_rounding``): "reference", or "vllm" (``workers.moe_vllm``). ``gemm``
-    (one of :data:`MOE_GEMMS`; ``PoolConfig.moe_gemm``): what runs FP8 experts (:class:`Experts`).
+    (one of :data:`FP8_GEMM_LIBRARIES`; ``PoolConfig.fp8_gemm``): what runs FP8 experts (:class:`Experts`).
     """
 
     def __init__(
@@ -352,16 +358,21 @@ class MoE(nn.Module):
         if not pairs:
             zeros = local_ids.new_zeros(n, self.experts.down_proj.shape[1], dtype=dtype)
             return zeros if out is None else out.copy_(zeros)
+        layout = None
         if order is not None:
-            pair_rows = rows
+            pair_rows, where = rows, order.where
         else:
             order = self._pair_order(local_ids, pairs)
+            layout = self.experts.layout(order.offs, pairs)  # DeepGEMM's: the pairs' rows go straight there
+            where = order.where if layout is None else layout.place(order.where)  # each pair's row of the experts' input
             if hidden is not None and self.experts.fp8:
-                pair_rows = self.experts.prepare(hidden, scatter_to=order.where, rows=pairs)
-            else:
+                pair_rows = self.experts.prepare(hidden, scatter_to=where, rows=pairs if layout is None else layout.rows)
+            elif layout is None:
                 pair_rows = [r.index_select(0, order.index // k) for r in ([hidden] if hidden is not None else rows)]
-        y = self.experts(pair_rows, weights.reshape(-1)[order.index], order.offs)
-        total = gather_sum(y, order.where, dtype, out=out)
+            else:
+                pair_rows = deepgemm.gather_rows(rows, layout.source(order.index // k))
+        y = self.experts(pair_rows, weights.reshape(-1)[order.index], order.offs, layout)
+        total = gather_sum(y, where, dtype, out=out)
         if self.rounding == "vllm":  # scaled after the sum, rounded again (one rank holds every pair: moe_vllm.check_supported)
             return total * self.config.routed_scaling_factor
         return total

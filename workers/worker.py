@@ -51,12 +51,12 @@ from configs.pool import PoolConfig
 from kv.laps import Laps
 from kv.mapped import host_identity
 from workers.collectives import expert_parallel_group, grid_groups
-from workers.fp8 import fp8_gemm_supported
+from workers.fp8 import BLOCK, fp8_gemm_supported
 from workers.kv_cache import PagedKVCache, blocks_for
 from workers.kv_holder import KVHolder
 from workers.cuda_graphs import PrefillGraphs, capture_forward
 from workers.model import DeepseekPrefillModel, PrefillOutput, TPShard
-from workers import moe_deepgemm
+from workers import deepgemm
 from workers.expert_parallel import EPGroup
 from workers.pcp import PCPCostModel, PCPGroup, PCPPlan, measure_cost_model
 from workers.pcp_layout import shard_rows
@@ -140,7 +140,7 @@ class WorkerInfo:
     kv_transports: tuple[str, ...] = ()  # how it serves its KV shards to decode servers (workers.kv_export)
     cuda_graph_tokens: tuple[int, ...] = ()  # the token counts its forward is captured at (workers.cuda_graphs)
     start_phases_s: dict | None = None  # seconds of each step of setup(), in order
-    experts_gemm: str | None = None  # what runs the FP8 routed experts (PoolConfig.moe_gemm; None: no FP8 experts here)
+    fp8_gemm: str | None = None  # what runs the FP8 GEMMs (PoolConfig.fp8_gemm resolved; None: none here, the weights dequantized)
 
 
 def rendezvous_address() -> tuple[str, int]:
@@ -243,9 +243,9 @@ class PrefillWorker(KVHolder):
         laps.lap("backend")  # importing its library (FA4's CuTe DSL: seconds)
         tp = TPShard(self.tp_rank, config.tp, tp_group)
         fp8 = self._use_fp8(model_config, device, dtype)
-        experts_gemm = self._experts_gemm(model_config, fp8)
+        fp8_gemm = self._fp8_gemm(model_config, fp8)
         shard = {"tp": tp, "ep": ep, "fp8": fp8, "ep_schedule": config.ep_schedule, "ep_comm_sms": config.ep_comm_sms,
-                 "moe_rounding": config.moe_rounding, "moe_gemm": config.moe_gemm, "dtype": dtype}  # fmt: skip
+                 "moe_rounding": config.moe_rounding, "fp8_gemm": fp8_gemm or "torch", "dtype": dtype}  # fmt: skip
         weight_bytes = DeepseekPrefillModel.create(model_config, TorchSDPAPrefillBackend, device="meta", **shard).weight_bytes()
         check_weights_fit(weight_bytes, device, config, model_config)
         self.model = DeepseekPrefillModel.create(model_config, backend_cls, device=device, **shard)
@@ -285,7 +285,7 @@ class PrefillWorker(KVHolder):
             weights="fp8" if fp8 else str(dtype).removeprefix("torch."),
             weight_bytes=weight_bytes,
             experts=self._experts(),
-            experts_gemm=experts_gemm,
+            fp8_gemm=fp8_gemm,
             load_s=report.seconds,
             peak_host_mib=report.peak_host_mib,
             peak_host_mib_before_load=report.peak_host_mib_before,
@@ -342,20 +342,33 @@ class PrefillWorker(KVHolder):
             logger.warning("%s: FP8 weights are dequantized to %s at load: %s", model_config.name, dtype, "; ".join(reasons))
         return not reasons
 
-    def _experts_gemm(self, model_config: ModelConfig, fp8: bool) -> str | None:
-        """What runs the routed experts' FP8 GEMMs (``PoolConfig.moe_gemm``; None: no FP8 experts), said
-        at startup; DeepGEMM imported here, so that a worker without it fails to start, naming it."""
-        if model_config.moe is None:
-            return None
+    def _fp8_gemm(self, model_config: ModelConfig, fp8: bool) -> str | None:
+        """What runs the FP8 GEMMs (``PoolConfig.fp8_gemm`` resolved; None: no FP8 GEMMs here, the weights
+        dequantized), said at startup. "auto" takes DeepGEMM where it imports and the routed experts (if
+        any) are whole 128x128 blocks, torch's GEMMs otherwise; "deep_gemm" imports DeepGEMM here, so that
+        a worker without it fails to start, naming it."""
+        choice = self.config.fp8_gemm
         if not fp8:
-            if self.config.moe_gemm != "torch" and self.rank == 0:
-                logger.warning("%s: moe_gemm %r has no effect: the experts' FP8 weights are dequantized here", model_config.name, self.config.moe_gemm)
+            if choice == "deep_gemm" and model_config.quantization is not None and self.rank == 0:
+                logger.warning("%s: fp8_gemm 'deep_gemm' has no effect: the FP8 weights are dequantized here", model_config.name)
             return None
-        if self.config.moe_gemm == "deep_gemm":
-            moe_deepgemm.load()
+        why = ""
+        if choice == "auto":
+            moe = model_config.moe
+            try:
+                deepgemm.load()
+            except RuntimeError as exc:
+                choice, why = "torch", f" (auto: DeepGEMM is not here: {str(exc).split(': ', 1)[0]})"
+            else:
+                if moe is not None and (model_config.hidden_size % BLOCK or moe.moe_intermediate_size % BLOCK):
+                    choice, why = "torch", " (auto: DeepGEMM needs the experts' hidden and width in whole 128-wide blocks)"
+                else:
+                    choice, why = "deep_gemm", " (auto: DeepGEMM is here)"
+        elif choice == "deep_gemm":
+            deepgemm.load()
         if self.rank == 0:
-            logger.info("%s: FP8 routed experts run by %s", model_config.name, self.config.moe_gemm)
-        return self.config.moe_gemm
+            logger.info("%s: FP8 GEMMs run by %s%s", model_config.name, choice, why)
+        return choice
 
     def _experts(self) -> tuple[int, int] | None:
         moe_layers = self._model().moe_layers()

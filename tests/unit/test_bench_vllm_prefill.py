@@ -12,7 +12,7 @@ import pytest
 
 BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
 sys.path.insert(0, str(BENCHMARKS))
-from bench_vllm_prefill import backend_in_log, moe_layer_flops, moe_layer_table, parse_case, prompts, ratios, workers_side  # noqa: E402
+from bench_vllm_prefill import backend_in_log, moe_layer_flops, moe_layer_table, parse_case, prompts, ratios, workers_sides  # noqa: E402
 from profile_prefill import kernel_shares  # noqa: E402
 
 V3 = {"hidden_size": 7168, "moe_intermediate_size": 2048, "n_routed_experts": 256, "num_experts_per_tok": 8, "n_shared_experts": 1}
@@ -72,6 +72,12 @@ def test_the_pool_is_set_against_each_vllm_side_and_the_fastest_per_case():
     assert out["1x32768"]["vllm_best"] == "vllm:triton"  # the fastest per case, not one backend for all
     assert out["1x32768"]["pool_over"] == {"vllm:triton": pytest.approx(0.57 / 0.54), "vllm:deep_gemm": pytest.approx(0.58 / 0.54)}
     assert "2x8" not in out  # a case no side ran
+    assert out["16x4096"]["pool_best"] == "pool" and out["16x4096"]["pools_over_vllm_best"] == {"pool": pytest.approx(0.53 / 0.55)}
+    two = ratios({**sides, "pool:deep_gemm": _side({"16x4096": 0.50})}, ["16x4096", "1x32768"])
+    assert two["16x4096"]["pool_best"] == "pool:deep_gemm"  # the fastest pool side sets the ratios
+    assert two["16x4096"]["pool_over_vllm_best"] == pytest.approx(0.53 / 0.50)
+    assert two["16x4096"]["pools_over_vllm_best"] == {"pool": pytest.approx(0.53 / 0.55), "pool:deep_gemm": pytest.approx(0.53 / 0.50)}
+    assert two["1x32768"]["pool_best"] == "pool"  # a side without the case is left out of it
     assert ratios({"vllm:triton": sides["vllm:triton"]}, ["16x4096"]) == {}  # no pool, no ratio
 
     table = moe_layer_table(V3, sides, 32768)
@@ -87,10 +93,14 @@ def test_bench_moes_one_gpu_run_is_folded_in_with_its_moe_layer_or_its_error():
            "cases": [{"case": "16x4096", "seconds": 0.5347, "layer_tokens_per_s_per_gpu": 612877.0},
                      {"case": "1x8192", "seconds": 0.08, "layer_tokens_per_s_per_gpu": 5e5}]}  # fmt: skip
     two = {**run, "layout": "fp8-2gpu", "gpus": 2}
-    side = workers_side({"runs": [two, run]}, Path("w.json"), ["16x4096", "1x32768"])
-    assert side == {"source": "w.json", "layout": "fp8-1gpu", "cases": {"16x4096": {"seconds_p50": 0.5347, "layer_tokens_per_s": 612877.0}},
-                    "moe_layer": {"tokens": 32768, "layer_s": 0.0318}}  # fmt: skip
-    failed = workers_side({"runs": [], "errors": [{"layout": "fp8-1gpu", "error": "x" * 500 + "CUDA out of memory"}]}, Path("w.json"), ["16x4096"])
+    deep = {**run, "layout": "fp8-1gpu-deep_gemm", "fp8_gemm": "deep_gemm", "moe_layer": [{"tokens_per_gpu": 32768, "layer_s": 0.029}]}
+    sides = workers_sides({"runs": [two, run, deep]}, Path("w.json"), ["16x4096", "1x32768"])
+    assert sides["workers"] == {"source": "w.json", "layout": "fp8-1gpu", "cases": {"16x4096": {"seconds_p50": 0.5347, "layer_tokens_per_s": 612877.0}},
+                                "moe_layer": {"tokens": 32768, "layer_s": 0.0318}}  # fmt: skip
+    assert sides["workers:deep_gemm"]["layout"] == "fp8-1gpu-deep_gemm" and sides["workers:deep_gemm"]["moe_layer"]["layer_s"] == 0.029
+    assert set(sides) == {"workers", "workers:deep_gemm"}  # the two-GPU run is not a side
+    error = {"layout": "fp8-1gpu", "error": "x" * 500 + "CUDA out of memory"}
+    failed = workers_sides({"runs": [deep], "errors": [error]}, Path("w.json"), ["16x4096"])["workers"]
     assert failed["error"][0].endswith("CUDA out of memory") and "cases" not in failed
 
 

@@ -3,6 +3,7 @@ expert parallelism in worker processes (gloo) against the single-process model, 
 of experts, and the refusals of bad configs and checkpoints."""
 
 import json
+import logging
 import sys
 
 import fp8_emulation
@@ -22,13 +23,14 @@ from configs.pool import PoolConfig
 from workers.fp8 import FP8Linear, block_dequantize
 from workers.model import DeepseekPrefillModel, merged_parts
 from workers.expert_parallel import EPGroup, sm_carveout
-from workers import moe_deepgemm
+from workers import deepgemm
 from workers.moe import Experts, gather_sum, route
 from workers.pcp_layout import interleave_shards
 from workers.weights import check_checkpoint, load_weights
+from workers.worker import PrefillWorker
 
 PROMPT_LENS = (1, 47, 130, 200)
-LOAD_DEEP_GEMM = moe_deepgemm.load  # the real one: spmd.emulated_fp8 puts a stand-in there for good
+LOAD_DEEP_GEMM = deepgemm.load  # the real one: spmd.emulated_fp8 puts a stand-in there for good
 
 
 @pytest.fixture(scope="module")
@@ -217,12 +219,14 @@ def test_fp8_gemm_path_keeps_the_checkpoint_format(checkpoints, prompts, monkeyp
 
 def test_deep_gemms_layout_starts_each_experts_rows_on_its_alignment_and_marks_the_padding():
     counts = [3, 0, 130, 1]  # an expert without pairs, one over a block, one of a single pair
-    at, m_indices = moe_deepgemm.contiguous_layout(torch.tensor(counts).cumsum(0).to(torch.int32), sum(counts), 128)
+    layout = deepgemm.Layout.of(torch.tensor(counts).cumsum(0).to(torch.int32), sum(counts), 128)
+    at, m_indices = layout.at, layout.m_indices
     assert at.tolist() == [0, 1, 2, *range(128, 258), 384]
     expected = torch.full((768,), -1, dtype=torch.int32)  # ceil((134 + 4 * 127) / 128) blocks: the worst case, known without a sync
     expected[0:3], expected[128:258], expected[384] = 0, 2, 3
     assert torch.equal(m_indices, expected)
-    at, m_indices = moe_deepgemm.contiguous_layout(torch.zeros(4, dtype=torch.int32), 0, 128)
+    empty = deepgemm.Layout.of(torch.zeros(4, dtype=torch.int32), 0, 128)
+    at, m_indices = empty.at, empty.m_indices
     assert at.numel() == 0 and m_indices.numel() == 512 and bool((m_indices == -1).all())
 
 
@@ -235,7 +239,7 @@ def blocks_checkpoint(tmp_path_factory):
 
 
 def test_deep_gemm_experts_keep_the_checkpoints_blocks(blocks_checkpoint, monkeypatch):
-    """With moe_gemm 'deep_gemm' (DeepGEMM emulated on the CPU with its layout checks) the experts hold
+    """With fp8_gemm 'deep_gemm' (DeepGEMM emulated on the CPU with its layout checks) the experts hold
     the checkpoint's own FP8 bytes and 128x128 block scales, not rows requantized: a MoE layer is closer
     to the float32 truth (transformers on the dequantized weights) than with torch's row-wise grouped
     GEMM (3.4% against 5.1% relative L2 here), and the model's logits agree with it."""
@@ -250,7 +254,7 @@ def test_deep_gemm_experts_keep_the_checkpoints_blocks(blocks_checkpoint, monkey
         truth = hf.model.layers[1].mlp(x[None])[0]
     models, layer_errors = {}, {}
     for gemm in ("deep_gemm", "torch"):
-        models[gemm] = _ours(path, dtype=torch.bfloat16, fp8=True, moe_gemm=gemm)
+        models[gemm] = _ours(path, dtype=torch.bfloat16, fp8=True, fp8_gemm=gemm)
         logits = models[gemm](tokens, plan).logits
         assert torch.equal(logits.argmax(-1), expected.argmax(-1)), gemm
         assert ((logits - expected).norm() / expected.norm()).item() < 0.05, gemm
@@ -258,6 +262,10 @@ def test_deep_gemm_experts_keep_the_checkpoints_blocks(blocks_checkpoint, monkey
             layer = models[gemm].model.layers[1].mlp(x.to(torch.bfloat16)).float()
         layer_errors[gemm] = ((layer - truth).norm() / truth.norm()).item()
     assert layer_errors["deep_gemm"] < 0.8 * layer_errors["torch"], layer_errors
+    # the linear layers of whole 128x128 blocks run on DeepGEMM's dense GEMM (the stand-in checks its layouts), on the same bytes
+    dense = {name: type(m).__name__ for name, m in models["deep_gemm"].named_modules() if isinstance(m, FP8Linear)}
+    assert dense == {name: "DeepGEMMLinear" for name, m in models["torch"].named_modules() if isinstance(m, FP8Linear)}, dense
+    assert "model.layers.0.self_attn.o_proj" in dense and "model.layers.0.self_attn.q_a_proj" in dense
     stored = load_file(path / "model.safetensors")
     for layer in (1, 2):
         experts = models["deep_gemm"].model.layers[layer].mlp.experts
@@ -272,15 +280,39 @@ def test_deep_gemm_experts_keep_the_checkpoints_blocks(blocks_checkpoint, monkey
 
 
 def test_deep_gemm_is_refused_where_it_cannot_run_naming_what_to_do(monkeypatch):
-    with pytest.raises(ValueError, match="moe_gemm 'cutlass' is not one of torch, deep_gemm"):
-        PoolConfig(moe_gemm="cutlass")
+    with pytest.raises(ValueError, match="fp8_gemm 'cutlass' is not one of auto, torch, deep_gemm"):
+        PoolConfig(fp8_gemm="cutlass")
     with pytest.raises(ValueError, match="hidden 256 and expert width 96 must be multiples of 128"):
         Experts(4, 256, 96, dtype=torch.bfloat16, fp8=True, gemm="deep_gemm", device="meta")
     with pytest.raises(ValueError, match="MoE GEMM 'cutlass' is not one of torch, deep_gemm"):
         Experts(4, 256, 128, dtype=torch.bfloat16, fp8=True, gemm="cutlass", device="meta")
     monkeypatch.setitem(sys.modules, "deep_gemm", None)  # not installed
-    with pytest.raises(RuntimeError, match="needs DeepGEMM, the package deep_gemm .* Or use moe_gemm 'torch'"):
+    with pytest.raises(RuntimeError, match="needs DeepGEMM, the package deep_gemm .* Or use fp8_gemm 'torch'"):
         LOAD_DEEP_GEMM()
+
+
+def test_auto_takes_deep_gemm_where_it_imports_and_the_experts_are_whole_blocks(checkpoints, blocks_checkpoint, monkeypatch, caplog):
+    """fp8_gemm 'auto' (the default) resolves in the worker, which says what it took and why; a model
+    whose weights are dequantized here has no FP8 GEMMs at all."""
+
+    def resolve(path, fp8=True, **config):
+        worker = PrefillWorker.__new__(PrefillWorker)
+        worker.config, worker.rank = PoolConfig(checkpoint=str(path), **config), 0
+        return worker._fp8_gemm(load_model_config(path), fp8)
+
+    fp8_emulation.install(monkeypatch)  # DeepGEMM's stand-in imports
+    caplog.set_level(logging.INFO, logger="workers.worker")
+    assert resolve(blocks_checkpoint[0]) == "deep_gemm"
+    assert "FP8 GEMMs run by deep_gemm (auto: DeepGEMM is here)" in caplog.text
+    assert resolve(checkpoints["v3-fp8"][0]) == "torch"  # its experts are 512 x 32: not whole blocks
+    assert resolve(blocks_checkpoint[0], fp8_gemm="torch") == "torch"
+    assert resolve(blocks_checkpoint[0], fp8=False) is None
+    monkeypatch.setattr(deepgemm, "load", LOAD_DEEP_GEMM)
+    monkeypatch.setitem(sys.modules, "deep_gemm", None)  # not installed
+    assert resolve(blocks_checkpoint[0]) == "torch"
+    assert "FP8 GEMMs run by torch (auto: DeepGEMM is not here" in caplog.text
+    with pytest.raises(RuntimeError, match="needs DeepGEMM"):
+        resolve(blocks_checkpoint[0], fp8_gemm="deep_gemm")  # asked for by name: the worker does not start
 
 
 # ---- expert parallelism in worker processes --------------------------------------------------------
@@ -396,11 +428,11 @@ def test_expert_parallel_deep_gemm_experts(blocks_checkpoint, prompts, monkeypat
     into the dispatch and local pair rows), DeepGEMM emulated, equal one process doing the same."""
     path, _ = blocks_checkpoint
     config = PoolConfig(checkpoint=str(path), pcp=2, device="cpu", dtype="bfloat16", chunk_tokens=48, block_size=8, kv_cache_tokens=1024,
-                        ep_schedule="local-first", moe_gemm="deep_gemm")  # fmt: skip
+                        ep_schedule="local-first", fp8_gemm="deep_gemm")  # fmt: skip
     got = run_workers(config, prompts, 48, prepare=emulated_fp8)
-    assert [r.experts_gemm for r in got] == ["deep_gemm", "deep_gemm"]
+    assert [r.fp8_gemm for r in got] == ["deep_gemm", "deep_gemm"]
     fp8_emulation.install(monkeypatch)
-    reference = _ours(path, dtype=torch.bfloat16, fp8=True, moe_gemm="deep_gemm")
+    reference = _ours(path, dtype=torch.bfloat16, fp8=True, fp8_gemm="deep_gemm")
     for i, prompt in enumerate(prompts):
         out = reference(torch.from_numpy(prompt.astype(np.int64)), plan_prefill_batch([len(prompt)]))
         torch.testing.assert_close(torch.from_numpy(got[0].logits[f"r{i}"]), out.logits[0], atol=2e-2, rtol=2e-2)
