@@ -34,7 +34,7 @@
 # in 8 minutes inside vLLM's start on 2026-11-28; run the step detached, beside the others), on CASES, with
 # bench_moe.py's workers' own times and MoE layer, its KV cache sized by the prompts (--share-gpus), as measured on 2026-11-28:
 # benchmarks/bench_vllm_prefill.py; FP8_GEMMS: a pool side per PoolConfig.fp8_gemm, default auto; WORKER_GEMMS: bench_moe.py's, default the same but auto; ADD=1 keeps the sides already in OUT_DIR); gemms (benchmarks/bench_grouped_gemm.py with DeepGEMM as vLLM's wheel carries it, linked by install:
-# the experts' grouped GEMMs and the dense FP8 linears by torch's kernels and by DeepGEMM's, on V3's shapes). VLLM_ARGS: more arguments for vLLM's server (speed, speed-kv, pd), e.g. "--disable-custom-all-reduce". speed needs an H200: the slice's 26.5 GiB of
+# the experts' grouped GEMMs and the dense FP8 linears by torch's kernels and by DeepGEMM's, on V3's shapes, at GEMM_TOKENS tokens, default 16384: at 65536 the script ran out of memory on an H200). VLLM_ARGS: more arguments for vLLM's server (speed, speed-kv, pd), e.g. "--disable-custom-all-reduce". speed needs an H200: the slice's 26.5 GiB of
 # weights twice, and vLLM's 32K prefill, do not fit an H100 (vLLM held 57 GiB there at VLLM_MEMORY=0.45).
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1

@@ -66,6 +66,11 @@ class DeepGEMMLinear(FP8Linear):
     """:class:`workers.fp8.FP8Linear` (the same weights, scales and activation quantization) whose GEMM
     is DeepGEMM's ``fp8_gemm_nt``, bfloat16 out."""
 
+    def __init__(self, in_features: int, out_features: int, *, device=None, out_dtype: torch.dtype = torch.bfloat16) -> None:
+        if out_dtype != torch.bfloat16 or not dense_shape_ok(in_features, out_features):
+            raise ValueError(f"DeepGEMMLinear of {in_features} -> {out_features}, {out_dtype}: DeepGEMM writes bfloat16 and needs whole 128x128 blocks")
+        super().__init__(in_features, out_features, device=device, out_dtype=out_dtype)
+
     def gemm(self, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
         out = torch.empty(q.shape[0], self.out_features, dtype=torch.bfloat16, device=q.device)
         load().fp8_gemm_nt((q, scale), (self.weight, self.weight_scale_inv), out)

@@ -284,6 +284,8 @@ def test_deep_gemm_is_refused_where_it_cannot_run_naming_what_to_do(monkeypatch)
         PoolConfig(fp8_gemm="cutlass")
     with pytest.raises(ValueError, match="hidden 256 and expert width 96 must be multiples of 128"):
         Experts(4, 256, 96, dtype=torch.bfloat16, fp8=True, gemm="deep_gemm", device="meta")
+    with pytest.raises(ValueError, match="DeepGEMM writes bfloat16 and needs whole 128x128 blocks"):
+        deepgemm.DeepGEMMLinear(512, 48, device="meta")  # q_a_proj of a 48-wide LoRA: torch's GEMM runs it
     with pytest.raises(ValueError, match="MoE GEMM 'cutlass' is not one of torch, deep_gemm"):
         Experts(4, 256, 128, dtype=torch.bfloat16, fp8=True, gemm="cutlass", device="meta")
     monkeypatch.setitem(sys.modules, "deep_gemm", None)  # not installed
