@@ -425,12 +425,14 @@ def test_expert_parallel_fp8_gemms(checkpoints, prompts, schedule):
         torch.testing.assert_close(torch.from_numpy(got[0].logits[f"r{i}"]), out.logits[0], atol=2e-2, rtol=2e-2)
 
 
-def test_expert_parallel_deep_gemm_experts(blocks_checkpoint, prompts, monkeypatch):
+@pytest.mark.parametrize("schedule", ["local-first", "all-to-all"])
+def test_expert_parallel_deep_gemm_experts(blocks_checkpoint, prompts, monkeypatch, schedule):
     """FP8 rows with their 1x128 scales dispatched between two workers (local-first: quantized straight
-    into the dispatch and local pair rows), DeepGEMM emulated, equal one process doing the same."""
+    into the dispatch and local pair rows; all-to-all: every row dispatched, then gathered into DeepGEMM's
+    layout), DeepGEMM emulated, equal one process doing the same."""
     path, _ = blocks_checkpoint
     config = PoolConfig(checkpoint=str(path), pcp=2, device="cpu", dtype="bfloat16", chunk_tokens=48, block_size=8, kv_cache_tokens=1024,
-                        ep_schedule="local-first", fp8_gemm="deep_gemm")  # fmt: skip
+                        ep_schedule=schedule, fp8_gemm="deep_gemm")  # fmt: skip
     got = run_workers(config, prompts, 48, prepare=emulated_fp8)
     assert [r.fp8_gemm for r in got] == ["deep_gemm", "deep_gemm"]
     fp8_emulation.install(monkeypatch)
