@@ -213,9 +213,8 @@ def bench_experts(tokens: int, experts: int) -> dict:
         out["grouped_fp8_block_deepgemm"] = {"error": str(exc)[:300]}
         return out
     layout = deepgemm.Layout.of(offs, xq_b.shape[0], align)
-    source = layout.source(torch.arange(xq_b.shape[0], device=offs.device))
-    a, a_scale = deepgemm.gather_rows([xq_b.view(torch.uint8), xs_b], source)
-    h_pad, h_scale = deepgemm.gather_rows([hq_b.view(torch.uint8), hs_b], source)
+    a, a_scale = layout.gather([xq_b.view(torch.uint8), xs_b])
+    h_pad, h_scale = layout.gather([hq_b.view(torch.uint8), hs_b])
     a, h_pad, m_indices = a.view(FP8), h_pad.view(FP8), layout.m_indices
     w13_d = (torch.stack([q for q, _ in w13_b]), torch.stack([s for _, s in w13_b]))
     w2_d = (torch.stack([q for q, _ in w2_b]), torch.stack([s for _, s in w2_b]))

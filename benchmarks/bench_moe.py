@@ -72,13 +72,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 from spmd import _put, _results_while_alive, chunk_batches  # noqa: E402 -- the tests' rank plumbing and prompt-by-chunk batching, as the pool schedules it
 
-from machine import machine  # noqa: E402 -- benchmarks/machine.py
+from machine import PEAK_TFLOPS, machine  # noqa: E402 -- benchmarks/machine.py
 from timing import seconds_per_call, sync  # noqa: E402 -- benchmarks/timing.py
 
 from configs.model import EP_SCHEDULES, FP8_GEMM_LIBRARIES  # noqa: E402
 from workers.worker import SAFE_NCCL_ENV  # noqa: E402
 
-PEAK_TFLOPS = {"bf16": 989.0, "fp8": 1979.0}  # H200 dense, datasheet
 
 
 class Layout(NamedTuple):
@@ -228,7 +227,7 @@ def _raw_gemms(experts, rows, weights, offs, layout=None):
 
         if layout is None:
             layout = deepgemm.Layout.of(offs, rows[0].shape[0])
-            rows = deepgemm.gather_rows(rows, layout.source(torch.arange(rows[0].shape[0], device=offs.device)))
+            rows = layout.gather(rows)
         up = (rows[0].view(FP8), rows[1], experts.gate_up_proj, experts.gate_up_proj_scale, layout.m_indices)
         h, h_scale = quantize_activations(deepgemm.grouped_gemm(*up), BLOCK, silu_mul=True)
         down = (h, h_scale.t(), experts.down_proj, experts.down_proj_scale, layout.m_indices)

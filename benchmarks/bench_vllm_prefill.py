@@ -55,9 +55,9 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 import numpy as np
+from machine import PEAK_TFLOPS, machine  # benchmarks/machine.py (this script's folder is first on the path)
 
 REPO = Path(__file__).resolve().parents[1]
-HOPPER_FP8_TFLOPS = 1979.0  # dense FP8 peak of an H100 SXM and an H200 (NVIDIA's datasheets), as bench_moe.py counts
 BACKENDS = ("auto", "triton", "deep_gemm", "flashinfer_cutlass", "cutlass", "triton-tuned")  # vLLM 0.26's moe_backend names for block FP8
 # Triton fused-MoE configs tried for triton-tuned, a narrow space around vLLM's default for block FP8 at large batches
 # (BLOCK_SIZE_M 64, N 128, K 128, GROUP_SIZE_M 32, 4 warps, 3 stages; BLOCK_SIZE_N must divide the 128-row weight block).
@@ -278,8 +278,8 @@ def moe_layer_table(config: dict, sides: dict, tokens: int) -> dict:
     """The MoE layer alone, ours (``workers``) and each vLLM side's: seconds, TF/s, fraction of the FP8 peak."""
     flops = moe_layer_flops(config, tokens)
     times = {name: side["moe_layer"]["layer_s"] for name, side in sides.items() if side.get("moe_layer", {}).get("tokens") == tokens}
-    return {"tokens": tokens, "flops": flops, "peak_tflops": HOPPER_FP8_TFLOPS, "sides": {
-        name: {"layer_s": s, "tflops": flops / s / 1e12, "fraction_of_peak": flops / s / 1e12 / HOPPER_FP8_TFLOPS} for name, s in times.items()}}  # fmt: skip
+    return {"tokens": tokens, "flops": flops, "peak_tflops": PEAK_TFLOPS["fp8"], "sides": {
+        name: {"layer_s": s, "tflops": flops / s / 1e12, "fraction_of_peak": flops / s / 1e12 / PEAK_TFLOPS["fp8"]} for name, s in times.items()}}  # fmt: skip
 
 
 def ratios(sides: dict, cases: list[str]) -> dict:
@@ -360,7 +360,6 @@ def main() -> None:
     if "triton-tuned" in args.backends and not config.get("quantization_config", {}).get("weight_block_size"):
         parser.error(f"--backends triton-tuned: {args.checkpoint} is not in a block-FP8 format (its config.json has no weight_block_size)")
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    from machine import machine  # benchmarks/machine.py (this script's folder is first on the path)
 
     results = {"benchmark": "bench_vllm_prefill", "date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "machine": machine(),
                "command": " ".join(sys.argv), "checkpoint": str(args.checkpoint), "layers": layers, "cases": args.cases,

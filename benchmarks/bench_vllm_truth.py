@@ -118,8 +118,9 @@ def engines(checkpoint: Path, prompts: list[list[int]], steps: int, args, workdi
             engine.update(attention_backend="CPU_MLA", gpu_memory_utilization=0.25, kv_cache_memory_bytes=64 << 20)
         else:
             engine.update(gpu_memory_utilization=args.vllm_memory)
-        # FP8 on a GPU: vLLM's start would warm DeepGEMM up at every token count (2,036 compiles, minutes, on one H200
-        # on 2026-11-28); here its kernels compile when first used (tokens, not times, are measured)
+        # FP8 on a GPU: vLLM's start would warm DeepGEMM up over a grid of token counts (2,036 calls, still going when the
+        # lease ended on one H200 on 2026-11-28); here its kernels compile when first used (tokens, not times, are measured),
+        # as bench_vllm_prefill.py runs it
         env = {"VLLM_DEEP_GEMM_WARMUP": "skip"} if args.fp8 else {}
         if args.vllm_tp > 1:  # rank 0 loads, kv.tp_relay gives the rows to the others
             engine["tensor_parallel_size"] = args.vllm_tp

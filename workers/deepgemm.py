@@ -11,7 +11,7 @@ row-wise ``_scaled_grouped_mm``, which also needs the weight blocks requantized 
 FP8 rounding).
 
 - :class:`DeepGEMMLinear`: an :class:`workers.fp8.FP8Linear` run by ``fp8_gemm_nt``, for the shapes
-  vLLM also gives it (:func:`dense_shape_ok`; the others keep torch's GEMM, the same recipe).
+  vLLM also gives it (:func:`whole_blocks`; the others keep torch's GEMM, the same recipe).
 - The routed experts (``workers.moe.Experts`` with ``gemm="deep_gemm"``): ``m_grouped_fp8_gemm_nt_contiguous``
   on DeepGEMM's contiguous layout (:class:`Layout`): the pairs' rows sorted by expert, each expert's
   first row on a multiple of DeepGEMM's M alignment (``get_mk_alignment_for_contiguous_layout()``, its
@@ -56,10 +56,13 @@ def load() -> ModuleType:
         ) from exc
 
 
+def whole_blocks(*sizes: int) -> bool:
+    """Whether DeepGEMM takes these dimensions: each a whole number of 128-wide blocks (a linear layer's
+    in and out features, as vLLM gives it its linears; the experts' hidden size and width)."""
+    return all(size % BLOCK == 0 for size in sizes)
+
+
 # ---- dense linear layers ------------------------------------------------------------------------------
-def dense_shape_ok(in_features: int, out_features: int) -> bool:
-    """Whether a linear layer runs on DeepGEMM: whole 128x128 blocks both ways (vLLM's rule for its linears)."""
-    return in_features % BLOCK == 0 and out_features % BLOCK == 0
 
 
 class DeepGEMMLinear(FP8Linear):
@@ -67,7 +70,7 @@ class DeepGEMMLinear(FP8Linear):
     is DeepGEMM's ``fp8_gemm_nt``, bfloat16 out."""
 
     def __init__(self, in_features: int, out_features: int, *, device=None, out_dtype: torch.dtype = torch.bfloat16) -> None:
-        if out_dtype != torch.bfloat16 or not dense_shape_ok(in_features, out_features):
+        if out_dtype != torch.bfloat16 or not whole_blocks(in_features, out_features):
             raise ValueError(f"DeepGEMMLinear of {in_features} -> {out_features}, {out_dtype}: DeepGEMM writes bfloat16 and needs whole 128x128 blocks")
         super().__init__(in_features, out_features, device=device, out_dtype=out_dtype)
 
@@ -117,16 +120,14 @@ class Layout:
         """``values [P]`` (one per pair) -> ``[M]`` float32, zeros in the padding."""
         return values.new_zeros(self.rows, dtype=torch.float32).index_copy_(0, self.at, values.float())
 
-    def source(self, rows: torch.Tensor) -> torch.Tensor:
-        """``rows [P]`` (the row each pair reads) -> ``[M]``, the padding reading row 0 (finite values, never used)."""
-        return rows.new_zeros(self.rows).index_copy_(0, self.at, rows)
-
-
-def gather_rows(rows: list[torch.Tensor], source: torch.Tensor) -> list[torch.Tensor]:
-    """FP8 rows ``[q [R, H] bytes, scale [R, H/128] M-major]`` gathered into a layout's rows by
-    ``source [M]`` (:meth:`Layout.source`): the scales stay M-major."""
-    q, scale = rows
-    return [q.index_select(0, source), scale.t().index_select(1, source).t()]
+    def gather(self, rows: list[torch.Tensor], pair_rows: torch.Tensor | None = None) -> list[torch.Tensor]:
+        """FP8 rows ``[q [R, H] bytes, scale [R, H/128] M-major]`` copied into the layout: pair ``p`` reads
+        row ``pair_rows[p]`` (default: row ``p``), the padding row 0 (finite values, never used); the
+        scales stay M-major."""
+        q, scale = rows
+        pair_rows = torch.arange(self.at.numel(), device=self.at.device) if pair_rows is None else pair_rows
+        source = pair_rows.new_zeros(self.rows).index_copy_(0, self.at, pair_rows)
+        return [q.index_select(0, source), scale.t().index_select(1, source).t()]
 
 
 def grouped_gemm(x: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, m_indices: torch.Tensor) -> torch.Tensor:
@@ -145,7 +146,7 @@ def experts_forward(experts, rows: list[torch.Tensor], weights: torch.Tensor, of
     placed = layout is not None
     if not placed:
         layout = Layout.of(offs, rows[0].shape[0])
-        rows = gather_rows(rows, layout.source(torch.arange(rows[0].shape[0], device=offs.device)))
+        rows = layout.gather(rows)
     q, scale = rows
     up = grouped_gemm(q.view(FP8), scale, experts.gate_up_proj, experts.gate_up_proj_scale, layout.m_indices)
     h, h_scale = quantize_activations(up, BLOCK, silu_mul=True, row_weight=layout.spread(weights))

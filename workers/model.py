@@ -56,7 +56,7 @@ from attention.mla import MLAAttention, PrefillBatch, RMSNorm
 from configs.model import ModelConfig
 from workers.activation import silu_mul
 from workers.collectives import GroupRank, all_gather_into, reduce_scatter_into
-from workers.deepgemm import DeepGEMMLinear, dense_shape_ok
+from workers.deepgemm import DeepGEMMLinear, whole_blocks
 from workers.fp8 import BLOCK, FP8Linear, block_gemm_shape_ok
 from workers.expert_parallel import EPGroup
 from workers.moe import MoE
@@ -241,7 +241,7 @@ class DeepseekPrefillModel(nn.Module):
             parts = tuple(rows for _, rows in merged_parts(self.model, name))
             if fp8_shard_aligned(module, self.tp.split_dim(name + ".weight"), self.tp.size, parts):
                 parent, _, child = name.rpartition(".")
-                linear = DeepGEMMLinear if gemm == "deep_gemm" and dense_shape_ok(module.in_features, module.out_features) else FP8Linear
+                linear = DeepGEMMLinear if gemm == "deep_gemm" and whole_blocks(module.in_features, module.out_features) else FP8Linear
                 setattr(self.model.get_submodule(parent), child, linear(module.in_features, module.out_features, device="meta"))
 
     @property

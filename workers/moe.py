@@ -180,7 +180,7 @@ class Experts(nn.Module):
         if gemm not in FP8_GEMM_LIBRARIES:
             raise ValueError(f"MoE GEMM {gemm!r} is not one of {', '.join(FP8_GEMM_LIBRARIES)}")
         self.block = fp8 and gemm == "deep_gemm"
-        if self.block and (hidden % BLOCK or intermediate % BLOCK):
+        if self.block and not deepgemm.whole_blocks(hidden, intermediate):
             raise ValueError(f"fp8_gemm 'deep_gemm' needs 128-wide blocks: hidden {hidden} and expert width {intermediate} must be multiples of 128")
         self.fp8, self.intermediate, self.rounding = fp8, intermediate, rounding
         stored = {"dtype": FP8 if fp8 else dtype, "device": device}
@@ -370,7 +370,7 @@ class MoE(nn.Module):
             elif layout is None:
                 pair_rows = [r.index_select(0, order.index // k) for r in ([hidden] if hidden is not None else rows)]
             else:
-                pair_rows = deepgemm.gather_rows(rows, layout.source(order.index // k))
+                pair_rows = layout.gather(rows, order.index // k)
         y = self.experts(pair_rows, weights.reshape(-1)[order.index], order.offs, layout)
         total = gather_sum(y, where, dtype, out=out)
         if self.rounding == "vllm":  # scaled after the sum, rounded again (one rank holds every pair: moe_vllm.check_supported)

@@ -51,7 +51,7 @@ from configs.pool import PoolConfig
 from kv.laps import Laps
 from kv.mapped import host_identity
 from workers.collectives import expert_parallel_group, grid_groups
-from workers.fp8 import BLOCK, fp8_gemm_supported
+from workers.fp8 import fp8_gemm_supported
 from workers.kv_cache import PagedKVCache, blocks_for
 from workers.kv_holder import KVHolder
 from workers.cuda_graphs import PrefillGraphs, capture_forward
@@ -358,9 +358,9 @@ class PrefillWorker(KVHolder):
             try:
                 deepgemm.load()
             except RuntimeError as exc:
-                choice, why = "torch", f" (auto: DeepGEMM is not here: {str(exc).split(': ', 1)[0]})"
+                choice, why = "torch", f" (auto: DeepGEMM is not here: {exc.__cause__})"
             else:
-                if moe is not None and (model_config.hidden_size % BLOCK or moe.moe_intermediate_size % BLOCK):
+                if moe is not None and not deepgemm.whole_blocks(model_config.hidden_size, moe.moe_intermediate_size):
                     choice, why = "torch", " (auto: DeepGEMM needs the experts' hidden and width in whole 128-wide blocks)"
                 else:
                     choice, why = "deep_gemm", " (auto: DeepGEMM is here)"
