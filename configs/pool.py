@@ -76,8 +76,9 @@ class PoolConfig:
                      experts are whole blocks, torch otherwise (the worker logs its choice). On one H200 the
                      DeepSeek-V3 slice's 16x4K prefill took 0.475 s on DeepGEMM, 0.526 s on torch's GEMMs
                      (benchmarks/results/2026-11-28-h200-deepseek-v3-5layers-fp8-1gpu-prefill-workers-deep-gemm.json).
-                     DeepGEMM compiles a kernel when first used (cached on disk): a batch of a token count the
-                     worker's start did not meet may take seconds more the first time
+                     DeepGEMM compiles a kernel when first used (~4 s each, cached in $DG_JIT_CACHE_DIR, default
+                     ~/.deep_gemm): on an empty cache a worker's start took 214 s, and a batch of a token count
+                     not met before may take seconds more the first time (docs/operations.md)
     device           "cuda", "cpu" or "auto" (cuda when the workers see a GPU)
     chunk_tokens     prompts are prefilled in chunks of at most this many tokens per request (32768:
                      on H200 a 128K prompt of a DeepSeek-V3 layer runs 10% faster than with 8K chunks on
