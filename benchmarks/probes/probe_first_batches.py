@@ -3,8 +3,8 @@
 Builds one worker in this process (no Ray; TP = PCP = 1) the way a replica does (setup, warm-up
 included), then runs batches of shapes a serving replica meets (prompts of odd lengths, two
 prompts in one batch, a prompt's second chunk over cached context, several prompts), each
-twice with new request ids, then ``--random-batches`` prompts of random lengths up to
-``--max-batch-tokens``, and records per batch the time and the files that appeared in Triton's, the
+twice with new request ids, then ``--random-batches`` batches of random sizes up to
+``--max-batch-tokens`` (in prompts of at most a chunk), and records per batch the time and the files that appeared in Triton's, the
 CuTe DSL's and DeepGEMM's kernel caches meanwhile (a compile), and those of the worker's start. Run it
 in a fresh process on a node whose caches are empty to see what a new node's start and first requests
 pay (an FP8 checkpoint with ``--fp8-gemm deep_gemm``: DeepGEMM's kernels). Writes one JSON file.
@@ -29,6 +29,7 @@ sys.path[:0] = [str(Path(__file__).resolve().parents[1]), str(Path(__file__).res
 import numpy as np
 import torch
 
+from configs.model import FP8_GEMMS
 from configs.pool import PoolConfig
 from workers.worker import ChunkPiece, PrefillWorker
 
@@ -51,9 +52,9 @@ def main() -> None:
     parser.add_argument("--model", default="deepseek-v3")
     parser.add_argument("--checkpoint", help="a checkpoint directory (its config.json names the model; default: --model with drawn weights)")
     parser.add_argument("--num-layers", type=int, default=3)
-    parser.add_argument("--fp8-gemm", default="auto", help="PoolConfig.fp8_gemm (default: auto)")
+    parser.add_argument("--fp8-gemm", default="auto", choices=FP8_GEMMS, help="PoolConfig.fp8_gemm (default: auto)")
     parser.add_argument("--max-batch-tokens", type=int, default=32768, help="PoolConfig.max_batch_tokens (default: 32768)")
-    parser.add_argument("--random-batches", type=int, default=0, help="then this many prompts of random lengths up to --max-batch-tokens, one a batch")
+    parser.add_argument("--random-batches", type=int, default=0, help="then this many batches of random sizes up to --max-batch-tokens, in prompts of at most a chunk (default: 0)")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
     config = PoolConfig(model=args.model, checkpoint=args.checkpoint, num_layers=None if args.checkpoint else args.num_layers, device="cuda",
