@@ -35,7 +35,9 @@
 # bench_moe.py's workers' own times and MoE layer, its KV cache sized by the prompts (--share-gpus), as measured on 2026-11-28:
 # benchmarks/bench_vllm_prefill.py; FP8_GEMMS: a pool side per PoolConfig.fp8_gemm, default auto; WORKER_GEMMS: bench_moe.py's, default the same but auto; ADD=1 keeps the sides already in OUT_DIR); gemms (benchmarks/bench_grouped_gemm.py with DeepGEMM as vLLM's wheel carries it, linked by install:
 # the experts' grouped GEMMs and the dense FP8 linears by torch's kernels and by DeepGEMM's, on V3's shapes, at GEMM_TOKENS tokens, default 16384: at 65536 the script ran out of memory on an H200);
-# first-batches (benchmarks/probes/probe_first_batches.py on the slice with fp8_gemm deep_gemm: a fresh worker's start and batches
+# flashinfer-fp8-gemm (FlashInfer's SM90 FP8 block-scale GEMM, which vLLM 0.26 runs its FP8 linears with on Hopper, built into
+# its JIT cache, a build of minutes that vLLM's first FP8 step runs otherwise: run it detached beside other steps, finished before
+# truth with FP8=1, prefill and speed; on 2026-11-28 truth died when that build's nvcc processes were stopped inside vLLM); first-batches (benchmarks/probes/probe_first_batches.py on the slice with fp8_gemm deep_gemm: a fresh worker's start and batches
 # and the kernels they compile; RANDOM_BATCHES batches of random sizes after the fixed ones). VLLM_ARGS: more arguments for vLLM's server (speed, speed-kv, pd), e.g. "--disable-custom-all-reduce". speed needs an H200: the slice's 26.5 GiB of
 # weights twice, and vLLM's 32K prefill, do not fit an H100 (vLLM held 57 GiB there at VLLM_MEMORY=0.45).
 set -uo pipefail
@@ -109,6 +111,8 @@ for step in "$@"; do
                --fp8-gemms $gemms --backends ${MOE_BACKENDS:-triton deep_gemm triton-tuned} --vllm-timeout ${VLLM_TIMEOUT:-900} ${ADD:+--add} --out "$out/vllm-prefill.json" ;;
     flashinfer-moe) PYTHONPATH=/tmp/vllm-site MAX_JOBS=16 python3 -c "from flashinfer.fused_moe.core import get_cutlass_fused_moe_module as m; m('90')" \
                       2>&1 | tail -3 ;;
+    flashinfer-fp8-gemm) PYTHONPATH=/tmp/vllm-site MAX_JOBS=16 python3 -c "from flashinfer.gemm.gemm_base import get_fp8_blockscale_gemm_runner_sm90 as m; m()" \
+                           2>&1 | tail -3 ;;
     first-batches) slice_ckpt; python3 benchmarks/probes/probe_first_batches.py --checkpoint "$ckpt" --fp8-gemm deep_gemm --max-batch-tokens 65536 \
                      --random-batches ${RANDOM_BATCHES:-24} --out "$out/first-batches-deep-gemm.json" 2>&1 | tail -2 ;;
     gemms) python3 benchmarks/bench_grouped_gemm.py --tokens ${GEMM_TOKENS:-16384} --experts 256 \
