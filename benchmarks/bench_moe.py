@@ -225,9 +225,7 @@ def _raw_gemms(experts, rows, weights, offs, layout=None):
     if experts.block:  # DeepGEMM's two grouped GEMMs, on the call's rows in its contiguous layout (placed there first if they came in order)
         from workers import deepgemm
 
-        if layout is None:
-            layout = deepgemm.Layout.of(offs, rows[0].shape[0])
-            rows = layout.gather(rows)
+        rows, layout = deepgemm.in_layout(rows, offs, layout)
         up = (rows[0].view(FP8), rows[1], experts.gate_up_proj, experts.gate_up_proj_scale, layout.m_indices)
         h, h_scale = quantize_activations(deepgemm.grouped_gemm(*up), BLOCK, silu_mul=True)
         down = (h, h_scale.t(), experts.down_proj, experts.down_proj_scale, layout.m_indices)

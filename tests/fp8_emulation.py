@@ -26,6 +26,12 @@ import torch
 FP8 = torch.float8_e4m3fn
 
 
+def _block_weight(w, scale_w):
+    """``w [N, K]`` FP8 times its 128x128 block scales ``[ceil(N/128), K/128]``, float32."""
+    n, k = w.shape
+    return w.float() * scale_w.repeat_interleave(128, dim=0)[:n].repeat_interleave(128, dim=1)[:, :k]
+
+
 def scaled_mm(a, b, scale_a, scale_b, out_dtype, **_):
     m, k = a.shape
     n = b.shape[1]
@@ -35,8 +41,7 @@ def scaled_mm(a, b, scale_a, scale_b, out_dtype, **_):
     assert scale_b.shape == (k_blocks, n_blocks) and scale_b.stride(0) == 1, (scale_b.shape, scale_b.stride())
     assert n_blocks == 1 or (scale_b.stride(1) == k_blocks and k_blocks % 4 == 0), (scale_b.shape, scale_b.stride())
     a_full = a.float() * scale_a.repeat_interleave(128, dim=1)
-    w_scale = scale_b.t().repeat_interleave(128, dim=0)[:n].repeat_interleave(128, dim=1)  # [N, K]
-    return (a_full @ (b.float() * w_scale.t())).to(out_dtype)
+    return (a_full @ _block_weight(b.t(), scale_b.t()).t()).to(out_dtype)
 
 
 def scaled_grouped_mm(a, b, scale_a, scale_b, offs, out_dtype, **_):
@@ -55,11 +60,6 @@ def scaled_grouped_mm(a, b, scale_a, scale_b, offs, out_dtype, **_):
 
 
 M_ALIGNMENT = 128  # DeepGEMM's on SM90 (its largest BLOCK_M)
-
-
-def _block_weight(w, scale_w):
-    n, k = w.shape
-    return w.float() * scale_w.repeat_interleave(128, dim=0)[:n].repeat_interleave(128, dim=1)[:, :k]
 
 
 def fp8_gemm_nt(a, b, d):

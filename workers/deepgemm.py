@@ -69,10 +69,10 @@ class DeepGEMMLinear(FP8Linear):
     """:class:`workers.fp8.FP8Linear` (the same weights, scales and activation quantization) whose GEMM
     is DeepGEMM's ``fp8_gemm_nt``, bfloat16 out."""
 
-    def __init__(self, in_features: int, out_features: int, *, device=None, out_dtype: torch.dtype = torch.bfloat16) -> None:
+    @classmethod
+    def check_shape(cls, in_features: int, out_features: int, out_dtype: torch.dtype) -> None:
         if out_dtype != torch.bfloat16 or not whole_blocks(in_features, out_features):
             raise ValueError(f"DeepGEMMLinear of {in_features} -> {out_features}, {out_dtype}: DeepGEMM writes bfloat16 and needs whole 128x128 blocks")
-        super().__init__(in_features, out_features, device=device, out_dtype=out_dtype)
 
     def gemm(self, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
         out = torch.empty(q.shape[0], self.out_features, dtype=torch.bfloat16, device=q.device)
@@ -138,16 +138,22 @@ def grouped_gemm(x: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor, w
     return out
 
 
+def in_layout(rows: list[torch.Tensor], offs: torch.Tensor, layout: Layout | None = None) -> tuple[list[torch.Tensor], Layout]:
+    """FP8 ``rows`` of pairs sorted by expert (``offs``) in DeepGEMM's layout: as they are where ``layout``
+    holds them already, else gathered from the pairs' order into a new one."""
+    if layout is None:
+        layout = Layout.of(offs, rows[0].shape[0])
+        rows = layout.gather(rows)
+    return rows, layout
+
+
 def experts_forward(experts, rows: list[torch.Tensor], weights: torch.Tensor, offs: torch.Tensor, layout: Layout | None = None) -> torch.Tensor:
     """``experts`` (``workers.moe.Experts`` holding DeepSeek's blocks) on FP8 ``rows`` (``[q bytes, scale
     M-major]``) of ``P`` pairs sorted by expert, times the pairs' ``weights [P]``. With ``layout`` the
     rows are already in it and the result is ``[M, H]`` in it; without, they are in the pairs' order,
     gathered into a layout and the result ``[P, H]`` taken back out of it."""
     placed = layout is not None
-    if not placed:
-        layout = Layout.of(offs, rows[0].shape[0])
-        rows = layout.gather(rows)
-    q, scale = rows
+    (q, scale), layout = in_layout(rows, offs, layout)
     up = grouped_gemm(q.view(FP8), scale, experts.gate_up_proj, experts.gate_up_proj_scale, layout.m_indices)
     h, h_scale = quantize_activations(up, BLOCK, silu_mul=True, row_weight=layout.spread(weights))
     down = grouped_gemm(h, h_scale.t(), experts.down_proj, experts.down_proj_scale, layout.m_indices)

@@ -135,15 +135,20 @@ class FP8Linear(nn.Module):
 
     def __init__(self, in_features: int, out_features: int, *, device=None, out_dtype: torch.dtype = torch.bfloat16) -> None:
         super().__init__()
+        self.check_shape(in_features, out_features, out_dtype)
+        self.in_features, self.out_features, self.out_dtype = in_features, out_features, out_dtype
+        blocks = (-(-out_features // BLOCK), in_features // BLOCK)
+        self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=FP8, device=device), requires_grad=False)
+        self.weight_scale_inv = nn.Parameter(torch.empty(blocks, dtype=torch.float32, device=device), requires_grad=False)
+
+    @classmethod
+    def check_shape(cls, in_features: int, out_features: int, out_dtype: torch.dtype) -> None:
+        """``ValueError`` where :meth:`gemm` cannot run this shape (the rule of the GEMM a subclass runs)."""
         if not block_gemm_shape_ok(in_features, out_features):
             raise ValueError(
                 f"FP8Linear of {in_features} -> {out_features}: torch's block-scaled GEMM needs in_features % 128 == 0, "
                 f"out_features % 16 == 0 and, for out_features > 128, in_features % 512 == 0"
             )
-        self.in_features, self.out_features, self.out_dtype = in_features, out_features, out_dtype
-        blocks = (-(-out_features // BLOCK), in_features // BLOCK)
-        self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=FP8, device=device), requires_grad=False)
-        self.weight_scale_inv = nn.Parameter(torch.empty(blocks, dtype=torch.float32, device=device), requires_grad=False)
 
     def forward(self, x: torch.Tensor, *, silu_mul: bool = False) -> torch.Tensor:
         """``x [..., K]`` -> ``[..., N]``; ``silu_mul``: ``x`` is ``[..., 2K]`` and the input is

@@ -354,21 +354,24 @@ class PrefillWorker(KVHolder):
             return None
         why = ""
         if choice == "auto":
-            moe = model_config.moe
-            try:
-                deepgemm.load()
-            except RuntimeError as exc:
-                choice, why = "torch", f" (auto: DeepGEMM is not here: {exc.__cause__})"
-            else:
-                if moe is not None and not deepgemm.whole_blocks(model_config.hidden_size, moe.moe_intermediate_size):
-                    choice, why = "torch", " (auto: DeepGEMM needs the experts' hidden and width in whole 128-wide blocks)"
-                else:
-                    choice, why = "deep_gemm", " (auto: DeepGEMM is here)"
+            choice, why = self._auto_fp8_gemm(model_config)
         elif choice == "deep_gemm":
             deepgemm.load()
         if self.rank == 0:
             logger.info("%s: FP8 GEMMs run by %s%s", model_config.name, choice, why)
         return choice
+
+    @staticmethod
+    def _auto_fp8_gemm(model_config: ModelConfig) -> tuple[str, str]:
+        """fp8_gemm "auto" resolved, and why: DeepGEMM where it imports and takes the experts' shape."""
+        try:
+            deepgemm.load()
+        except RuntimeError as exc:
+            return "torch", f" (auto: DeepGEMM is not here: {exc.__cause__})"
+        moe = model_config.moe
+        if moe is not None and not deepgemm.whole_blocks(model_config.hidden_size, moe.moe_intermediate_size):
+            return "torch", " (auto: DeepGEMM needs the experts' hidden and width in whole 128-wide blocks)"
+        return "deep_gemm", " (auto: DeepGEMM is here)"
 
     def _experts(self) -> tuple[int, int] | None:
         moe_layers = self._model().moe_layers()
