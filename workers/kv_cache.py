@@ -17,10 +17,10 @@ lowest blocks no request uses are taken.
 from __future__ import annotations
 
 import weakref
-from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from kv.mapped import shared_host_tensor, unlink_shared
@@ -64,7 +64,10 @@ class PagedKVCache:
         if self.shared_path is not None:
             weakref.finalize(self, unlink_shared, self.shared_path)  # a killed worker's file goes at the next start
         self._rows = self.blocks.view(num_layers, num_blocks * block_size, width)
-        self._used: Counter[int] = Counter()  # block -> tables that hold it (a shared prefix is in several)
+        # per block, the tables that hold it (a shared prefix is in several): an array, not a dict, because a
+        # GPU's cache has ~10^5 blocks, and finding the unused ones or dropping released ones by walking a dict
+        # cost ~15 ms a request (two EP ranks' 16x4K batches 0.58 -> 1.07 s on 2 x H200, 2026-11-28)
+        self._refs = np.zeros(num_blocks, dtype=np.int32)
         self._requests: dict[str, _Entry] = {}
 
     @staticmethod
@@ -78,7 +81,7 @@ class PagedKVCache:
     @property
     def free_blocks(self) -> int:
         """Blocks in no request's table (cached prefix blocks the driver keeps are among them)."""
-        return self.num_blocks - len(self._used)
+        return int(np.count_nonzero(self._refs == 0))
 
     @property
     def num_requests(self) -> int:
@@ -91,7 +94,7 @@ class PagedKVCache:
             raise ValueError(f"request id {request_id!r} already holds a KV cache on this worker")
         need = blocks_for(tokens, self.block_size)
         if block_ids is None:
-            ids = [b for b in range(self.num_blocks) if b not in self._used][:need]
+            ids = np.flatnonzero(self._refs == 0)[:need].tolist()
             if len(ids) < need:
                 raise KVCacheFull(
                     f"request {request_id!r} needs {need} KV blocks of {self.block_size} tokens; "
@@ -105,7 +108,7 @@ class PagedKVCache:
         positions = torch.arange(tokens, device=self.blocks.device)
         slots = blocks[positions // self.block_size] * self.block_size + positions % self.block_size
         run = ids == list(range(ids[0], ids[0] + need)) if ids else False
-        self._used.update(ids)
+        np.add.at(self._refs, ids, 1)
         self._requests[request_id] = _Entry(ids, blocks, slots, ids[0] if run else None, filled)
 
     def append(self, request_id: str, latents: list[torch.Tensor], rows: slice | torch.Tensor) -> None:
@@ -147,8 +150,7 @@ class PagedKVCache:
         entry = self._requests.pop(request_id, None)
         if entry is None:
             return 0
-        self._used.subtract(entry.ids)
-        self._used += Counter()  # drops the blocks no table holds any more
+        np.subtract.at(self._refs, entry.ids, 1)
         return len(entry.blocks)
 
     def _entry(self, request_id: str) -> _Entry:

@@ -51,6 +51,23 @@ def test_release_returns_blocks_for_reuse_and_full_is_refused():
         _cache(num_blocks=0)
 
 
+def test_a_block_in_two_tables_stays_in_use_until_both_are_released():
+    cache = _cache(num_blocks=6, block_size=4)
+    cache.reserve("a", 8, [2, 3])
+    cache.reserve("b", 12, [2, 3, 5], filled=8)  # a cached prefix: a's two blocks, shared read-only
+    assert cache.free_blocks == 3 and cache._requests["b"].length == 8
+    cache.reserve("w", 8)  # without a table: the lowest blocks no table holds
+    assert cache.block_table("w") == [0, 1]
+    assert cache.release("a") == 2 and cache.free_blocks == 1  # 2 and 3 still in b's table
+    cache.reserve("x", 4)
+    assert cache.block_table("x") == [4]
+    assert cache.release("b") == 3 and cache.free_blocks == 3
+    cache.reserve("y", 12)
+    assert cache.block_table("y") == [2, 3, 5]
+    with pytest.raises(ValueError, match="a table of 2 blocks for 12 rows"):
+        cache.reserve("z", 12, [0, 1])
+
+
 def test_block_views_are_the_paged_blocks_without_a_copy_when_the_table_is_one_run():
     cache = _cache()
     cache.reserve("x", 4)  # block 0
