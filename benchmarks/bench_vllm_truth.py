@@ -158,10 +158,19 @@ def compare(truth: list[dict], rows: list[torch.Tensor], runs: list[dict]) -> di
     ranks = [float((other.float() - got["rows"].float()).norm() / got["rows"].float().norm()) for got in runs for other in got["other_ranks"]]
     return {
         "prompts_equal_to_truth": len(truth) - len(departures),
+        "first_tokens_equal_to_truth": len(truth) - sum(d["step"] == 0 for d in departures),
         "departures": departures,
         "rows_relative_l2_per_layer": [{"mean": round(statistics.fmean(v), 7), "max": round(max(v), 7)} for v in per_layer],
         "other_tp_ranks_rows_relative_l2_max": round(max(ranks), 9) if ranks else None,
     }
+
+
+def totals(checkpoints: list[dict]) -> dict:
+    """Per engine, over every checkpoint: prompts whose first token, and whose every token, equals the truth's."""
+    return {side: {"prompts": sum(c[side]["prompts_equal_to_truth"] + len(c[side]["departures"]) for c in checkpoints),
+                   "first_tokens_equal_to_truth": sum(c[side]["first_tokens_equal_to_truth"] for c in checkpoints),
+                   "prompts_equal_to_truth": sum(c[side]["prompts_equal_to_truth"] for c in checkpoints)}
+            for side in ("vllm_alone", "tier_and_vllm")}  # fmt: skip
 
 
 def main() -> None:
@@ -222,6 +231,7 @@ def main() -> None:
         entry = {"seed": seed, "one_scale": one_scale, "pool_fp8_gemm_used": fp8_gemm, "vllm_alone": compare(truth, rows, alone), "tier_and_vllm": compare(truth, rows, tier),
                  "truth_near_ties": sum(min(t["margins"]) < 0.05 for t in truth), "seconds": round(time.monotonic() - started, 1)}  # fmt: skip
         report["checkpoints"].append(entry)
+        report["totals"] = totals(report["checkpoints"])
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(report, indent=1) + "\n")
         print(f"seed {seed}{' one-scale' if one_scale else ''}: all {args.max_tokens} tokens equal to float32's on "

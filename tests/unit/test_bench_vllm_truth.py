@@ -1,0 +1,37 @@
+"""``benchmarks/bench_vllm_truth.py``'s scoring of an engine against the float32 truth (the accuracy
+comparisons of the vLLM decode and FP8 results are only as right as this): departures, first tokens,
+rows' distance, and the totals over checkpoints."""
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
+sys.path.insert(0, str(BENCHMARKS))
+from bench_vllm_truth import compare, totals  # noqa: E402
+
+
+def _truth():
+    return [{"tokens": [5, 6, 7], "margins": [0.5, 0.01, 0.002]}, {"tokens": [1, 2, 3], "margins": [0.0001, 0.3, 0.3]}]
+
+
+def test_an_engine_is_scored_by_its_first_departure_and_its_rows_distance():
+    rows = [torch.ones(2, 4, 3), torch.ones(2, 4, 3)]  # per prompt: layers x tokens x width
+    runs = [{"tokens": [5, 6, 9], "rows": torch.ones(2, 4, 3), "other_ranks": []},
+            {"tokens": [4, 2, 8], "rows": torch.cat([torch.ones(1, 4, 3), 1.1 * torch.ones(1, 4, 3)]), "other_ranks": []}]  # fmt: skip
+    got = compare(_truth(), rows, runs)
+    assert got["prompts_equal_to_truth"] == 0 and got["first_tokens_equal_to_truth"] == 1
+    assert got["departures"] == [{"prompt": 0, "step": 2, "truth_margin": 0.002}, {"prompt": 1, "step": 0, "truth_margin": 0.0001}]
+    assert got["rows_relative_l2_per_layer"][0] == {"mean": 0.0, "max": 0.0}
+    assert got["rows_relative_l2_per_layer"][1] == {"mean": pytest.approx(0.05), "max": pytest.approx(0.1)}
+
+
+def test_totals_add_every_checkpoint_per_engine():
+    side = lambda equal, departures: {"prompts_equal_to_truth": equal, "departures": departures,  # noqa: E731
+                                      "first_tokens_equal_to_truth": equal + sum(d["step"] > 0 for d in departures)}  # fmt: skip
+    checkpoints = [{"vllm_alone": side(1, [{"step": 0}]), "tier_and_vllm": side(2, [])},
+                   {"vllm_alone": side(0, [{"step": 3}, {"step": 1}]), "tier_and_vllm": side(1, [{"step": 0}])}]  # fmt: skip
+    assert totals(checkpoints) == {"vllm_alone": {"prompts": 4, "first_tokens_equal_to_truth": 3, "prompts_equal_to_truth": 1},
+                                   "tier_and_vllm": {"prompts": 4, "first_tokens_equal_to_truth": 3, "prompts_equal_to_truth": 3}}  # fmt: skip
