@@ -210,16 +210,20 @@ def kill_node_of_a_replica() -> str:
     raise RuntimeError(f"no raylet process found for node {node_id}")
 
 
-def run_autoscaling(*, max_nodes: int = 3, clients: int = 6, time_scale: float = 0.02, kill_node: bool = True, timeout_s: float = 300) -> dict:
+def run_autoscaling(
+    *, max_nodes: int = 3, clients: int = 6, time_scale: float = 0.02, kill_node: bool = True, timeout_s: float = 300, system_config: dict | None = None
+) -> dict:  # fmt: skip
+    """The run above; ``system_config``: Ray's own settings for the head (``ray start --system-config``),
+    e.g. a shorter node health check than Ray's 3 s x 5 misses, so that a lost node is seen sooner."""
     cluster_settings, args = shipped_configs(max_nodes, time_scale)
     interval = min(0.5, args["look_back_period_s"] / 2)
     env = {REPORT_INTERVAL_ENV: str(interval), "OMP_NUM_THREADS": "1", "RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S": "30"}
     saved = {key: os.environ.get(key) for key in env}
     os.environ.update(env)  # this process's (Serve's controller reads its interval): given back at the end
     fake = FakeNodesCluster(head_resources={"CPU": 0}, **cluster_settings)
-    fake.start(override_env=env)
+    fake.start(_system_config=system_config, override_env=env)
     report: dict = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "settings": {"cluster": cluster_settings, "tier": args,
-                    "clients": clients, "time_scale": time_scale, "kill_node": kill_node}, "phases": {}}  # fmt: skip
+                    "clients": clients, "time_scale": time_scale, "kill_node": kill_node, "ray_system_config": system_config}, "phases": {}}  # fmt: skip
     try:
         ray.init("auto", log_to_driver=False)
         port = _free_port()
