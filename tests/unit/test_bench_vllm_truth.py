@@ -28,10 +28,12 @@ def test_an_engine_is_scored_by_its_first_departure_and_its_rows_distance():
     assert got["rows_relative_l2_per_layer"][1] == {"mean": pytest.approx(0.05), "max": pytest.approx(0.1)}
 
 
+def _side(equal: int, departures: list[dict]) -> dict:
+    return {"prompts_equal_to_truth": equal, "departures": departures, "first_tokens_equal_to_truth": equal + sum(d["step"] > 0 for d in departures)}
+
+
 def test_totals_add_every_checkpoint_per_engine():
-    side = lambda equal, departures: {"prompts_equal_to_truth": equal, "departures": departures,  # noqa: E731
-                                      "first_tokens_equal_to_truth": equal + sum(d["step"] > 0 for d in departures)}  # fmt: skip
-    checkpoints = [{"vllm_alone": side(1, [{"step": 0}]), "tier_and_vllm": side(2, [])},
-                   {"vllm_alone": side(0, [{"step": 3}, {"step": 1}]), "tier_and_vllm": side(1, [{"step": 0}])}]  # fmt: skip
+    checkpoints = [{"vllm_alone": _side(1, [{"step": 0}]), "tier_and_vllm": _side(2, [])},
+                   {"vllm_alone": _side(0, [{"step": 3}, {"step": 1}]), "tier_and_vllm": _side(1, [{"step": 0}])}]  # fmt: skip
     assert totals(checkpoints) == {"vllm_alone": {"prompts": 4, "first_tokens_equal_to_truth": 3, "prompts_equal_to_truth": 1},
                                    "tier_and_vllm": {"prompts": 4, "first_tokens_equal_to_truth": 3, "prompts_equal_to_truth": 3}}  # fmt: skip
