@@ -12,7 +12,8 @@ scale of every other weight, so that near-ties in the logits and the routing are
 meet them), ``--prompts`` random prompts of ``--min-len`` to ``--max-len`` tokens,
 ``--max-tokens`` greedy tokens each. With ``--fp8`` the checkpoints are in DeepSeek's FP8 format (128x128
 weight blocks) and the truth is computed from the same weights dequantized to float32: both engines then
-run their FP8 GEMMs (the pool's on ``--fp8-gemm``):
+run their FP8 GEMMs (the pool's on ``--fp8-gemm``); ``--wide`` takes the checkpoints at widths whose every
+linear layer the pool runs in FP8 (at the narrow ones four stay bf16 in the pool: ``write_vllm_checkpoint``'s ``wide``):
 
 - the truth: the tokens of transformers' ``DeepseekV3ForCausalLM`` in float32 (its top-two margin
   at each step kept, to tell a near-tie from an error), and the prompt's latent KV rows per layer as
@@ -188,6 +189,7 @@ def main() -> None:
     parser.add_argument("--vllm-tp", type=int, default=1, help="vLLM's tensor_parallel_size (default 1): each rank's rows are compared")
     parser.add_argument("--fp8", action="store_true", help="FP8 checkpoints (128x128 weight blocks); the truth from their weights dequantized")
     parser.add_argument("--fp8-gemm", choices=FP8_GEMMS, default="auto", help="what runs the pool's FP8 GEMMs (PoolConfig.fp8_gemm; default auto)")
+    parser.add_argument("--wide", action="store_true", help="hidden 1024, q LoRA 512, MLP 1024, experts 512: every linear FP8 in the pool too")
     args = parser.parse_args()
     specs = []
     for spec in args.checkpoints:
@@ -214,13 +216,13 @@ def main() -> None:
     work = Path(tempfile.mkdtemp(prefix="bench-truth-"))
     report = {"what": "greedy tokens and latent KV rows of vLLM alone and of the tier + vLLM, each against the float32 truth",
               "date": datetime.date.today().isoformat(), "machine": machine(), "command": " ".join(sys.argv), "engines_dtype": args.dtype, "vllm_tp": args.vllm_tp,
-              "weights": "fp8 (128x128 blocks; truth: dequantized, float32)" if args.fp8 else args.dtype, "pool_fp8_gemm": args.fp8_gemm if args.fp8 else None,
+              "weights": "fp8 (128x128 blocks; truth: dequantized, float32)" if args.fp8 else args.dtype, "wide": args.wide, "pool_fp8_gemm": args.fp8_gemm if args.fp8 else None,
               "prompts": args.prompts, "prompt_tokens": [args.min_len, args.max_len], "max_tokens": args.max_tokens, "checkpoints": []}  # fmt: skip
     for seed, one_scale in specs:
         started = time.monotonic()
         checkpoint = work / f"seed{seed}{'-one-scale' if one_scale else ''}"
         write_vllm_checkpoint(checkpoint, seed=seed, dtype=getattr(torch, args.dtype), max_positions=max(4096, 1 << (args.max_len + args.max_tokens).bit_length()),
-                              one_scale=one_scale, fp8=args.fp8)  # fmt: skip
+                              one_scale=one_scale, fp8=args.fp8, wide=args.wide)  # fmt: skip
         reference = Path(f"{checkpoint}-dequantized") if args.fp8 else checkpoint  # the truth's weights
         rng = np.random.default_rng(seed)
         prompts = [rng.integers(0, VOCAB, size=int(rng.integers(args.min_len, args.max_len + 1))).tolist() for _ in range(args.prompts)]

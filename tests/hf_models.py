@@ -130,7 +130,22 @@ def tiny_vllm_checkpoint(folder, seed=0):
     return path
 
 
-def write_vllm_checkpoint(path, *, seed=0, dtype=torch.float32, fp8=False, max_positions=4096, one_scale=False, dense=False):
+def vllm_checkpoint_config(*, dtype=torch.float32, max_positions=4096, dense=False, wide=False) -> DeepseekV3Config:
+    """The configuration :func:`write_vllm_checkpoint` writes (see there)."""
+    widths = dict(hidden_size=1024, intermediate_size=1024, moe_intermediate_size=512, q_lora_rank=512) if wide else \
+        dict(hidden_size=256, intermediate_size=384, moe_intermediate_size=128, q_lora_rank=128)  # fmt: skip
+    return DeepseekV3Config(
+        vocab_size=512, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=512, qk_nope_head_dim=128,
+        qk_rope_head_dim=64, v_head_dim=128, n_routed_experts=16, num_experts_per_tok=4, n_group=4, topk_group=2,
+        first_k_dense_replace=3 if dense else 1, n_shared_experts=1, routed_scaling_factor=2.5, max_position_embeddings=max_positions,
+        bos_token_id=508, eos_token_id=509, pad_token_id=510,
+        rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": max_positions // 4,
+                         "mscale": 1.0, "mscale_all_dim": 1.0},
+        tie_word_embeddings=False, torch_dtype=str(dtype).removeprefix("torch."), **widths,
+    )  # fmt: skip
+
+
+def write_vllm_checkpoint(path, *, seed=0, dtype=torch.float32, fp8=False, max_positions=4096, one_scale=False, dense=False, wide=False):
     """A DeepSeek-V3-architecture MoE checkpoint that vLLM runs: DeepSeek's MLA widths (kv_lora_rank 512,
     rope 64, qk_nope 128, v 128; vLLM's MLA refuses others), everything else tiny and a multiple of 128
     (hidden 256, 4 heads, q LoRA 128, 3 layers: 1 dense + 2 MoE of 16 routed experts of 128, top-4 in 2
@@ -141,20 +156,15 @@ def write_vllm_checkpoint(path, *, seed=0, dtype=torch.float32, fp8=False, max_p
     weights beside it, in ``<path>-dequantized``). ``one_scale``: ``lm_head`` and the routing bias drawn at the
     scale of every other weight, not widened (near-ties in the logits and the routing, as users meet them).
     ``dense``: all 3 layers dense (``first_k_dense_replace`` 3), for vLLM setups whose MoE the CPU build
-    lacks (data parallelism gathers MoE tokens across ranks, which its CPU communicator cannot)."""
+    lacks (data parallelism gathers MoE tokens across ranks, which its CPU communicator cannot). ``wide``:
+    hidden 1024, q LoRA 512, MLP 1024, experts 512, so that with ``fp8`` the pool runs every linear layer
+    in FP8 as at DeepSeek-V3's widths (at the narrow ones, torch's block-scaled GEMM does not take
+    ``q_b_proj``, ``kv_a_proj_with_mqa``, the dense MLP or the shared expert's ``down_proj``:
+    ``workers.fp8.block_gemm_shape_ok``)."""
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    config = DeepseekV3Config(
-        vocab_size=512, hidden_size=256, intermediate_size=384, moe_intermediate_size=128, num_hidden_layers=3,
-        num_attention_heads=4, num_key_value_heads=4, q_lora_rank=128, kv_lora_rank=512, qk_nope_head_dim=128,
-        qk_rope_head_dim=64, v_head_dim=128, n_routed_experts=16, num_experts_per_tok=4, n_group=4, topk_group=2,
-        first_k_dense_replace=3 if dense else 1, n_shared_experts=1, routed_scaling_factor=2.5, max_position_embeddings=max_positions,
-        bos_token_id=508, eos_token_id=509, pad_token_id=510,
-        rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": max_positions // 4,
-                         "mscale": 1.0, "mscale_all_dim": 1.0},
-        tie_word_embeddings=False, torch_dtype=str(dtype).removeprefix("torch."),
-    )  # fmt: skip
+    config = vllm_checkpoint_config(dtype=dtype, max_positions=max_positions, dense=dense, wide=wide)
     torch.manual_seed(seed)
     model = DeepseekV3ForCausalLM(config).eval()
     with torch.no_grad():

@@ -4,6 +4,9 @@ Triton kernel against the torch code and torch's FP8 GEMMs against the emulation
 import fp8_emulation
 import pytest
 import torch
+from hf_models import vllm_checkpoint_config
+from torch import nn
+from transformers import DeepseekV3ForCausalLM
 
 from configs.model import MoEConfig
 from workers import fp8_triton
@@ -16,6 +19,7 @@ from workers.fp8 import (
     quantize_activations,
     requantize_rows,
 )
+from workers.model import fp8_shard_aligned
 from workers.moe import Experts
 
 CUDA = torch.cuda.is_available()
@@ -197,3 +201,15 @@ def test_router_logits_in_float32_from_bf16_inputs():
     weights, ids = router(x)
     ref_weights, ref_ids = router.cpu()(x.cpu())
     assert (ids.cpu().sort(1).values == ref_ids.sort(1).values).float().mean() > 0.999
+
+
+@pytest.mark.parametrize("wide", [False, True])
+def test_the_wide_truth_checkpoint_is_the_one_whose_every_linear_the_pool_runs_in_fp8(wide):
+    """``bench_vllm_truth.py --wide``: at the narrow widths torch's block-scaled GEMM does not take four of
+    the linears (they stay bf16 in the pool while vLLM runs them in FP8); at the wide ones it takes all."""
+    with torch.device("meta"):
+        model = DeepseekV3ForCausalLM(vllm_checkpoint_config(wide=wide))
+    linears = {name.split(".", 3)[-1]: module for name, module in model.named_modules() if isinstance(module, nn.Linear) and name != "lm_head"}
+    bf16 = sorted(name for name, module in linears.items() if not fp8_shard_aligned(module, None, 1))
+    narrow = ["mlp.down_proj", "mlp.gate_proj", "mlp.shared_experts.down_proj", "mlp.up_proj", "self_attn.kv_a_proj_with_mqa", "self_attn.q_b_proj"]
+    assert len(linears) >= 10 and bf16 == ([] if wide else narrow)
