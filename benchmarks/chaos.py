@@ -63,10 +63,11 @@ THREAD_PREFIXES = ("mlapool", "kv-link")
 
 
 def chaos_config(device: str = "cpu", worker_gpus: float = 1.0, **overrides) -> PoolConfig:
-    """Two replicas of TP=2 of the tiny model, small chunks (most prompts take several batches)."""
+    """Two replicas of TP=2 of the tiny model, small chunks (most prompts take several batches), spare
+    workers on: as the default keeps them with GPUs, and on the CPU too, so that the suite's run has them."""
     base = dict(
         model="tiny", num_layers=3, tp=2, replicas=2, chunk_tokens=64, max_batch_tokens=256, block_size=16,
-        kv_cache_tokens=8192, collective_timeout_s=5.0, device=device, seed=7,
+        kv_cache_tokens=8192, collective_timeout_s=5.0, device=device, seed=7, spare_workers="on",
         worker_cpus=0.25 if device == "cpu" else 1.0, worker_gpus=worker_gpus,
     )  # fmt: skip
     return PoolConfig(**{**base, **overrides})

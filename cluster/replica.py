@@ -79,8 +79,12 @@ class Spares:
             ray.kill(worker)
 
 
-def wants_spares(config: PoolConfig, use_gpus: bool) -> bool:
-    return config.spare_workers == "on" or (config.spare_workers == "auto" and use_gpus)
+def wants_spares(config: PoolConfig, use_gpus: bool, infos: list[WorkerInfo]) -> bool:
+    """Whether a replica whose workers said ``infos`` keeps spares: "on", or "auto" and its workers compute
+    on the GPUs they hold. Workers pinned to the CPU on GPU resources (logical GPUs, as the CPU tests
+    run) start no spares: what a spare saves is a GPU worker's start (CUDA, the kernel library), and
+    spares importing on the workers' own cores slow them."""
+    return config.spare_workers == "on" or (config.spare_workers == "auto" and use_gpus and infos[0].device.startswith("cuda"))
 
 
 def start_spares(config: PoolConfig, group, bundle_offset: int, use_gpus: bool) -> Spares:
@@ -171,7 +175,7 @@ def start_replica(
         raise RuntimeError(f"replica {index} failed to start: {cause(exc)}") from exc
     replica = Replica(index, workers, group if owned else None, infos)
     replica.prefix = PrefixCache(replica.kv_blocks, config.pcp, config.block_size, enabled=config.prefix_caching)
-    if wants_spares(config, use_gpus):
+    if wants_spares(config, use_gpus, infos):
         replica.spares = start_spares(config, group, bundle_offset, use_gpus)
     replica.start_s = {
         "spares": spares is not None,  # the workers were spares started before the fault

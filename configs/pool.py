@@ -118,7 +118,8 @@ class PoolConfig:
     spare_workers    "on": each replica keeps one spare worker process per rank, started ahead with torch
                      and the kernel library imported and no GPU memory, that replaces a failed rank
                      (fault to serving again on H200 with FA4: 1.4 s with, 15.2 s without: docs/faults.md);
-                     "auto": on when the workers use GPUs; "off": none
+                     "auto": on when the workers compute on the GPUs they hold (not when pinned to the CPU
+                     on GPU resources); "off": none
     seed             seed of random weights
     """
 

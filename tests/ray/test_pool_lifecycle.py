@@ -6,6 +6,7 @@ import concurrent.futures
 import json
 import threading
 import time
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -17,6 +18,7 @@ from hf_models import tiny_deepseek_v3
 from attention.backends.torch_sdpa import TorchSDPAPrefillBackend
 from attention.mla import plan_prefill_batch
 from cluster.pool import PrefillPool
+from cluster.replica import wants_spares
 from configs.pool import PoolConfig
 from workers.model import DeepseekPrefillModel
 from workers.weights import load_weights
@@ -109,6 +111,7 @@ def test_a_killed_worker_replaces_the_replica_and_its_request_is_retried(ray_clu
     expected = [model(torch.from_numpy(p), plan_prefill_batch([len(p)])).logits[0] for p in prompts[1:]]
 
     with PrefillPool(BASE.replace(**grid, chunk_tokens=4, max_batch_tokens=8)).start() as pool:
+        assert pool._replicas[0].spares is None  # spare_workers auto: workers pinned to the CPU start none
         kept = pool.prefill(prompts[0], keep_kv=True)
         started = threading.Event()
         survivor = pool.submit(prompts[1], on_progress=lambda done, total: started.set())
@@ -120,6 +123,7 @@ def test_a_killed_worker_replaces_the_replica_and_its_request_is_retried(ray_clu
         assert (pool.stats.failed, pool.stats.retried, len(pool.stats.recoveries)) == (0, 1, 1)
         recovery = pool.stats.recoveries[0]
         assert "ActorDiedError" in recovery.cause and recovery.restart_s < 60
+        assert recovery.start_s["spares"] is False  # new worker processes, no spares
         with pytest.raises(RuntimeError, match="the KV of request 'req-0' was lost"):
             pool.fetch_kv(kept)
         pool.release(kept)  # nothing left to free; the id is usable again
@@ -218,6 +222,15 @@ def test_a_request_that_does_not_fit_one_replica_runs_on_the_other_at_once(ray_c
 
 def _alive_actors() -> int:
     return sum(actor["State"] == "ALIVE" for actor in ray._private.state.actors().values())
+
+
+@pytest.mark.parametrize(
+    "mode,use_gpus,device,wanted",
+    [("auto", True, "cuda:0", True), ("auto", True, "cpu", False), ("auto", False, "cuda:0", False), ("on", False, "cpu", True), ("off", True, "cuda:0", False)],
+)  # fmt: skip
+def test_spares_by_default_only_where_the_workers_compute_on_the_gpus_they_hold(mode, use_gpus, device, wanted):
+    infos = [SimpleNamespace(device=device)] * 2  # what a replica's workers said at setup
+    assert wants_spares(BASE.replace(spare_workers=mode), use_gpus, infos) is wanted
 
 
 @pytest.mark.parametrize("kind", ["raise", "exit"])
