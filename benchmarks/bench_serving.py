@@ -664,7 +664,8 @@ def main() -> None:
         server = start_vllm(args, checkpoint, dtype, args.max_len, work, wait=not args.pd)
         try:
             tier = start_tier(args, checkpoint, server.url, dtype, max_ongoing_requests=args.max_ongoing)
-            vllm_up(server, args)
+            if args.pd:
+                vllm_up(server, args)
             if args.mode == "soak":
                 results = soak(tier, pool="bench", vllm_pid=server.process.pid, duration_s=args.duration_s, rate=rates[0], sample_s=args.sample_s,
                                warmup_s=args.warmup_s, input_len=args.inputs[0], **point)  # fmt: skip
