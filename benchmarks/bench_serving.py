@@ -581,7 +581,9 @@ def main() -> None:
                              "as token counts first need them; torch: none to compile)")
     parser.add_argument("--pool-memory", type=float, default=0.9, help="the pool's gpu_memory_utilization, vLLM's share included (default 0.9)")
     parser.add_argument("--kv-cache-tokens", type=int, default=1 << 18, help="the pool's KV cache per worker (default 262144)")
-    parser.add_argument("--start-timeout", type=float, default=600.0)
+    parser.add_argument("--start-timeout", type=float, default=600.0,
+                        help="seconds a vLLM server may take to answer /health (default 600; its DeepGEMM warm-up on an empty kernel cache is "
+                             "not yet measured)")
     parser.add_argument("--ingress", choices=["proxy", "replica"], default="proxy",
                         help="where the benchmark reaches the tier: Serve's HTTP proxy (default), or the replica's own port in Ray Serve's "
                              "throughput-optimized mode (as bench_vllm_decode.py --ingress): the proxy's share of a latency told apart")  # fmt: skip

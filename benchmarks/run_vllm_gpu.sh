@@ -32,7 +32,8 @@
 # (pd and serving) prompts of each input sent to each stack first one at a time, then as many at once, not kept, default 2: on
 # a node with empty kernel caches use 64 (2 left both stacks compiling inside the points on 2026-11-28, and 64 sent only at once
 # still the tier at its low rates); vLLM's servers there and in soak run vLLM's own DeepGEMM warm-up at start
-# (VLLM_DG_WARMUP=skip|full to change it), and POOL_FP8_GEMM=torch|deep_gemm sets the pool's FP8 GEMMs there (default auto); chaos (two
+# (VLLM_DG_WARMUP=skip|full to change it), POOL_FP8_GEMM=torch|deep_gemm sets the pool's FP8 GEMMs there (default auto), VLLM_START_S how long vLLM may
+# take to start (default 600 s); chaos (two
 # GPUs: benchmarks/chaos.py, 2 replicas x TP 2, spare workers on as they are with GPUs: the pool's faults and fault-to-serving).
 # prefill (the slice's prefill through the pool, and through vLLM with each of its MoE backends MOE_BACKENDS (flashinfer_cutlass
 # too once the flashinfer-moe step has built FlashInfer's SM90 CUTLASS MoE into its JIT cache: that nvcc build had not finished
@@ -96,14 +97,14 @@ for step in "$@"; do
                --out "$out/probe-compiled-graph.json" ;;
     serving) slice_ckpt; python3 benchmarks/bench_serving.py sweep --checkpoint "$ckpt" --inputs ${INPUTS:-4096 32768} --output-len 128 ${STACKS:+--stacks $STACKS} ${ADD:+--add} \
                --rates ${RATES:-0.5 1 2 4 inf} --point-s ${POINT_S:-30} --warmup ${WARMUP:-2} --vllm-max-graph-batch ${VLLM_GRAPH_BATCH:-64} --vllm-memory ${VLLM_MEMORY:-0.4} --kv-cache-tokens 131072 \
-               --ingress ${INGRESS:-proxy} ${VLLM_DG_WARMUP:+--vllm-deep-gemm-warmup $VLLM_DG_WARMUP} ${POOL_FP8_GEMM:+--pool-fp8-gemm $POOL_FP8_GEMM} --out "$out/serving.json" ;;
+               --ingress ${INGRESS:-proxy} ${VLLM_DG_WARMUP:+--vllm-deep-gemm-warmup $VLLM_DG_WARMUP} ${POOL_FP8_GEMM:+--pool-fp8-gemm $POOL_FP8_GEMM} ${VLLM_START_S:+--start-timeout $VLLM_START_S} --out "$out/serving.json" ;;
     pd) slice_ckpt; python3 benchmarks/bench_serving.py sweep --pd --pd-baseline ${PD_BASELINE:-dp2} --checkpoint "$ckpt" --inputs ${INPUTS:-17408} --input-range-ratio ${RANGE:-0.88} \
           --output-len 256 --rates ${RATES:-0.5 1 2 4 8 inf} --point-s ${POINT_S:-30} --warmup ${WARMUP:-2} --vllm-max-graph-batch ${VLLM_GRAPH_BATCH:-64} ${VLLM_EAGER:+--vllm-eager} \
-          --kv-cache-tokens 131072 --vllm-args="${VLLM_ARGS:-}" --ingress ${INGRESS:-proxy} ${VLLM_DG_WARMUP:+--vllm-deep-gemm-warmup $VLLM_DG_WARMUP} ${POOL_FP8_GEMM:+--pool-fp8-gemm $POOL_FP8_GEMM} \
+          --kv-cache-tokens 131072 --vllm-args="${VLLM_ARGS:-}" --ingress ${INGRESS:-proxy} ${VLLM_DG_WARMUP:+--vllm-deep-gemm-warmup $VLLM_DG_WARMUP} ${POOL_FP8_GEMM:+--pool-fp8-gemm $POOL_FP8_GEMM} ${VLLM_START_S:+--start-timeout $VLLM_START_S} \
           --out "$out/serving-pd.json" ;;
     soak) slice_ckpt; python3 benchmarks/bench_serving.py soak --checkpoint "$ckpt" --inputs 4096 --output-len 128 --rates ${SOAK_RATE:-2} \
             --duration-s 600 --vllm-max-graph-batch ${VLLM_GRAPH_BATCH:-64} --vllm-memory ${VLLM_MEMORY:-0.4} --kv-cache-tokens 131072 --ingress ${INGRESS:-proxy} \
-            ${VLLM_DG_WARMUP:+--vllm-deep-gemm-warmup $VLLM_DG_WARMUP} ${POOL_FP8_GEMM:+--pool-fp8-gemm $POOL_FP8_GEMM} --out "$out/serving-soak.json" ;;
+            ${VLLM_DG_WARMUP:+--vllm-deep-gemm-warmup $VLLM_DG_WARMUP} ${POOL_FP8_GEMM:+--pool-fp8-gemm $POOL_FP8_GEMM} ${VLLM_START_S:+--start-timeout $VLLM_START_S} --out "$out/serving-soak.json" ;;
     resume) slice_ckpt; python3 benchmarks/bench_resume.py --checkpoint "$ckpt" --prompt-len 4096 --probes ${PROBES:-5} \
               --out "$out/decode-resume.json" ;;
     probe-ingress) slice_ckpt; python3 benchmarks/probes/probe_ingress.py --device cuda --checkpoint "$ckpt" --tokens ${PROBE_TOKENS:-2048} \
