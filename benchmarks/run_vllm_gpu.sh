@@ -69,6 +69,8 @@ slice_ckpt() {
   ckpt=${CKPT:-/tmp/v3-5layers}
   [ -f "$ckpt/model.safetensors.index.json" ] || python3 benchmarks/write_checkpoint.py --model deepseek-v3 --num-layers 5 --out "$ckpt" | tail -1
 }
+# what the serving, pd and soak steps take from the environment (see above), as bench_serving.py options
+serving_opts="${VLLM_DG_WARMUP:+--vllm-deep-gemm-warmup $VLLM_DG_WARMUP} ${POOL_FP8_GEMM:+--pool-fp8-gemm $POOL_FP8_GEMM} ${VLLM_START_S:+--start-timeout $VLLM_START_S}"
 for step in "$@"; do
   case $step in
     install) for set in gpu vllm; do
@@ -97,14 +99,14 @@ for step in "$@"; do
                --out "$out/probe-compiled-graph.json" ;;
     serving) slice_ckpt; python3 benchmarks/bench_serving.py sweep --checkpoint "$ckpt" --inputs ${INPUTS:-4096 32768} --output-len 128 ${STACKS:+--stacks $STACKS} ${ADD:+--add} \
                --rates ${RATES:-0.5 1 2 4 inf} --point-s ${POINT_S:-30} --warmup ${WARMUP:-2} --vllm-max-graph-batch ${VLLM_GRAPH_BATCH:-64} --vllm-memory ${VLLM_MEMORY:-0.4} --kv-cache-tokens 131072 \
-               --ingress ${INGRESS:-proxy} ${VLLM_DG_WARMUP:+--vllm-deep-gemm-warmup $VLLM_DG_WARMUP} ${POOL_FP8_GEMM:+--pool-fp8-gemm $POOL_FP8_GEMM} ${VLLM_START_S:+--start-timeout $VLLM_START_S} --out "$out/serving.json" ;;
+               --ingress ${INGRESS:-proxy} $serving_opts --out "$out/serving.json" ;;
     pd) slice_ckpt; python3 benchmarks/bench_serving.py sweep --pd --pd-baseline ${PD_BASELINE:-dp2} --checkpoint "$ckpt" --inputs ${INPUTS:-17408} --input-range-ratio ${RANGE:-0.88} \
           --output-len 256 --rates ${RATES:-0.5 1 2 4 8 inf} --point-s ${POINT_S:-30} --warmup ${WARMUP:-2} --vllm-max-graph-batch ${VLLM_GRAPH_BATCH:-64} ${VLLM_EAGER:+--vllm-eager} \
-          --kv-cache-tokens 131072 --vllm-args="${VLLM_ARGS:-}" --ingress ${INGRESS:-proxy} ${VLLM_DG_WARMUP:+--vllm-deep-gemm-warmup $VLLM_DG_WARMUP} ${POOL_FP8_GEMM:+--pool-fp8-gemm $POOL_FP8_GEMM} ${VLLM_START_S:+--start-timeout $VLLM_START_S} \
+          --kv-cache-tokens 131072 --vllm-args="${VLLM_ARGS:-}" --ingress ${INGRESS:-proxy} $serving_opts \
           --out "$out/serving-pd.json" ;;
     soak) slice_ckpt; python3 benchmarks/bench_serving.py soak --checkpoint "$ckpt" --inputs 4096 --output-len 128 --rates ${SOAK_RATE:-2} \
             --duration-s 600 --vllm-max-graph-batch ${VLLM_GRAPH_BATCH:-64} --vllm-memory ${VLLM_MEMORY:-0.4} --kv-cache-tokens 131072 --ingress ${INGRESS:-proxy} \
-            ${VLLM_DG_WARMUP:+--vllm-deep-gemm-warmup $VLLM_DG_WARMUP} ${POOL_FP8_GEMM:+--pool-fp8-gemm $POOL_FP8_GEMM} ${VLLM_START_S:+--start-timeout $VLLM_START_S} --out "$out/serving-soak.json" ;;
+            $serving_opts --out "$out/serving-soak.json" ;;
     resume) slice_ckpt; python3 benchmarks/bench_resume.py --checkpoint "$ckpt" --prompt-len 4096 --probes ${PROBES:-5} \
               --out "$out/decode-resume.json" ;;
     probe-ingress) slice_ckpt; python3 benchmarks/probes/probe_ingress.py --device cuda --checkpoint "$ckpt" --tokens ${PROBE_TOKENS:-2048} \
