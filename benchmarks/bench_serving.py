@@ -16,13 +16,19 @@ sent ``--warmup`` prompts of each length one at a time, then as many at once, no
 first compilations, which depend on a batch's token count: the low rates' batches are single prompts,
 saturation's are full). vLLM's servers run its own DeepGEMM warm-up at start, as vLLM deploys
 (``--vllm-deep-gemm-warmup``, its ``VLLM_DEEP_GEMM_WARMUP``). From its result:
-completed and failed requests, TTFT, TPOT and ITL p50 and p99, output tokens/s, and goodput at TTFT
-<= ``--slo-ttft-ms`` and TPOT <= ``--slo-tpot-ms``. Where an ITL tail comes from: the share of the
+completed and failed requests, TTFT, TPOT and ITL p50 and p99, output tokens/s, goodput at TTFT
+<= ``--slo-ttft-ms`` and TPOT <= ``--slo-tpot-ms``, and each request's prompt length and TTFT (and
+where vLLM's benchmark records it, when it was sent: ``requests``). Where an ITL tail comes from: the share of the
 intervals over 10, 25, 50 and 100 ms as the client saw them (``itl_over_ms``, from the benchmark's
 per-request intervals; ``itl_over_ms_later`` without each request's first interval, which is given
 apart as ``first_itl``: through the tier it is the handoff to vLLM) and as vLLM's engines recorded
 them (``engine_itl``: its Prometheus histogram, read from its servers before and after the point: its
 engine's step cadence, before its API server streams the tokens and before the tier relays them).
+Through the tier, the pool's part of a TTFT and what it is made of (``pool``: its Prometheus histograms
+read before and after the point): submit to the prompt's logits (``ttft``; the client's TTFT less this is
+the endpoint's and the relay's), its requests' time in its queue (``queue``), of that their waits for
+room in its KV cache (``kv_wait``), and its batches on the workers (``batch``), each as a count, a mean
+and the share over 0.25, 0.5, 1 and 2.5 s.
 
 The stacks (``sweep``, ``--stacks``, all three by default): ``tier`` (the Serve tier, its pool on
 the GPU, the vLLM server with mlapool's connector as its decode server), ``vllm`` (that same vLLM
@@ -94,7 +100,7 @@ import numpy as np
 from prometheus_client.parser import text_string_to_metric_families  # Ray's Prometheus client (ray[default])
 from bench_vllm_decode import GRAPH_BATCH_HELP, MODEL, REPO, start_tier, start_vllm, vllm_mode, vllm_up  # benchmarks/bench_vllm_decode.py
 from configs.pool import FP8_GEMMS
-from chaos_decode import ray_counter, tier_info  # benchmarks/chaos_decode.py
+from chaos_decode import ray_counter, ray_metrics_url, tier_info  # benchmarks/chaos_decode.py
 from machine import machine  # benchmarks/machine.py
 from round_robin import RoundRobin  # benchmarks/round_robin.py
 
@@ -103,6 +109,13 @@ METRICS = ("ttft", "tpot", "itl")
 # engine core stamped them: before its API server's streaming and any relay), by its names in 0.26-0.32 and before
 ENGINE_ITL = ("vllm:inter_token_latency_seconds", "vllm:time_per_output_token_seconds")
 ITL_OVER_MS = (10, 25, 50, 100)  # bounds of vLLM's default buckets for it
+# the pool's share of the tier's TTFT (cluster.metrics: submit to the prompt's logits) and what it is made of: a
+# request's time in the queue, of that its wait for KV room, and each batch on the workers, as Ray's Prometheus
+# endpoint exports them; bucket bounds (s)
+POOL_TIMES = {"ttft": "ray_mlapool_ttft_seconds", "queue": "ray_mlapool_queue_seconds", "kv_wait": "ray_mlapool_kv_wait_seconds",
+              "batch": "ray_mlapool_batch_seconds"}  # fmt: skip
+POOL_OVER_S = (0.25, 0.5, 1.0, 2.5)
+POOL_SETTLE_S = 2.5  # Ray exports each second (start_tier): a point's last observations are out after this
 # vLLM's benchmark, as `vllm bench serve` runs it (the module, as a console script may be missing), once for
 # each run of a JSON list, in one process (its imports, ~15 s on the 2-core CPU, paid once). vLLM's
 # benchmark keeps only a failed request's HTTP reason ("Bad Request"), so a run with failed requests has its
@@ -208,6 +221,10 @@ def _point(spec: dict) -> dict:
         later = np.concatenate([gaps[1:] for gaps in requests])
         if later.size:
             point["itl_over_ms_later"] = _over(later)
+    if raw.get("ttfts") and raw.get("input_lens"):  # each request's, in the order it was sent: which prompts a tail is made of
+        point["requests"] = {"input_len": list(raw["input_lens"]), "ttft_ms": [round(t * 1000, 1) for t in raw["ttfts"]]}
+        if raw.get("start_times"):  # when each was sent, where vLLM's benchmark records it (0.32 does)
+            point["requests"]["sent_s"] = [round(t - min(raw["start_times"]), 3) for t in raw["start_times"]]
     if point["failed"]:
         failures = Path(spec["failures"])
         point["failures"] = json.loads(failures.read_text()) if failures.exists() else {"the replay did not run": 0}
@@ -227,19 +244,50 @@ def run_point(url: str, *, workdir: Path, vllm_pythonpath: str | None = None, **
     return run_points([{"url": url, **run}], workdir=workdir, vllm_pythonpath=vllm_pythonpath)[0]
 
 
+def histograms(url: str, names) -> dict[str, dict]:
+    """The Prometheus histograms ``names`` that the endpoint ``url`` exports now, each summed over its
+    series: ``{name: {bucket's upper bound (s): cumulative count, ..., "sum": sum}}`` (bound ``inf``: the count)."""
+    with urllib.request.urlopen(url, timeout=10) as response:
+        families = {family.name: family for family in text_string_to_metric_families(response.read().decode())}
+    found: dict[str, dict] = {}
+    for name in (name for name in names if name in families):
+        totals = found.setdefault(name, {})
+        for sample in families[name].samples:
+            key = float(sample.labels["le"]) if sample.name == f"{name}_bucket" else "sum" if sample.name == f"{name}_sum" else None
+            if key is not None:
+                totals[key] = totals.get(key, 0.0) + sample.value
+    return found
+
+
 def engine_itl_buckets(urls: list[str]) -> dict[float, float]:
     """vLLM's engine inter-token histogram (``ENGINE_ITL``) now, summed over the servers at ``urls`` and
     their engines: cumulative count per bucket's upper bound, in seconds (``inf`` the total)."""
     total: dict[float, float] = {}
     for url in urls:
-        with urllib.request.urlopen(f"{url}/metrics", timeout=10) as response:
-            families = {family.name: family for family in text_string_to_metric_families(response.read().decode())}
-        name = next((name for name in ENGINE_ITL if name in families), None)  # the newer name where a server has both
-        for sample in families[name].samples if name else ():
-            if sample.name == f"{name}_bucket":
-                le = float(sample.labels["le"])
-                total[le] = total.get(le, 0.0) + sample.value
+        found = histograms(f"{url}/metrics", ENGINE_ITL)
+        name = next((name for name in ENGINE_ITL if name in found), None)  # the newer name where a server has both
+        for le, count in found[name].items() if name else ():
+            if le != "sum":
+                total[le] = total.get(le, 0.0) + count
     return total
+
+
+def pool_times_between(before: dict[str, dict], after: dict[str, dict]) -> dict:
+    """Between two reads of the pool's :data:`POOL_TIMES` (:func:`histograms` of Ray's endpoint): per
+    histogram how many it recorded, their mean, and the share over each of ``POOL_OVER_S`` (bucket
+    bounds), so that a point's TTFT tail is told apart: the pool's queue (of it, waits for KV room),
+    its batches, or what lies outside the pool (the endpoint, the relay: the client's TTFT less the
+    pool's)."""
+    times = {}
+    for key, name in POOL_TIMES.items():
+        was, now = before.get(name, {}), after.get(name, {})
+        count = now.get(float("inf"), 0.0) - was.get(float("inf"), 0.0)
+        if count <= 0:
+            times[key] = {"count": 0}
+            continue
+        over = {str(s): round(1 - (now[s] - was.get(s, 0.0)) / count, 5) for s in POOL_OVER_S if s in now}
+        times[key] = {"count": int(count), "mean_ms": round((now["sum"] - was.get("sum", 0.0)) / count * 1000, 2), "over_s": over}
+    return times
 
 
 def engine_itl_over(before: dict[float, float], after: dict[float, float]) -> dict:
@@ -264,7 +312,7 @@ def _engine_itl_now(servers) -> dict[float, float] | None:
 
 
 def sweep(stacks: dict[str, tuple[str, str | None]], inputs: list[int], rates: list[float], *, prompts: int, point_s: float, log=print,
-          save=None, servers=(), warmup: int = 0, **point) -> dict:  # fmt: skip
+          save=None, servers=(), warmup: int = 0, pool_metrics: dict[str, str] | None = None, **point) -> dict:  # fmt: skip
     """``run_point`` for every stack (name: (url, key)), input length and rate: ``rate * point_s``
     prompts (at least 16) at a finite rate, ``prompts`` at saturation; ``save(results)`` after each.
     First, per stack, ``warmup`` prompts of each input length one at a time, then as many at once, not
@@ -274,15 +322,21 @@ def sweep(stacks: dict[str, tuple[str, str | None]], inputs: list[int], rates: l
     full batches, and the low rates' batches are single prompts: after a warm-up of 64 at once, the tier's
     first sweep on a new node had TTFT p99 5.6 s at 1/s and its second 1.2 s (2026-11-28, 2 x H200).
     ``servers``: the vLLM servers the stacks decode on; a point with failed requests whose server has
-    exited says so (``server_died``: its exit code and the exceptions its log names) and ends the sweep."""
+    exited says so (``server_died``: its exit code and the exceptions its log names) and ends the sweep.
+    ``pool_metrics``: per stack through a pool, the Prometheus endpoint its metrics are on, read before and
+    after each point (``pool``: :func:`pool_times_between`)."""
     results: dict = {}
     workdir, vllm_pythonpath = point.pop("workdir"), point.pop("vllm_pythonpath", None)
     for stack, (url, key) in stacks.items():
+        metrics_url = (pool_metrics or {}).get(stack)
         if warmup:
             warm = run_points([{"url": url, "key": key, "input_len": n, "rate": float("inf"), "prompts": warmup, "max_concurrency": together, **point}
                                for n in inputs for together in (1, None)], workdir=workdir / f"warmup-{stack}", vllm_pythonpath=vllm_pythonpath)  # fmt: skip
             log(f"{stack} warmed up: {[(w['input_len'], w.get('max_concurrency', 'all'), w['completed'], w['failed']) for w in warm]} "
                 "(input tokens, at a time, done, failed)")  # fmt: skip
+        if metrics_url is not None:
+            time.sleep(POOL_SETTLE_S)  # the warm-up's last batches exported
+            pool_before = histograms(metrics_url, POOL_TIMES.values())
         for input_len in inputs:
             for rate in rates:
                 count = max(16, round(rate * point_s)) if np.isfinite(rate) else prompts
@@ -291,12 +345,17 @@ def sweep(stacks: dict[str, tuple[str, str | None]], inputs: list[int], rates: l
                 after = _engine_itl_now(servers)
                 if before is not None and after is not None:
                     got["engine_itl"] = engine_itl_over(before, after)
+                if metrics_url is not None:
+                    time.sleep(POOL_SETTLE_S)
+                    pool_after = histograms(metrics_url, POOL_TIMES.values())
+                    got["pool"], pool_before = pool_times_between(pool_before, pool_after), pool_after
                 dead = next((server for server in servers if server.process.poll() is not None), None) if got["failed"] else None
                 if dead is not None:
                     got["server_died"] = died(dead)
                 results.setdefault(stack, {}).setdefault(str(input_len), []).append(got)
+                pool = "".join(f", pool {key} mean {got['pool'][key].get('mean_ms')} ms" for key in ("ttft", "queue", "kv_wait") if "pool" in got)
                 log(f"{stack} {input_len} tokens at {rate}/s: {got['completed']} done, {got['failed']} failed, "
-                    f"TTFT p50 {got['ttft'].get('p50')} ms, ITL p99 {got['itl'].get('p99')} ms, {got['output_throughput']} tok/s")  # fmt: skip
+                    f"TTFT p50 {got['ttft'].get('p50')} ms, ITL p99 {got['itl'].get('p99')} ms, {got['output_throughput']} tok/s{pool}")  # fmt: skip
                 if save is not None:
                     save(results)
                 if "server_died" in got:
@@ -500,6 +559,7 @@ def soak(url: str, *, pool: str, vllm_pid: int, duration_s: float, rate: float, 
     def load() -> None:
         try:
             outcome["point"] = run_point(url, key=key, rate=rate, prompts=max(1, round(rate * duration_s)), **point)
+            outcome["point"].pop("requests", None)  # thousands of requests: the soak keeps its percentiles only
         except Exception as exc:  # noqa: BLE001 -- reported
             outcome["error"] = str(exc)
 
@@ -674,8 +734,9 @@ def main() -> None:
             else:
                 shared = {"tier": (tier, None), "vllm": (server.url, None)}
                 stacks = {"tier-pd": (tier, None)} if args.pd else {name: shared[name] for name in args.stacks if name in shared}
+                pool_metrics = {name: ray_metrics_url() for name, (url, _) in stacks.items() if url == tier}
                 results = sweep(stacks, args.inputs, rates, save=save, prompts=args.prompts, point_s=args.point_s, servers=[server], warmup=args.warmup,
-                                **point)  # fmt: skip
+                                pool_metrics=pool_metrics, **point)  # fmt: skip
             serve.shutdown()
             ray.shutdown()
         finally:

@@ -95,13 +95,18 @@ def tier_info(url: str, key: str | None = None) -> dict:
         return json.loads(response.read())
 
 
-def ray_counter(name: str, *selectors: str) -> float:
-    """The sum of the series of ``name`` whose labels contain every one of ``selectors`` (``'event="resumed"'``),
-    as Ray's Prometheus endpoint on this node exports them now (a few seconds behind the counts)."""
+def ray_metrics_url() -> str:
+    """Ray's Prometheus endpoint on this node (where the pool's metrics are exported)."""
     import ray
 
     node = next(n for n in ray.nodes() if n["Alive"] and n["NodeManagerAddress"] == ray.util.get_node_ip_address())
-    with urllib.request.urlopen(f"http://{node['NodeManagerAddress']}:{node['MetricsExportPort']}/metrics", timeout=10) as response:
+    return f"http://{node['NodeManagerAddress']}:{node['MetricsExportPort']}/metrics"
+
+
+def ray_counter(name: str, *selectors: str) -> float:
+    """The sum of the series of ``name`` whose labels contain every one of ``selectors`` (``'event="resumed"'``),
+    as Ray's Prometheus endpoint on this node exports them now (a few seconds behind the counts)."""
+    with urllib.request.urlopen(ray_metrics_url(), timeout=10) as response:
         lines = response.read().decode().splitlines()
     return sum(float(line.rsplit(" ", 1)[1]) for line in lines if line.startswith(name) and all(s in line for s in selectors))
 

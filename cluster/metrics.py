@@ -4,6 +4,10 @@ Ray exports them on every node's metrics port with the ``ray_`` prefix, next to 
 the Prometheus and Grafana set-up of a Ray cluster picks them up as they are:
 
     ray_mlapool_ttft_seconds            histogram  time from submit to the last chunk's logits
+    ray_mlapool_queue_seconds           histogram  time from submit to the request's first batch
+    ray_mlapool_kv_wait_seconds         histogram  of those, a request that did not fit in a replica's free
+                                                   KV blocks when first considered: its wait for room
+    ray_mlapool_batch_seconds           histogram  one batch on a replica's workers, as its scheduler saw it
     ray_mlapool_prefill_tokens_total    counter    prompt tokens prefilled (rate() = tokens/s)
     ray_mlapool_prefill_tokens_per_second  gauge   prompt tokens/s over the last ``window_s``
     ray_mlapool_requests_total          counter    requests by ``status`` (ok, failed, rejected)
@@ -37,6 +41,8 @@ from ray.util import metrics
 TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
 # a resumption's stall (s): a re-prefill of a short answer on a GPU to a long one's on a loaded CPU
 STALL_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+# a batch (s): a short prompt's replayed CUDA graph to a 32K chunk of a big model on a CPU
+BATCH_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 120.0)
 
 
 class PoolMetrics:
@@ -44,6 +50,9 @@ class PoolMetrics:
         self.tags = {"pool": pool}
         keys = ("pool",)
         self.ttft = metrics.Histogram("mlapool_ttft_seconds", "Time to first token of a prefill request (s)", TTFT_BUCKETS, keys)
+        self.queue = metrics.Histogram("mlapool_queue_seconds", "Time from submit to a request's first batch (s)", TTFT_BUCKETS, keys)
+        self.kv_wait = metrics.Histogram("mlapool_kv_wait_seconds", "A request's wait for room in a replica's KV cache (s)", TTFT_BUCKETS, keys)
+        self.batch = metrics.Histogram("mlapool_batch_seconds", "One batch on a replica's workers (s)", BATCH_BUCKETS, keys)
         self.tokens = metrics.Counter("mlapool_prefill_tokens", "Prompt tokens prefilled", keys)
         self.tokens_per_s = metrics.Gauge("mlapool_prefill_tokens_per_second", f"Prompt tokens/s over the last {window_s:g} s", keys)
         self.requests = metrics.Counter("mlapool_requests", "Prefill requests by outcome", (*keys, "status"))
@@ -86,6 +95,16 @@ class PoolMetrics:
         with self._lock:
             self._recent.append((time.monotonic(), tokens))
         self._set_gauges()
+
+    def started_batch(self, queue_s: float, kv_wait_s: float) -> None:
+        """A request's first batch: its time in the queue and, where it did not fit at first, its part of
+        that spent waiting for KV room."""
+        self.queue.observe(queue_s, tags=self.tags)
+        if kv_wait_s > 0:
+            self.kv_wait.observe(kv_wait_s, tags=self.tags)
+
+    def ran_batch(self, seconds: float) -> None:
+        self.batch.observe(seconds, tags=self.tags)
 
     def _set_gauges(self) -> None:
         now = time.monotonic()

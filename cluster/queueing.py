@@ -47,6 +47,7 @@ class Request:
     attempts: int = 0  # batches of it that failed with their replica
     alone: bool = False  # runs in a batch of its own (a retry)
     blocked_since: float | None = None  # when a replica first found it did not fit
+    blocked_s: float = 0.0  # how long it waited for KV room before a replica admitted it
 
     @property
     def remaining(self) -> int:
@@ -131,7 +132,8 @@ class RequestQueue:
                 break  # nothing passes a retry: it runs next, by itself
             if reserve(request):
                 self._items.remove(request)
-                request.blocked_since = None
+                if request.blocked_since is not None:
+                    request.blocked_s, request.blocked_since = now - request.blocked_since, None
                 count = min(chunk_tokens, request.remaining, budget)
                 admitted.append((request, count))
                 budget -= count

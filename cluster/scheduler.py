@@ -145,12 +145,17 @@ class ReplicaScheduler:
         self._last_batch_requests = len(pieces)
         now = time.perf_counter()
         for request, _ in batch:
-            request.started = request.started or now
+            if request.started is None:
+                request.started = now
+                if pool.metrics is not None:
+                    pool.metrics.started_batch(now - request.submitted, request.blocked_s)
         try:
             outputs = gather([w.prefill.remote(pieces) for w in replica.workers], timeout_s=pool.config.batch_timeout_s)
         except (ray.exceptions.RayError, BatchTimeout) as exc:
             self._recover([r for r, _ in batch], exc)
             return
+        if pool.metrics is not None:
+            pool.metrics.ran_batch(time.perf_counter() - now)
         if self._recovering is not None:
             self._recovering.serving_s = time.time() - self._recovering.detected
             logger.warning("replica %d serves again %.1f s after its fault", replica.index, self._recovering.serving_s)

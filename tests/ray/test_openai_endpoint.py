@@ -466,19 +466,26 @@ def test_vllms_serving_benchmark_runs_against_the_tier_with_no_failed_request(ti
     assert info(tier)["kv_kept_requests"] == 0
 
 
-def test_a_sweeps_warm_up_sends_its_prompts_one_at_a_time_then_all_at_once(vllm_url, checkpoint, tmp_path):
+def test_a_sweeps_warm_up_sends_its_prompts_one_at_a_time_then_all_at_once_and_the_pool_tells_its_ttft_apart(tier, checkpoint, tmp_path):
     """``bench_serving.sweep``'s warm-up, not kept: its prompts one at a time (the low rates' single-prompt
     batches), then as many at once (full batches), as vLLM's benchmark ran them (``max_concurrency`` in
-    its results); then the point."""
+    its results); then the point, with the pool's own record of it (``pool``, from its histograms on Ray's
+    Prometheus endpoint): the point's two requests queued, none waiting for KV room, and its batches,
+    the warm-up's six not counted in it."""
     from bench_serving import sweep
+    from chaos_decode import ray_metrics_url
 
     lines: list[str] = []
-    results = sweep({"vllm": (vllm_url, VLLM_KEY)}, [64], [float("inf")], prompts=2, point_s=1.0, log=lines.append, warmup=3,
-                    tokenizer=str(checkpoint), model=MODEL, output_len=4, workdir=tmp_path)  # fmt: skip
-    warm = [json.loads(path.read_text()) for path in sorted((tmp_path / "warmup-vllm").glob("bench-*.json"))]
+    results = sweep({"tier": (tier, TIER_KEY)}, [64], [float("inf")], prompts=2, point_s=1.0, log=lines.append, warmup=3,
+                    pool_metrics={"tier": ray_metrics_url()}, tokenizer=str(checkpoint), model=MODEL, output_len=4, workdir=tmp_path)  # fmt: skip
+    warm = [json.loads(path.read_text()) for path in sorted((tmp_path / "warmup-tier").glob("bench-*.json"))]
     assert [(w["max_concurrency"], w["completed"]) for w in warm] == [(1, 3), (None, 3)]
-    assert lines[0] == "vllm warmed up: [(64, 1, 3, 0), (64, 'all', 3, 0)] (input tokens, at a time, done, failed)"
-    assert [(p["rate"], p["completed"]) for p in results["vllm"]["64"]] == [(float("inf"), 2)]
+    assert lines[0] == "tier warmed up: [(64, 1, 3, 0), (64, 'all', 3, 0)] (input tokens, at a time, done, failed)"
+    (point,) = results["tier"]["64"]
+    assert (point["rate"], point["completed"]) == (float("inf"), 2)
+    pool = point["pool"]
+    assert pool["ttft"]["count"] == pool["queue"]["count"] == 2 and pool["kv_wait"] == {"count": 0} and 1 <= pool["batch"]["count"] <= 2, pool
+    assert pool["queue"]["over_s"].keys() == {"0.25", "0.5", "1.0", "2.5"} and pool["batch"]["mean_ms"] > 0
 
 
 def test_a_serving_point_with_failed_requests_says_why(vllm_url, checkpoint, tmp_path):

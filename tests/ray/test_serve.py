@@ -237,7 +237,8 @@ def test_the_metrics_reach_rays_prometheus_endpoint(url):
     node = next(n for n in ray.nodes() if n["Alive"])
     endpoint = f"http://{node['NodeManagerAddress']}:{node['MetricsExportPort']}/metrics"
     wanted = ("ray_mlapool_ttft_seconds_count", "ray_mlapool_prefill_tokens_total", "ray_mlapool_requests_total",
-              "ray_mlapool_queue_depth", "ray_mlapool_backend_info", "ray_mlapool_kv_bytes_shipped_total")  # fmt: skip
+              "ray_mlapool_queue_depth", "ray_mlapool_backend_info", "ray_mlapool_kv_bytes_shipped_total",
+              "ray_mlapool_queue_seconds_count", "ray_mlapool_batch_seconds_count")  # fmt: skip
     deadline, missing = time.monotonic() + 60, wanted
     while missing and time.monotonic() < deadline:
         text = urllib.request.urlopen(endpoint, timeout=10).read().decode()

@@ -2,7 +2,8 @@
 GPU run of two stacks, ``--pd``, reports it; its figures are only as right as this reading); and
 ``died``: what a sweep whose vLLM server exited says of it; ``memory_growth``: what a soak calls a
 leak; ``kept_results``: what ``--add`` keeps of an earlier run; ``engine_itl_buckets`` and
-``engine_itl_over``: vLLM's engine side of an ITL tail, beside the client's (``_point``)."""
+``engine_itl_over``: vLLM's engine side of an ITL tail, beside the client's (``_point``);
+``pool_times_between``: the pool's side of a TTFT tail."""
 
 import http.server
 import json
@@ -16,7 +17,7 @@ from types import SimpleNamespace
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
-from bench_serving import _engine_itl_now, _point as point_of, died, engine_itl_buckets, engine_itl_over, kept_results, memory_growth, merge_results, slo_goodput  # noqa: E402
+from bench_serving import _engine_itl_now, _point as point_of, died, engine_itl_buckets, engine_itl_over, histograms, kept_results, memory_growth, merge_results, pool_times_between, slo_goodput  # noqa: E402  # fmt: skip
 
 
 def _point(rate: float, throughput: float, ttft_p99: float, itl_p50: float, itl_p99: float, failed: int = 0, goodput: float | None = None) -> dict:
@@ -168,7 +169,8 @@ def test_the_engines_itl_tail_is_read_from_vllms_histogram_summed_over_engines_a
 
 def test_the_clients_itl_tail_is_the_share_of_every_requests_intervals_over_each_bound_and_apart_from_each_first(tmp_path):
     raw = {"completed": 2, "failed": 0, "duration": 1.0, "request_throughput": 2.0, "output_throughput": 8.0, "request_goodput": 2.0,
-           "p50_itl_ms": 3.0, "p99_itl_ms": 40.0, "itls": [[0.003, 0.003, 0.030], [0.003, 0.060, 0.003, 0.200, 0.003]]}  # fmt: skip
+           "p50_itl_ms": 3.0, "p99_itl_ms": 40.0, "itls": [[0.003, 0.003, 0.030], [0.003, 0.060, 0.003, 0.200, 0.003]],
+           "input_lens": [900, 2100], "ttfts": [0.25, 1.5], "start_times": [100.5, 100.75]}  # fmt: skip
     result = tmp_path / "r.json"
     result.write_text(json.dumps(raw))
     got = point_of({"result": str(result), "failures": str(tmp_path / "f.json"), "point": {"rate": 1.0, "prompts": 2}})
@@ -176,7 +178,39 @@ def test_the_clients_itl_tail_is_the_share_of_every_requests_intervals_over_each
     # each request's first interval (3 and 3 ms) apart; the 6 after them: 30, 3 / 60, 3, 200, 3 ms
     assert got["first_itl"] == {"p50": 3.0, "p99": 3.0}
     assert got["itl_over_ms_later"] == {"10": 0.5, "25": 0.5, "50": 0.33333, "100": 0.16667}
+    assert got["requests"] == {"input_len": [900, 2100], "ttft_ms": [250.0, 1500.0], "sent_s": [0.0, 0.25]}  # each request, in order
     raw["itls"] = [[0.050], [0.020]]  # one interval each: all of them first ones, nothing after them
+    del raw["start_times"]  # a vLLM whose benchmark does not record them
     result.write_text(json.dumps(raw))
     got = point_of({"result": str(result), "failures": str(tmp_path / "f.json"), "point": {"rate": 1.0, "prompts": 2}})
-    assert got["first_itl"] == {"p50": 35.0, "p99": 49.7} and "itl_over_ms_later" not in got
+    assert got["first_itl"] == {"p50": 35.0, "p99": 49.7} and "itl_over_ms_later" not in got and "sent_s" not in got["requests"]
+
+
+def _pool_page(queue: dict[str, float], queue_sum: float, batch: dict[str, float], batch_sum: float) -> str:
+    """The pool's histograms as Ray's endpoint exports them: a series per pool (``pool`` tag), here two pools
+    of equal counts, and no ``kv_wait`` series (nothing observed yet)."""
+    lines = []
+    for name, counts, total in (("ray_mlapool_queue_seconds", queue, queue_sum), ("ray_mlapool_batch_seconds", batch, batch_sum)):
+        lines += [f"# HELP {name} h", f"# TYPE {name} histogram"]
+        for pool in ("a", "b"):
+            lines += [f'{name}_bucket{{Component="core_worker",le="{le}",pool="{pool}"}} {n}' for le, n in counts.items()]
+            lines += [f'{name}_count{{Component="core_worker",pool="{pool}"}} {counts["+Inf"]}', f'{name}_sum{{Component="core_worker",pool="{pool}"}} {total}']
+    return "\n".join(lines) + "\n"
+
+
+def test_the_pools_ttft_is_told_apart_from_its_histograms_summed_over_series_between_two_reads():
+    names = ("ray_mlapool_ttft_seconds", "ray_mlapool_queue_seconds", "ray_mlapool_kv_wait_seconds", "ray_mlapool_batch_seconds")
+    before = _pool_page({"0.25": 4, "0.5": 4, "1.0": 4, "2.5": 4, "+Inf": 4}, 0.2, {"0.25": 2, "0.5": 2, "1.0": 2, "2.5": 2, "+Inf": 2}, 0.1)
+    # between the reads each pool queued 4 more requests, one of them 2 s and one 3 s, and ran 2 batches of 0.3 s
+    after = _pool_page({"0.25": 6, "0.5": 6, "1.0": 6, "2.5": 7, "+Inf": 8}, 5.2, {"0.25": 2, "0.5": 4, "1.0": 4, "2.5": 4, "+Inf": 4}, 0.7)
+    server, url = _metrics_server([before, after])
+    try:
+        first, second = histograms(url, names), histograms(url, names)
+    finally:
+        server.shutdown()
+    assert first["ray_mlapool_queue_seconds"] == {0.25: 8, 0.5: 8, 1.0: 8, 2.5: 8, math.inf: 8, "sum": 0.4}
+    assert "ray_mlapool_kv_wait_seconds" not in first
+    got = pool_times_between(first, second)
+    assert got["queue"] == {"count": 8, "mean_ms": 1250.0, "over_s": {"0.25": 0.5, "0.5": 0.5, "1.0": 0.5, "2.5": 0.25}}
+    assert got["batch"] == {"count": 4, "mean_ms": 300.0, "over_s": {"0.25": 1.0, "0.5": 0.0, "1.0": 0.0, "2.5": 0.0}}
+    assert got["kv_wait"] == {"count": 0} and got["ttft"] == {"count": 0}  # none exported by this page

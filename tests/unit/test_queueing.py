@@ -91,7 +91,8 @@ def test_a_request_that_fits_nowhere_is_passed_for_a_while_then_nothing_younger_
     queue.put(_request("short-2", 1))
     assert queue.take(replica.reserve, 100, 4, alone_ok=True, timeout_s=0)[0] == []  # "long" has waited enough
     replica.free = 10  # KV released
-    assert _names(queue.take(replica.reserve, 100, 4, alone_ok=True, timeout_s=0)[0]) == ["long"]
+    (long, _), = queue.take(replica.reserve, 100, 4, alone_ok=True, timeout_s=0)[0]
+    assert long.id == "long" and 0.3 <= long.blocked_s < 5 and long.blocked_since is None  # its wait for room, for the pool's metrics
 
 
 def test_take_waits_for_a_request_and_close_returns_the_waiting_ones():
