@@ -5,8 +5,9 @@ the Prometheus and Grafana set-up of a Ray cluster picks them up as they are:
 
     ray_mlapool_ttft_seconds            histogram  time from submit to the last chunk's logits
     ray_mlapool_queue_seconds           histogram  time from submit to the request's first batch
-    ray_mlapool_kv_wait_seconds         histogram  of those, a request that did not fit in a replica's free
-                                                   KV blocks when first considered: its wait for room
+    ray_mlapool_kv_wait_seconds         histogram  of that, the wait of a request that no replica took when
+                                                   first considered (its KV did not fit in the free blocks, or
+                                                   it was kept for the replica holding more of its prefix)
     ray_mlapool_batch_seconds           histogram  one batch on a replica's workers, as its scheduler saw it
     ray_mlapool_prefill_tokens_total    counter    prompt tokens prefilled (rate() = tokens/s)
     ray_mlapool_prefill_tokens_per_second  gauge   prompt tokens/s over the last ``window_s``
