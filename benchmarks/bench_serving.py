@@ -28,7 +28,9 @@ Through the tier, the pool's part of a TTFT and what it is made of (``pool``: it
 read before and after the point): submit to the prompt's logits (``ttft``; the client's TTFT less this is
 the endpoint's and the relay's), its requests' time in its queue (``queue``), of that their waits for
 room in its KV cache (``kv_wait``), and its batches on the workers (``batch``), each as a count, a mean
-and the share over 0.25, 0.5, 1 and 2.5 s.
+and the share over 0.25, 0.5, 1 and 2.5 s; and the tier's own steps to each first token (``tier_steps``,
+from its ``GET /`` timeline of its last 128 requests: received to prefilled, prefilled to the first token
+sent, and the pool's TTFT, p50 and p99).
 
 The stacks (``sweep``, ``--stacks``, all three by default): ``tier`` (the Serve tier, its pool on
 the GPU, the vLLM server with mlapool's connector as its decode server), ``vllm`` (that same vLLM
@@ -272,6 +274,24 @@ def engine_itl_buckets(urls: list[str]) -> dict[float, float]:
     return total
 
 
+# the tier's steps of a request to its first token (its GET /'s ``handoff_timeline``: Unix times of the last 128
+# requests it handed to decode servers, and the pool's TTFT), as spans (s): name -> (from, to); "pool_ttft_s" as is
+TIER_SPANS = {"received_to_prefilled": ("received", "prefilled"), "prefilled_to_first_token_sent": ("prefilled", "first_token_sent"),
+              "received_to_first_token_sent": ("received", "first_token_sent")}  # fmt: skip
+
+
+def tier_steps(timeline: dict[str, dict[str, float]], since: float) -> dict:
+    """p50 and p99 (ms) of each of ``TIER_SPANS`` and of the pool's TTFT over the requests of ``timeline``
+    the tier received from ``since`` (a Unix time) on, and how many: where the tier's part of a TTFT
+    tail lies (the pool, the endpoint before or after it), set beside the client's TTFT."""
+    requests = [steps for steps in timeline.values() if steps.get("received", 0.0) >= since]
+    spans = {"pool_ttft": [steps["pool_ttft_s"] for steps in requests if "pool_ttft_s" in steps]}
+    for name, (start, end) in TIER_SPANS.items():
+        spans[name] = [steps[end] - steps[start] for steps in requests if start in steps and end in steps]
+    return {"requests": len(requests)} | {name: {q: round(float(np.percentile(values, pct)) * 1000, 2) for q, pct in (("p50", 50), ("p99", 99))}
+                                          for name, values in spans.items() if values}  # fmt: skip
+
+
 def pool_times_between(before: dict[str, dict], after: dict[str, dict]) -> dict:
     """Between two reads of the pool's :data:`POOL_TIMES` (:func:`histograms` of Ray's endpoint): per
     histogram how many it recorded, their mean, and the share over each of ``POOL_OVER_S`` (bucket
@@ -324,7 +344,8 @@ def sweep(stacks: dict[str, tuple[str, str | None]], inputs: list[int], rates: l
     ``servers``: the vLLM servers the stacks decode on; a point with failed requests whose server has
     exited says so (``server_died``: its exit code and the exceptions its log names) and ends the sweep.
     ``pool_metrics``: per stack through a pool, the Prometheus endpoint its metrics are on, read before and
-    after each point (``pool``: :func:`pool_times_between`)."""
+    after each point (``pool``: :func:`pool_times_between`); its ``GET /`` gives the tier's steps of the
+    point's requests (``tier_steps``: :func:`tier_steps`)."""
     results: dict = {}
     workdir, vllm_pythonpath = point.pop("workdir"), point.pop("vllm_pythonpath", None)
     for stack, (url, key) in stacks.items():
@@ -340,7 +361,7 @@ def sweep(stacks: dict[str, tuple[str, str | None]], inputs: list[int], rates: l
         for input_len in inputs:
             for rate in rates:
                 count = max(16, round(rate * point_s)) if np.isfinite(rate) else prompts
-                before = _engine_itl_now(servers)
+                before, started = _engine_itl_now(servers), time.time()
                 got = run_point(url, key=key, input_len=input_len, rate=rate, prompts=count, workdir=workdir, vllm_pythonpath=vllm_pythonpath, **point)
                 after = _engine_itl_now(servers)
                 if before is not None and after is not None:
@@ -349,6 +370,7 @@ def sweep(stacks: dict[str, tuple[str, str | None]], inputs: list[int], rates: l
                     time.sleep(POOL_SETTLE_S)
                     pool_after = histograms(metrics_url, POOL_TIMES.values())
                     got["pool"], pool_before = pool_times_between(pool_before, pool_after), pool_after
+                    got["tier_steps"] = tier_steps(tier_info(url, key)["handoff_timeline"], since=started)
                 dead = next((server for server in servers if server.process.poll() is not None), None) if got["failed"] else None
                 if dead is not None:
                     got["server_died"] = died(dead)

@@ -106,7 +106,7 @@ def serving_table(name: str) -> str:
                 goodput = "-" if p.get("request_goodput") is None else f"{p['request_goodput']:.2f}"
                 rows.append(f"| {stack} | {input_len} | {rate} | {p['completed']} / {p['failed']} | {pair(p, 'ttft')} | {pair(p, 'tpot')} | {pair(p, 'itl')} "
                             f"| {p['output_throughput']:,.0f} | {goodput} |")  # fmt: skip
-    rows += _goodput_lines(document) + _tail_table(document)
+    rows += _goodput_lines(document) + _tail_table(document) + _ttft_table(document)
     plot = Path(name).with_suffix(".png").name
     if (RESULTS / plot).exists():
         rows += ["", f"![latency and throughput against the request rate, {name}](benchmarks/results/{plot})"]
@@ -127,6 +127,34 @@ def _goodput_lines(document) -> list[str]:
                       f"(its ITL p50 at the lowest rate), {at_p99}{p99_ratio}. vLLM's own goodput (each request within TTFT "
                       f"{slo['ttft_ms']:g} ms and TPOT {slo['tpot_ms']:g} ms), at the best rate: {counted}{ratio}."]  # fmt: skip
     return lines
+
+
+def _ttft_table(document) -> list[str]:
+    """Where the tier's TTFT tail arises (points through the tier that have the pool's and the tier's own
+    records, ``bench_serving.py``'s ``pool`` and ``tier_steps``): the client's TTFT, the tier's steps and the
+    pool's, p50 / p99, and the pool's queue, KV-room waits and batches (count, mean, share over 1 s)."""
+    points = [(stack, input_len, p) for stack, by_input in document["results"].items() for input_len, points in by_input.items()
+              for p in sorted(points, key=lambda p: p["rate"]) if "pool" in p and "tier_steps" in p]  # fmt: skip
+    if not points:
+        return []
+
+    def pair(got: dict | None) -> str:
+        return "-" if got is None else f"{got['p50']:,.1f} / {got['p99']:,.1f}"
+
+    def times(got: dict) -> str:
+        return "0" if not got.get("count") else f"{got['count']}, {got['mean_ms']:,.1f} ms, {100 * got['over_s'].get('1.0', 0):.0f}%"
+
+    rows = ["", "Where the TTFT tail arises through the tier: the client's TTFT; the tier's own steps (its timeline of the point's requests: "
+                "received to the pool's logits in the endpoint, of that the pool's TTFT, and from the logits to the first token sent), "
+                "p50 / p99 in ms; the pool's queue, its waits for KV room and its batches (count, mean, share over 1 s).", "",
+            "| stack | input tokens | rate (req/s) | client TTFT | received to prefilled | pool TTFT | prefilled to first token sent | queue | KV-room waits | batches |",
+            "|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    for stack, input_len, p in points:
+        rate = "saturation" if p["rate"] == float("inf") else f"{p['rate']:g}"
+        steps, pool = p["tier_steps"], p["pool"]
+        rows.append(f"| {stack} | {input_len} | {rate} | {pair(p.get('ttft'))} | {pair(steps.get('received_to_prefilled'))} | {pair(steps.get('pool_ttft'))} "
+                    f"| {pair(steps.get('prefilled_to_first_token_sent'))} | {times(pool['queue'])} | {times(pool['kv_wait'])} | {times(pool['batch'])} |")  # fmt: skip
+    return rows
 
 
 def _tail_table(document) -> list[str]:

@@ -471,7 +471,7 @@ def test_a_sweeps_warm_up_sends_its_prompts_one_at_a_time_then_all_at_once_and_t
     batches), then as many at once (full batches), as vLLM's benchmark ran them (``max_concurrency`` in
     its results); then the point, with the pool's own record of it (``pool``, from its histograms on Ray's
     Prometheus endpoint): the point's two requests queued, none waiting for KV room, and its batches,
-    the warm-up's six not counted in it."""
+    the warm-up's six not counted in it; and the tier's steps of those two (its GET / timeline)."""
     from bench_serving import sweep
     from chaos_decode import ray_metrics_url
 
@@ -486,6 +486,8 @@ def test_a_sweeps_warm_up_sends_its_prompts_one_at_a_time_then_all_at_once_and_t
     pool = point["pool"]
     assert pool["ttft"]["count"] == pool["queue"]["count"] == 2 and pool["kv_wait"] == {"count": 0} and 1 <= pool["batch"]["count"] <= 2, pool
     assert pool["queue"]["over_s"].keys() == {"0.25", "0.5", "1.0", "2.5"} and pool["batch"]["mean_ms"] > 0
+    steps = point["tier_steps"]  # the tier's own record of the point's two requests (its GET / timeline)
+    assert steps["requests"] == 2 and 0 < steps["pool_ttft"]["p50"] <= steps["received_to_first_token_sent"]["p50"], steps
 
 
 def test_a_serving_point_with_failed_requests_says_why(vllm_url, checkpoint, tmp_path):

@@ -17,7 +17,7 @@ from types import SimpleNamespace
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
-from bench_serving import _engine_itl_now, _point as point_of, died, engine_itl_buckets, engine_itl_over, histograms, kept_results, memory_growth, merge_results, pool_times_between, slo_goodput  # noqa: E402  # fmt: skip
+from bench_serving import _engine_itl_now, _point as point_of, died, engine_itl_buckets, engine_itl_over, histograms, kept_results, memory_growth, merge_results, pool_times_between, slo_goodput, tier_steps  # noqa: E402  # fmt: skip
 
 
 def _point(rate: float, throughput: float, ttft_p99: float, itl_p50: float, itl_p99: float, failed: int = 0, goodput: float | None = None) -> dict:
@@ -214,3 +214,17 @@ def test_the_pools_ttft_is_told_apart_from_its_histograms_summed_over_series_bet
     assert got["queue"] == {"count": 8, "mean_ms": 1250.0, "over_s": {"0.25": 0.5, "0.5": 0.5, "1.0": 0.5, "2.5": 0.25}}
     assert got["batch"] == {"count": 4, "mean_ms": 300.0, "over_s": {"0.25": 1.0, "0.5": 0.0, "1.0": 0.0, "2.5": 0.0}}
     assert got["kv_wait"] == {"count": 0} and got["ttft"] == {"count": 0}  # none exported by this page
+
+
+def test_the_tiers_steps_to_a_first_token_are_taken_from_its_timeline_for_the_points_requests_only():
+    timeline = {
+        "before": {"received": 99.0, "prefilled": 99.5, "pool_ttft_s": 0.4, "first_token_sent": 99.51},  # an earlier point's
+        "a": {"received": 100.0, "forwarded": 100.001, "prefilled": 100.3, "pool_ttft_s": 0.25, "first_token_sent": 100.302},
+        "b": {"received": 101.0, "forwarded": 101.001, "prefilled": 104.0, "pool_ttft_s": 2.9, "first_token_sent": 104.01},
+        "c": {"received": 102.0, "forwarded": 102.001},  # still prefilling when read
+    }  # fmt: skip
+    got = tier_steps(timeline, since=100.0)
+    assert got["requests"] == 3
+    assert got["pool_ttft"] == {"p50": 1575.0, "p99": 2873.5}
+    assert got["received_to_prefilled"]["p99"] == pytest.approx(2973.0) and got["prefilled_to_first_token_sent"]["p50"] == pytest.approx(6.0)
+    assert tier_steps(timeline, since=200.0) == {"requests": 0}

@@ -67,6 +67,19 @@ def test_the_tail_table_sets_the_clients_shares_without_each_first_interval_besi
     assert "first interval" not in "\n".join(figures._tail_table({"results": {"tier-pd": {"17408": [old]}}}))
 
 
+def test_the_ttft_table_sets_the_tiers_and_the_pools_records_beside_the_clients_ttft_where_a_point_has_them():
+    pool = {"ttft": {"count": 40, "mean_ms": 700.0, "over_s": {"1.0": 0.1}}, "queue": {"count": 40, "mean_ms": 420.5, "over_s": {"1.0": 0.125}},
+            "kv_wait": {"count": 0}, "batch": {"count": 31, "mean_ms": 250.0, "over_s": {"1.0": 0.0}}}  # fmt: skip
+    steps = {"requests": 40, "pool_ttft": {"p50": 300.0, "p99": 3800.0}, "received_to_prefilled": {"p50": 310.0, "p99": 3850.0},
+             "prefilled_to_first_token_sent": {"p50": 1.2, "p99": 4.0}}  # fmt: skip
+    new = {"rate": 2.0, "ttft": {"p50": 448.4, "p99": 3911.8}, "pool": pool, "tier_steps": steps}
+    old = {"rate": 1.0, "ttft": {"p50": 300.0, "p99": 1200.0}}  # a point of a sweep from before they were kept
+    rows = figures._ttft_table({"results": {"tier-pd": {"17408": [old, new]}}})
+    assert rows[-1] == "| tier-pd | 17408 | 2 | 448.4 / 3,911.8 | 310.0 / 3,850.0 | 300.0 / 3,800.0 | 1.2 / 4.0 | 40, 420.5 ms, 12% | 0 | 31, 250.0 ms, 0% |"
+    assert len([row for row in rows if row.startswith("| tier-pd")]) == 1  # the older point has no row
+    assert figures._ttft_table({"results": {"tier-pd": {"17408": [old]}}}) == []
+
+
 @pytest.mark.parametrize("page", PAGES, ids=lambda p: p.name)
 def test_every_markdown_link_resolves(page):
     for target in LINK.findall(page.read_text()):
