@@ -117,7 +117,7 @@ ITL_OVER_MS = (10, 25, 50, 100)  # bounds of vLLM's default buckets for it
 POOL_TIMES = {"ttft": "ray_mlapool_ttft_seconds", "queue": "ray_mlapool_queue_seconds", "kv_wait": "ray_mlapool_kv_wait_seconds",
               "batch": "ray_mlapool_batch_seconds"}  # fmt: skip
 POOL_OVER_S = (0.25, 0.5, 1.0, 2.5)
-POOL_SETTLE_S = 2.5  # Ray exports each second (start_tier): a point's last observations are out after this
+POOL_EXPORT_S = 30.0  # how long a point's last observations may take to reach Ray's endpoint (it exports each second: start_tier)
 # vLLM's benchmark, as `vllm bench serve` runs it (the module, as a console script may be missing), once for
 # each run of a JSON list, in one process (its imports, ~15 s on the 2-core CPU, paid once). vLLM's
 # benchmark keeps only a failed request's HTTP reason ("Bad Request"), so a run with failed requests has its
@@ -292,6 +292,26 @@ def tier_steps(timeline: dict[str, dict[str, float]], since: float) -> dict:
                                           for name, values in spans.items() if values}  # fmt: skip
 
 
+def pool_times_now(url: str, since: dict[str, dict] | None = None, requests: int = 0) -> dict[str, dict]:
+    """:func:`histograms` of the pool's :data:`POOL_TIMES` at Ray's endpoint ``url``, once Ray has exported
+    what the pool recorded: its TTFT counted for ``requests`` more requests than ``since`` holds, or
+    without ``since``, two reads a second apart that agree (at most ``POOL_EXPORT_S`` either way)."""
+    name, deadline = POOL_TIMES["ttft"], time.monotonic() + POOL_EXPORT_S
+
+    def count(read: dict[str, dict] | None) -> float:
+        return (read or {}).get(name, {}).get(float("inf"), 0.0)
+
+    now = histograms(url, POOL_TIMES.values())
+    while time.monotonic() < deadline:
+        if since is not None and count(now) - count(since) >= requests:
+            break
+        time.sleep(1.0)
+        now, last = histograms(url, POOL_TIMES.values()), now
+        if since is None and count(now) == count(last):
+            break
+    return now
+
+
 def pool_times_between(before: dict[str, dict], after: dict[str, dict]) -> dict:
     """Between two reads of the pool's :data:`POOL_TIMES` (:func:`histograms` of Ray's endpoint): per
     histogram how many it recorded, their mean, and the share over each of ``POOL_OVER_S`` (bucket
@@ -356,8 +376,7 @@ def sweep(stacks: dict[str, tuple[str, str | None]], inputs: list[int], rates: l
             log(f"{stack} warmed up: {[(w['input_len'], w.get('max_concurrency', 'all'), w['completed'], w['failed']) for w in warm]} "
                 "(input tokens, at a time, done, failed)")  # fmt: skip
         if metrics_url is not None:
-            time.sleep(POOL_SETTLE_S)  # the warm-up's last batches exported
-            pool_before = histograms(metrics_url, POOL_TIMES.values())
+            pool_before = pool_times_now(metrics_url)  # the warm-up's last requests exported
         for input_len in inputs:
             for rate in rates:
                 count = max(16, round(rate * point_s)) if np.isfinite(rate) else prompts
@@ -367,8 +386,7 @@ def sweep(stacks: dict[str, tuple[str, str | None]], inputs: list[int], rates: l
                 if before is not None and after is not None:
                     got["engine_itl"] = engine_itl_over(before, after)
                 if metrics_url is not None:
-                    time.sleep(POOL_SETTLE_S)
-                    pool_after = histograms(metrics_url, POOL_TIMES.values())
+                    pool_after = pool_times_now(metrics_url, since=pool_before, requests=got["completed"])
                     got["pool"], pool_before = pool_times_between(pool_before, pool_after), pool_after
                     got["tier_steps"] = tier_steps(tier_info(url, key)["handoff_timeline"], since=started)
                 dead = next((server for server in servers if server.process.poll() is not None), None) if got["failed"] else None

@@ -17,7 +17,7 @@ from types import SimpleNamespace
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
-from bench_serving import _engine_itl_now, _point as point_of, died, engine_itl_buckets, engine_itl_over, histograms, kept_results, memory_growth, merge_results, pool_times_between, slo_goodput, tier_steps  # noqa: E402  # fmt: skip
+from bench_serving import _engine_itl_now, _point as point_of, died, engine_itl_buckets, engine_itl_over, histograms, kept_results, memory_growth, merge_results, pool_times_between, pool_times_now, slo_goodput, tier_steps  # noqa: E402  # fmt: skip
 
 
 def _point(rate: float, throughput: float, ttft_p99: float, itl_p50: float, itl_p99: float, failed: int = 0, goodput: float | None = None) -> dict:
@@ -228,3 +228,27 @@ def test_the_tiers_steps_to_a_first_token_are_taken_from_its_timeline_for_the_po
     assert got["pool_ttft"] == {"p50": 1575.0, "p99": 2873.5}
     assert got["received_to_prefilled"]["p99"] == pytest.approx(2973.0) and got["prefilled_to_first_token_sent"]["p50"] == pytest.approx(6.0)
     assert tier_steps(timeline, since=200.0) == {"requests": 0}
+
+
+def _ttft_page(count: int) -> str:
+    name = "ray_mlapool_ttft_seconds"
+    return (f"# TYPE {name} histogram\n{name}_bucket{{le=\"1.0\",pool=\"p\"}} {count}\n{name}_bucket{{le=\"+Inf\",pool=\"p\"}} {count}\n"
+            f"{name}_count{{pool=\"p\"}} {count}\n{name}_sum{{pool=\"p\"}} {count * 0.5}\n")  # fmt: skip
+
+
+def test_the_pools_record_of_a_point_is_read_once_ray_has_exported_its_requests():
+    """Ray's endpoint runs behind the pool (on the 2-core CPU, more than 2.5 s under load): a point's
+    record waits until the pool's TTFT has counted the point's requests; the first, for two reads that agree."""
+    server, url = _metrics_server([_ttft_page(5), _ttft_page(5), _ttft_page(13)])
+    try:
+        before = histograms(url, ["ray_mlapool_ttft_seconds"])
+        assert before["ray_mlapool_ttft_seconds"][math.inf] == 5
+        after = pool_times_now(url, since=before, requests=8)  # two reads still at 5, then 13
+    finally:
+        server.shutdown()
+    assert pool_times_between(before, after)["ttft"] == {"count": 8, "mean_ms": 500.0, "over_s": {"1.0": 0.0}}
+    server, url = _metrics_server([_ttft_page(3), _ttft_page(6), _ttft_page(6)])
+    try:
+        assert pool_times_now(url)["ray_mlapool_ttft_seconds"][math.inf] == 6  # 3, then 6 twice: settled
+    finally:
+        server.shutdown()
