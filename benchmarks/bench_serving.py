@@ -393,7 +393,9 @@ def sweep(stacks: dict[str, tuple[str, str | None]], inputs: list[int], rates: l
                 if dead is not None:
                     got["server_died"] = died(dead)
                 results.setdefault(stack, {}).setdefault(str(input_len), []).append(got)
-                pool = "".join(f", pool {key} mean {got['pool'][key].get('mean_ms')} ms" for key in ("ttft", "queue", "kv_wait") if "pool" in got)
+                pool = got.get("pool")
+                pool = "" if pool is None else (f", pool TTFT mean {pool['ttft'].get('mean_ms')} ms, queue mean {pool['queue'].get('mean_ms')} ms, "
+                                                f"{pool['kv_wait']['count']} KV-room waits")  # fmt: skip
                 log(f"{stack} {input_len} tokens at {rate}/s: {got['completed']} done, {got['failed']} failed, "
                     f"TTFT p50 {got['ttft'].get('p50')} ms, ITL p99 {got['itl'].get('p99')} ms, {got['output_throughput']} tok/s{pool}")  # fmt: skip
                 if save is not None:
