@@ -45,12 +45,16 @@ interrupted by its prefills as vLLM's own are by its chunked prefills; what it s
 the handoff under load (two processes, the KV load) against vLLM's own scheduling. A plot of latency
 against rate (both stacks) is written beside the JSON.
 
-``--pd`` (two GPUs; disaggregation's own benchmark): the tier with its pool on GPU 0 and its vLLM
+``--pd`` (two GPUs or more; disaggregation's own benchmark): the tier with its pool on GPU 0 and its vLLM
 decode server alone on GPU 1 (``tier-pd``: decode steps no prefill interrupts, the KV read from GPU 0
 over NVLink), against vLLM alone with ``--data-parallel-size 2`` over both GPUs (``vllm-dp2``) or,
-with ``--pd-baseline two-servers``, a vLLM server per GPU with the requests sent to them in turn
+with ``--pd-baseline servers``, a vLLM server per GPU with the requests sent to them in turn
 (``vllm-2x1``, ``benchmarks/round_robin.py``), each with ``--vllm-memory-whole`` of its GPUs, or with
-``--pd-baseline none`` against nothing (the tier again, its baseline measured before);
+``--pd-baseline none`` against nothing (the tier again, its baseline measured before). With
+``--pd-prefill-gpus N`` the tier has N replicas, each a pool on one of GPUs 0 to N-1 (the requests
+sent to them in turn at their own ports with ``--ingress replica``, else balanced by Serve's proxy),
+and its decode server GPU N; vLLM alone then runs on all N + 1 (``vllm-dp3``, ``vllm-3x1`` for N = 2):
+more prefill than decode GPUs, for mixes whose prompts are most of the work;
 ``--input-range-ratio`` spreads the prompts' lengths (input 17408 with 0.88: 2,089 to 32,727 tokens) and, as vLLM's
 random dataset does, the answers' (256 with 0.88: 30 to 482 tokens). ``slo_goodput`` in the JSON: per stack the request throughput
 at the highest rate whose TTFT p99 is within ``--slo-ttft-ms`` and whose ITL p99 is within
@@ -352,7 +356,7 @@ def _engine_itl_now(servers) -> dict[float, float] | None:
 
 
 def sweep(stacks: dict[str, tuple[str, str | None]], inputs: list[int], rates: list[float], *, prompts: int, point_s: float, log=print,
-          save=None, servers=(), warmup: int = 0, pool_metrics: dict[str, str] | None = None, **point) -> dict:  # fmt: skip
+          save=None, servers=(), warmup: int = 0, pool_records: dict[str, tuple[str, list[str]]] | None = None, **point) -> dict:  # fmt: skip
     """``run_point`` for every stack (name: (url, key)), input length and rate: ``rate * point_s``
     prompts (at least 16) at a finite rate, ``prompts`` at saturation; ``save(results)`` after each.
     First, per stack, ``warmup`` prompts of each input length one at a time, then as many at once, not
@@ -363,13 +367,15 @@ def sweep(stacks: dict[str, tuple[str, str | None]], inputs: list[int], rates: l
     first sweep on a new node had TTFT p99 5.6 s at 1/s and its second 1.2 s (2026-11-28, 2 x H200).
     ``servers``: the vLLM servers the stacks decode on; a point with failed requests whose server has
     exited says so (``server_died``: its exit code and the exceptions its log names) and ends the sweep.
-    ``pool_metrics``: per stack through a pool, the Prometheus endpoint its metrics are on, read before and
-    after each point (``pool``: :func:`pool_times_between`); its ``GET /`` gives the tier's steps of the
-    point's requests (``tier_steps``: :func:`tier_steps`)."""
+    ``pool_records``: per stack through the tier, the Prometheus endpoint its pools' metrics are on, read
+    before and after each point (``pool``: :func:`pool_times_between`), and the URLs of its replicas
+    whose ``GET /`` timelines give the tier's steps of the point's requests (``tier_steps``:
+    :func:`tier_steps`; through Serve's proxy in front of several replicas, the timeline of whichever
+    replica answers)."""
     results: dict = {}
     workdir, vllm_pythonpath = point.pop("workdir"), point.pop("vllm_pythonpath", None)
     for stack, (url, key) in stacks.items():
-        metrics_url = (pool_metrics or {}).get(stack)
+        metrics_url, tier_urls = (pool_records or {}).get(stack, (None, []))
         if warmup:
             warm = run_points([{"url": url, "key": key, "input_len": n, "rate": float("inf"), "prompts": warmup, "max_concurrency": together, **point}
                                for n in inputs for together in (1, None)], workdir=workdir / f"warmup-{stack}", vllm_pythonpath=vllm_pythonpath)  # fmt: skip
@@ -388,7 +394,8 @@ def sweep(stacks: dict[str, tuple[str, str | None]], inputs: list[int], rates: l
                 if metrics_url is not None:
                     pool_after = pool_times_now(metrics_url, since=pool_before, requests=got["completed"])
                     got["pool"], pool_before = pool_times_between(pool_before, pool_after), pool_after
-                    got["tier_steps"] = tier_steps(tier_info(url, key)["handoff_timeline"], since=started)
+                    timeline = {request: steps for tier_url in tier_urls for request, steps in tier_info(tier_url, key)["handoff_timeline"].items()}
+                    got["tier_steps"] = tier_steps(timeline, since=started)
                 dead = next((server for server in servers if server.process.poll() is not None), None) if got["failed"] else None
                 if dead is not None:
                     got["server_died"] = died(dead)
@@ -659,12 +666,15 @@ def main() -> None:
     parser.add_argument("--stacks", nargs="+", choices=ONE_GPU_STACKS, help="sweep on one GPU: the stacks measured (default: all; see above)")
     parser.add_argument("--add", action="store_true",
                         help="sweep: keep the results of --out for the stacks and input lengths this run does not measure")
-    parser.add_argument("--pd", action="store_true", help="sweep on two GPUs: the pool on GPU 0 and its vLLM decode server alone on GPU 1 "
-                        "(--vllm-memory-whole of it), then vLLM alone on both (--pd-baseline); the goodput at "
+    parser.add_argument("--pd", action="store_true", help="sweep on two GPUs or more: the pool on GPU 0 and its vLLM decode server alone on "
+                        "GPU 1 (--vllm-memory-whole of it), then vLLM alone on both (--pd-baseline); the goodput at "
                         "--slo-ttft-ms (as TTFT p99) and ITL p99 <= --itl-factor x each stack's unloaded ITL")  # fmt: skip
-    parser.add_argument("--pd-baseline", choices=["dp2", "two-servers", "none"], default="dp2",
-                        help="--pd: vLLM alone as one server of --data-parallel-size 2 (dp2, default), as a server per GPU behind a round "
-                             "robin, or none (the tier only)")  # fmt: skip
+    parser.add_argument("--pd-prefill-gpus", type=int, default=1,
+                        help="--pd: the tier's replicas, each a pool on one of GPUs 0 to this less one; its decode server on the "
+                             "next GPU, and vLLM alone on all of them (default 1: two GPUs)")  # fmt: skip
+    parser.add_argument("--pd-baseline", choices=["dp", "servers", "none"], default="dp",
+                        help="--pd: vLLM alone as one server of --data-parallel-size over every GPU (dp, default), as a server per GPU "
+                             "behind a round robin (servers), or none (the tier only)")  # fmt: skip
     parser.add_argument("--itl-factor", type=float, default=2.0, help="--pd: the ITL p99 bound over the stack's unloaded ITL (default 2)")
     parser.add_argument("--input-range-ratio", type=float, default=0.0,
                         help="prompt lengths uniform in input x (1 -+ this), output lengths in --output-len x (1 -+ this): vLLM's "
@@ -725,8 +735,10 @@ def main() -> None:
         earlier = json.loads(args.out.read_text())
         kept = kept_results(earlier["results"], args.stacks, args.inputs)
         runs = earlier.get("runs") or [{k: earlier.get(k) for k in ("date", "machine", "command")} | {"stacks": list(earlier["results"])}]
-    if args.pd_baseline != "dp2" and not args.pd:
-        parser.error(f"--pd-baseline {args.pd_baseline} is the baseline of a --pd sweep: give --pd too")
+    if (args.pd_baseline != "dp" or args.pd_prefill_gpus != 1) and not args.pd:
+        parser.error(f"--pd-baseline {args.pd_baseline} and --pd-prefill-gpus {args.pd_prefill_gpus} are for a --pd sweep: give --pd too")
+    if args.pd_prefill_gpus < 1:
+        parser.error(f"--pd-prefill-gpus is a number of GPUs, 1 or more; got {args.pd_prefill_gpus}")
     args.transport, args.moe_rounding, args.vllm_gpus = "auto", "reference", None  # what start_vllm and start_tier read
     work = Path(tempfile.mkdtemp(prefix="bench-serving-"))
     if args.checkpoint is None and args.device != "cpu":
@@ -755,30 +767,37 @@ def main() -> None:
     import ray
     from ray import serve
 
-    if args.pd:  # the decode server alone on GPU 1 (the pool's GPU listed second: it reads the pool's cache over NVLink)
-        args.vllm_gpus, args.vllm_memory, args.vllm_kv_cache_gib = "1,0", args.vllm_memory_whole, None
-        report["pd"] = {"tier-pd": "the pool on GPU 0, its vLLM decode server on GPU 1"} | (
-            {"dp2": {"vllm-dp2": "vLLM alone, --data-parallel-size 2 on GPUs 0 and 1"},
-             "two-servers": {"vllm-2x1": "vLLM alone, a server on GPU 0 and one on GPU 1, requests in turn (benchmarks/round_robin.py)"},
-             "none": {}}[args.pd_baseline])
+    prefill_gpus = args.pd_prefill_gpus
+    gpus = [str(g) for g in range(prefill_gpus + 1)]  # --pd: the pool's, then its decode server's
+    baseline = {"dp": f"vllm-dp{len(gpus)}", "servers": f"vllm-{len(gpus)}x1", "none": None}[args.pd_baseline]
+    if args.pd:  # the decode server alone on the last GPU (the pool's listed after it: it reads the pool's caches over NVLink)
+        args.vllm_gpus, args.vllm_memory, args.vllm_kv_cache_gib = ",".join([gpus[-1], *gpus[:-1]]), args.vllm_memory_whole, None
+        pool_gpus = "GPU 0" if prefill_gpus == 1 else f"GPUs 0-{prefill_gpus - 1}, a replica of the tier on each"
+        report["pd"] = {"tier-pd": f"the pool on {pool_gpus}, its vLLM decode server on GPU {gpus[-1]}"} | (
+            {"dp": {baseline: f"vLLM alone, --data-parallel-size {len(gpus)} on GPUs 0-{gpus[-1]}"},
+             "servers": {baseline: f"vLLM alone, a server on each of GPUs 0-{gpus[-1]}, requests in turn (benchmarks/round_robin.py)"},
+             "none": {}}[args.pd_baseline])  # fmt: skip
     results: dict = {}
     if args.mode == "soak" or args.pd or {"tier", "vllm"} & set(args.stacks):  # the tier and its vLLM server
         # with --pd the pool starts while vLLM boots on the other GPU (each compiles its kernels on an empty node:
         # minutes apiece); on one GPU vLLM first, whose memory profile must not see the pool's allocations
         server = start_vllm(args, checkpoint, dtype, args.max_len, work, wait=not args.pd)
         try:
-            tier = start_tier(args, checkpoint, server.url, dtype, max_ongoing_requests=args.max_ongoing)
-            if args.pd:
-                vllm_up(server, args)
-            if args.mode == "soak":
-                results = soak(tier, pool="bench", vllm_pid=server.process.pid, duration_s=args.duration_s, rate=rates[0], sample_s=args.sample_s,
-                               warmup_s=args.warmup_s, input_len=args.inputs[0], **point)  # fmt: skip
-            else:
-                shared = {"tier": (tier, None), "vllm": (server.url, None)}
-                stacks = {"tier-pd": (tier, None)} if args.pd else {name: shared[name] for name in args.stacks if name in shared}
-                pool_metrics = {name: ray_metrics_url() for name, (url, _) in stacks.items() if url == tier}
-                results = sweep(stacks, args.inputs, rates, save=save, prompts=args.prompts, point_s=args.point_s, servers=[server], warmup=args.warmup,
-                                pool_metrics=pool_metrics, **point)  # fmt: skip
+            tiers = start_tier(args, checkpoint, server.url, dtype, max_ongoing_requests=args.max_ongoing)
+            # several replicas at their own ports (--pd-prefill-gpus, --ingress replica): requests to them in turn, as to vLLM's servers
+            front = contextlib.nullcontext(tiers[0]) if len(tiers) == 1 else RoundRobin(tiers)
+            with front as tier:
+                if args.pd:
+                    vllm_up(server, args)
+                if args.mode == "soak":
+                    results = soak(tier, pool="bench", vllm_pid=server.process.pid, duration_s=args.duration_s, rate=rates[0], sample_s=args.sample_s,
+                                   warmup_s=args.warmup_s, input_len=args.inputs[0], **point)  # fmt: skip
+                else:
+                    shared = {"tier": (tier, None), "vllm": (server.url, None)}
+                    stacks = {"tier-pd": (tier, None)} if args.pd else {name: shared[name] for name in args.stacks if name in shared}
+                    records = {name: (ray_metrics_url(), tiers) for name, (url, _) in stacks.items() if url == tier}
+                    results = sweep(stacks, args.inputs, rates, save=save, prompts=args.prompts, point_s=args.point_s, servers=[server],
+                                    warmup=args.warmup, pool_records=records, **point)  # fmt: skip
             serve.shutdown()
             ray.shutdown()
         finally:
@@ -807,11 +826,11 @@ def main() -> None:
             for server in servers:
                 server.stop()
 
-    if args.pd and args.pd_baseline == "dp2":
-        args.vllm_dp = 2
-        results |= alone("vllm-dp2", ["0,1"])
-    elif args.pd and args.pd_baseline == "two-servers":
-        results |= alone("vllm-2x1", ["0", "1"])
+    if args.pd and args.pd_baseline == "dp":
+        args.vllm_dp = len(gpus)
+        results |= alone(baseline, [",".join(gpus)])
+    elif args.pd and args.pd_baseline == "servers":
+        results |= alone(baseline, gpus)
     if args.pd:
         report["slo_goodput"] = slo_goodput(results, args.slo_ttft_ms, args.itl_factor)
     if args.mode == "sweep" and not args.pd and "vllm-whole-gpu" in args.stacks:

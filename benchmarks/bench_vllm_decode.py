@@ -135,10 +135,11 @@ def vllm_up(server: VLLMServer, args) -> VLLMServer:
     return server
 
 
-def start_tier(args, checkpoint: Path, decode_url: str, dtype: str, max_ongoing_requests: int = 8) -> str:
-    """Ray, then the Serve tier with one replica whose pool is on this machine's GPU (or CPU); its URL:
-    Serve's HTTP proxy, or with ``args.ingress == "replica"`` the replica's own port (Ray Serve's
-    throughput-optimized mode, ``RAY_SERVE_THROUGHPUT_OPTIMIZED=1``, set here before Ray starts)."""
+def start_tier(args, checkpoint: Path, decode_url: str, dtype: str, max_ongoing_requests: int = 8) -> list[str]:
+    """Ray, then the Serve tier with one replica whose pool is on this machine's GPU (or CPU), or with
+    ``args.pd_prefill_gpus`` (bench_serving --pd) as many replicas, each a pool on a GPU of its own; the
+    URLs to reach it: Serve's HTTP proxy, or with ``args.ingress == "replica"`` each replica's own port
+    (Ray Serve's throughput-optimized mode, ``RAY_SERVE_THROUGHPUT_OPTIMIZED=1``, set here before Ray starts)."""
     import ray
     from ray import serve
 
@@ -150,9 +151,9 @@ def start_tier(args, checkpoint: Path, decode_url: str, dtype: str, max_ongoing_
     from configs.serve import ServeConfig
     from workers.worker import rendezvous_address
 
-    gpu = args.device != "cpu"
+    gpu, replicas = args.device != "cpu", getattr(args, "pd_prefill_gpus", 1)  # bench_serving --pd: a Serve replica per prefill GPU
     # Ray exports the pool's metrics each second (not each 10): a benchmark reads them before and after a point
-    ray.init(num_cpus=os.cpu_count() if gpu else 2, num_gpus=1 if gpu else 4, include_dashboard=False, log_to_driver=False,
+    ray.init(num_cpus=os.cpu_count() if gpu else 2, num_gpus=replicas if gpu else 4, include_dashboard=False, log_to_driver=False,
              runtime_env={"env_vars": SAFE_NCCL_ENV}, _system_config={"metrics_report_interval_ms": 1000})  # fmt: skip
     port = rendezvous_address()[1]
     serve.start(http_options={"host": "127.0.0.1", "port": port})
@@ -162,31 +163,32 @@ def start_tier(args, checkpoint: Path, decode_url: str, dtype: str, max_ongoing_
         **({"gpu_memory_utilization": args.pool_memory} if gpu else {}),
     )  # fmt: skip
     config = ServeConfig(pool=pool, name="bench", decode_servers=(decode_url,), served_model_name=MODEL, replica_cpus=1.0 if gpu else 0.25,
+                         min_replicas=replicas, max_replicas=replicas,
                          kv_ttl_s=300.0, max_ongoing_requests=max_ongoing_requests, max_body_bytes=64 << 20,
                          decode_endpoint=getattr(args, "decode_endpoint", "generate"), decode_forward=getattr(args, "decode_forward", "early"))  # fmt: skip
     started = time.monotonic()
     serve.run(build_app(config), name="bench", route_prefix="/")
     print(f"tier up in {time.monotonic() - started:.0f} s", flush=True)
     if direct:
-        return replica_url("bench")
-    return f"http://127.0.0.1:{port}"
+        return replica_urls("bench", replicas)
+    return [f"http://127.0.0.1:{port}"]
 
 
-def replica_url(app: str, timeout_s: float = 60.0) -> str:
-    """The HTTP address of ``app``'s ingress replica that serves HTTP itself (Ray Serve's direct
-    ingress): its controller's target groups, which a load balancer in front of Serve reads (Serve
+def replica_urls(app: str, count: int = 1, timeout_s: float = 60.0) -> list[str]:
+    """The HTTP addresses of ``app``'s ``count`` ingress replicas that serve HTTP themselves (Ray Serve's
+    direct ingress): its controller's target groups, which a load balancer in front of Serve reads (Serve
     gives each such replica a port of its own from 30000, the next when one is taken)."""
     import ray
     from ray.serve.context import _get_global_client
 
-    deadline = time.monotonic() + timeout_s
+    deadline, ports = time.monotonic() + timeout_s, []
     while time.monotonic() < deadline:
         groups = ray.get(_get_global_client()._controller.get_target_groups.remote(app))
-        targets = [t for g in groups if str(g.protocol).upper().endswith("HTTP") for t in g.targets if "Proxy" not in t.name]
-        if targets:  # it binds the host of serve.start's http_options (127.0.0.1 here), the target names the node's address
-            return f"http://127.0.0.1:{targets[0].port}"
+        ports = sorted({t.port for g in groups if str(g.protocol).upper().endswith("HTTP") for t in g.targets if "Proxy" not in t.name})
+        if len(ports) >= count:  # each binds the host of serve.start's http_options (127.0.0.1 here), the target names the node's address
+            return [f"http://127.0.0.1:{port}" for port in ports]
         time.sleep(0.5)
-    raise RuntimeError(f"Serve lists no replica of {app!r} serving HTTP itself after {timeout_s:g} s")
+    raise RuntimeError(f"Serve lists {len(ports)} replicas of {app!r} serving HTTP themselves, not {count}, after {timeout_s:g} s")
 
 
 def complete(url: str, body: dict) -> dict:
@@ -602,7 +604,7 @@ def main() -> None:
 
     server = start_vllm(args, checkpoint, dtype, max_len, work)
     try:
-        tier = start_tier(args, checkpoint, server.url, dtype)
+        (tier,) = start_tier(args, checkpoint, server.url, dtype)
         if args.mode == "parity":
             results = run_parity(args, checkpoint, server.url, tier, save)
         else:

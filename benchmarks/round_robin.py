@@ -9,7 +9,8 @@ router (vLLM's is a separate Rust project).
 Each request is forwarded whole (method, path, query, body, and its headers but the hop-by-hop ones:
 ``Host``, ``Content-Length``, ...) to the next server, and its answer is relayed chunk by chunk (a
 stream's events as they come), status and headers with it. A server that cannot be reached answers
-502 naming it; one lost mid-answer ends the answer short. ``forwarded`` counts the requests each took.
+502 naming it; one lost mid-answer ends the answer short; a client that leaves mid-answer has the
+server's answer closed, as if it had left the server. ``forwarded`` counts the requests each took.
 """
 
 from __future__ import annotations
@@ -81,7 +82,10 @@ class RoundRobin:
         async with answer:  # a server lost mid-answer ends the client's answer short, as the server alone would
             response = web.StreamResponse(status=answer.status, headers={k: v for k, v in answer.headers.items() if k.lower() not in HOP})
             await response.prepare(request)
-            async for chunk in answer.content.iter_any():
-                await response.write(chunk)
-            await response.write_eof()
+            try:
+                async for chunk in answer.content.iter_any():
+                    await response.write(chunk)
+                await response.write_eof()
+            except ConnectionResetError:  # the client left (vLLM's benchmark closes at [DONE]): the server's answer is closed, as it would be
+                pass
         return response

@@ -27,8 +27,8 @@
 # the graphs on 2026-11-26); VLLM_EAGER=1 gives it --enforce-eager; TP=2 / DP=2 give speed, speed-kv and truth (TP)
 # a vLLM decode instance of two GPUs (the two-GPU kinds); VLLM_GPUS=1,0 puts a TP1 vLLM on the second GPU (speed, speed-kv:
 # the KV read from the pool's GPU over NVLink); multi-gpu runs the suite's multi_gpu tests with the pool's site; pd (two GPUs:
-# bench_serving.py --pd, the pool on GPU 0 and vLLM on GPU 1 against vLLM DP 2 on both, or with PD_BASELINE=two-servers a vLLM
-# server per GPU behind a round robin, PD_BASELINE=none against nothing; prompts of 2-32K, answers of 30-482 tokens; WARMUP
+# bench_serving.py --pd, the pool on GPU 0 and vLLM on GPU 1 against vLLM DP 2 on both, or with PD_BASELINE=servers a vLLM
+# server per GPU behind a round robin, PD_BASELINE=none against nothing; PREFILL_GPUS=2 the pool on GPUs 0-1 and vLLM on GPU 2; prompts of 2-32K, answers of 30-482 tokens; WARMUP
 # (pd and serving) prompts of each input sent to each stack first one at a time, then as many at once, not kept, default 2: on
 # a node with empty kernel caches use 64 (2 left both stacks compiling inside the points on 2026-11-28, and 64 sent only at once
 # still the tier at its low rates); vLLM's servers there and in soak run vLLM's own DeepGEMM warm-up at start
@@ -100,7 +100,7 @@ for step in "$@"; do
     serving) slice_ckpt; python3 benchmarks/bench_serving.py sweep --checkpoint "$ckpt" --inputs ${INPUTS:-4096 32768} --output-len 128 ${STACKS:+--stacks $STACKS} ${ADD:+--add} \
                --rates ${RATES:-0.5 1 2 4 inf} --point-s ${POINT_S:-30} --warmup ${WARMUP:-2} --vllm-max-graph-batch ${VLLM_GRAPH_BATCH:-64} --vllm-memory ${VLLM_MEMORY:-0.4} --kv-cache-tokens 131072 \
                --ingress ${INGRESS:-proxy} $serving_opts --out "$out/serving.json" ;;
-    pd) slice_ckpt; python3 benchmarks/bench_serving.py sweep --pd --pd-baseline ${PD_BASELINE:-dp2} --checkpoint "$ckpt" --inputs ${INPUTS:-17408} --input-range-ratio ${RANGE:-0.88} \
+    pd) slice_ckpt; python3 benchmarks/bench_serving.py sweep --pd --pd-baseline ${PD_BASELINE:-dp} --pd-prefill-gpus ${PREFILL_GPUS:-1} --checkpoint "$ckpt" --inputs ${INPUTS:-17408} --input-range-ratio ${RANGE:-0.88} \
           --output-len 256 --rates ${RATES:-0.5 1 2 4 8 inf} --point-s ${POINT_S:-30} --warmup ${WARMUP:-2} --vllm-max-graph-batch ${VLLM_GRAPH_BATCH:-64} ${VLLM_EAGER:+--vllm-eager} \
           --kv-cache-tokens 131072 --vllm-args="${VLLM_ARGS:-}" --ingress ${INGRESS:-proxy} $serving_opts \
           --out "$out/serving-pd.json" ;;

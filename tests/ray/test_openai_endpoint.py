@@ -477,7 +477,7 @@ def test_a_sweeps_warm_up_sends_its_prompts_one_at_a_time_then_all_at_once_and_t
 
     lines: list[str] = []
     results = sweep({"tier": (tier, TIER_KEY)}, [64], [float("inf")], prompts=2, point_s=1.0, log=lines.append, warmup=3,
-                    pool_metrics={"tier": ray_metrics_url()}, tokenizer=str(checkpoint), model=MODEL, output_len=4, workdir=tmp_path)  # fmt: skip
+                    pool_records={"tier": (ray_metrics_url(), [tier])}, tokenizer=str(checkpoint), model=MODEL, output_len=4, workdir=tmp_path)  # fmt: skip
     warm = [json.loads(path.read_text()) for path in sorted((tmp_path / "warmup-tier").glob("bench-*.json"))]
     assert [(w["max_concurrency"], w["completed"]) for w in warm] == [(1, 3), (None, 3)]
     assert lines[0] == "tier warmed up: [(64, 1, 3, 0), (64, 'all', 3, 0)] (input tokens, at a time, done, failed)"

@@ -20,10 +20,10 @@ from round_robin import RoundRobin  # noqa: E402
 
 class Upstream:
     """An HTTP server that answers ``POST /v1/completions`` with its name and the body it got, and
-    ``/stream`` with three chunks 0.2 s apart."""
+    ``/stream`` with three chunks 0.2 s apart (``left``: the streams whose client left before the end)."""
 
     def __init__(self, name: str) -> None:
-        self.name, self.ready, self.loop = name, threading.Event(), asyncio.new_event_loop()
+        self.name, self.ready, self.loop, self.left = name, threading.Event(), asyncio.new_event_loop(), 0
         with socket.create_server(("127.0.0.1", 0)) as sock:
             self.port = sock.getsockname()[1]
         self.url = f"http://127.0.0.1:{self.port}"
@@ -37,10 +37,13 @@ class Upstream:
         async def stream(request: web.Request) -> web.StreamResponse:
             response = web.StreamResponse(headers={"content-type": "text/event-stream"})
             await response.prepare(request)
-            for i in range(3):
-                await response.write(f"data: {self.name}-{i}\n\n".encode())
-                await asyncio.sleep(0.2)
-            await response.write_eof()
+            try:
+                for i in range(3):
+                    await response.write(f"data: {self.name}-{i}\n\n".encode())
+                    await asyncio.sleep(0.2)
+                await response.write_eof()
+            except ConnectionResetError:  # its client left, as a server sees it
+                self.left += 1
             return response
 
         app = web.Application()
@@ -95,3 +98,20 @@ def test_a_server_that_cannot_be_reached_is_a_502_naming_it(upstreams):
 def test_no_upstream_is_refused():
     with pytest.raises(ValueError, match="at least one upstream"):
         RoundRobin([])
+
+
+def test_a_client_that_leaves_mid_answer_ends_it_quietly_and_the_next_request_is_served(upstreams, caplog):
+    """vLLM's benchmark closes a stream at its [DONE], which may come before the server's last bytes: the
+    round robin stops relaying and closes the server's answer, with no error logged."""
+    left = upstreams[0].left
+    with RoundRobin([upstreams[0].url]) as url:
+        with socket.create_connection(("127.0.0.1", int(url.rsplit(":", 1)[1]))) as client:
+            client.sendall(b"GET /stream HTTP/1.1\r\nHost: x\r\n\r\n")
+            got = b""
+            while b"data: a-0" not in got:  # the headers, then the first chunk; then gone
+                got += client.recv(4096)
+        time.sleep(0.6)  # the server's next chunks arrive at the round robin after the client left
+        with urllib.request.urlopen(f"{url}/stream", timeout=10) as response:
+            assert b"data: a-2" in response.read()
+    assert not [r for r in caplog.records if r.levelname == "ERROR"], [r.getMessage() for r in caplog.records]
+    assert upstreams[0].left == left + 1  # the server saw its client leave
