@@ -325,13 +325,18 @@ def pool_times_between(before: dict[str, dict], after: dict[str, dict]) -> dict:
     times = {}
     for key, name in POOL_TIMES.items():
         was, now = before.get(name, {}), after.get(name, {})
-        count = now.get(float("inf"), 0.0) - was.get(float("inf"), 0.0)
-        if count <= 0:
-            times[key] = {"count": 0}
-            continue
-        over = {str(s): round(1 - (now[s] - was.get(s, 0.0)) / count, 5) for s in POOL_OVER_S if s in now}
-        times[key] = {"count": int(count), "mean_ms": round((now["sum"] - was.get("sum", 0.0)) / count * 1000, 2), "over_s": over}
+        count, over = _counted_between(was, now, {str(s): s for s in POOL_OVER_S})
+        times[key] = {"count": 0} if count == 0 else {"count": count, "mean_ms": round((now["sum"] - was.get("sum", 0.0)) / count * 1000, 2), "over_s": over}
     return times
+
+
+def _counted_between(before: dict, after: dict, bounds: dict[str, float]) -> tuple[int, dict[str, float]]:
+    """Between two reads of one cumulative histogram (bucket bound (s) -> count, ``inf`` the total): how
+    many it recorded, and the share of them over each of ``bounds`` (label -> a bucket bound, s) it has."""
+    count = after.get(float("inf"), 0.0) - before.get(float("inf"), 0.0)
+    if count <= 0:
+        return 0, {}
+    return int(count), {label: round(1 - (after[bound] - before.get(bound, 0.0)) / count, 5) for label, bound in bounds.items() if bound in after}
 
 
 def engine_itl_over(before: dict[float, float], after: dict[float, float]) -> dict:
@@ -339,11 +344,8 @@ def engine_itl_over(before: dict[float, float], after: dict[float, float]) -> di
     the share of them over each of ``ITL_OVER_MS`` that is a bucket bound (as ``itl_over_ms`` gives the
     client's), so that a point's ITL tail is told apart: vLLM's engine steps, or what lies between them
     and the client (vLLM's API server, the tier's relay)."""
-    total = after.get(float("inf"), 0.0) - before.get(float("inf"), 0.0)
-    if total <= 0:
-        return {"intervals": 0}
-    over = {str(ms): round(1 - (after[ms / 1000] - before.get(ms / 1000, 0.0)) / total, 5) for ms in ITL_OVER_MS if ms / 1000 in after}
-    return {"intervals": int(total), "over_ms": over}
+    total, over = _counted_between(before, after, {str(ms): ms / 1000 for ms in ITL_OVER_MS})
+    return {"intervals": total, "over_ms": over} if total else {"intervals": 0}
 
 
 def _engine_itl_now(servers) -> dict[float, float] | None:

@@ -83,10 +83,6 @@ def serving_table(name: str) -> str:
     (``inf``: every prompt at once), then its plot."""
     document = json.loads((RESULTS / name).read_text())
 
-    def pair(point: dict, metric: str) -> str:
-        got = point.get(metric, {})
-        return " / ".join("-" if got.get(q) is None else f"{got[q]:,.1f}" for q in ("p50", "p99"))
-
     def inputs(run: dict) -> str:  # the input lengths a run measured where it lists them (the first runs measured all of theirs)
         return f" at {', '.join(str(n) for n in run['inputs'])} tokens in" if run.get("inputs") else ""
 
@@ -102,15 +98,24 @@ def serving_table(name: str) -> str:
     for stack, by_input in document["results"].items():
         for input_len, points in by_input.items():
             for p in sorted(points, key=lambda p: p["rate"]):
-                rate = "saturation" if p["rate"] == float("inf") else f"{p['rate']:g}"
                 goodput = "-" if p.get("request_goodput") is None else f"{p['request_goodput']:.2f}"
-                rows.append(f"| {stack} | {input_len} | {rate} | {p['completed']} / {p['failed']} | {pair(p, 'ttft')} | {pair(p, 'tpot')} | {pair(p, 'itl')} "
+                rows.append(f"| {stack} | {input_len} | {_rate(p)} | {p['completed']} / {p['failed']} | {_p50_p99(p.get('ttft'))} | {_p50_p99(p.get('tpot'))} | {_p50_p99(p.get('itl'))} "
                             f"| {p['output_throughput']:,.0f} | {goodput} |")  # fmt: skip
     rows += _goodput_lines(document) + _tail_table(document) + _ttft_table(document)
     plot = Path(name).with_suffix(".png").name
     if (RESULTS / plot).exists():
         rows += ["", f"![latency and throughput against the request rate, {name}](benchmarks/results/{plot})"]
     return "\n".join(rows) + "\n"
+
+
+def _p50_p99(got: dict | None) -> str:
+    """``p50 / p99`` of a point's figure, ``-`` for one it lacks."""
+    got = got or {}
+    return " / ".join("-" if got.get(q) is None else f"{got[q]:,.1f}" for q in ("p50", "p99"))
+
+
+def _rate(point: dict) -> str:
+    return "saturation" if point["rate"] == float("inf") else f"{point['rate']:g}"
 
 
 def _goodput_lines(document) -> list[str]:
@@ -138,9 +143,6 @@ def _ttft_table(document) -> list[str]:
     if not points:
         return []
 
-    def pair(got: dict | None) -> str:
-        return "-" if got is None else f"{got['p50']:,.1f} / {got['p99']:,.1f}"
-
     def times(got: dict) -> str:
         return "0" if not got.get("count") else f"{got['count']}, {got['mean_ms']:,.1f} ms, {100 * got['over_s'].get('1.0', 0):.0f}%"
 
@@ -150,10 +152,9 @@ def _ttft_table(document) -> list[str]:
             "| stack | input tokens | rate (req/s) | client TTFT | received to prefilled | pool TTFT | prefilled to first token sent | queue | KV-room waits | batches |",
             "|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
     for stack, input_len, p in points:
-        rate = "saturation" if p["rate"] == float("inf") else f"{p['rate']:g}"
         steps, pool = p["tier_steps"], p["pool"]
-        rows.append(f"| {stack} | {input_len} | {rate} | {pair(p.get('ttft'))} | {pair(steps.get('received_to_prefilled'))} | {pair(steps.get('pool_ttft'))} "
-                    f"| {pair(steps.get('prefilled_to_first_token_sent'))} | {times(pool['queue'])} | {times(pool['kv_wait'])} | {times(pool['batch'])} |")  # fmt: skip
+        rows.append(f"| {stack} | {input_len} | {_rate(p)} | {_p50_p99(p.get('ttft'))} | {_p50_p99(steps.get('received_to_prefilled'))} "
+                    f"| {_p50_p99(steps.get('pool_ttft'))} | {_p50_p99(steps.get('prefilled_to_first_token_sent'))} | {times(pool['queue'])} | {times(pool['kv_wait'])} | {times(pool['batch'])} |")  # fmt: skip
     return rows
 
 
@@ -172,8 +173,7 @@ def _tail_table(document) -> list[str]:
 
     rows = []
     for stack, input_len, p in points:
-        rate = "saturation" if p["rate"] == float("inf") else f"{p['rate']:g}"
-        cells = [stack, input_len, rate, shares(p["itl_over_ms"])]
+        cells = [stack, input_len, _rate(p), shares(p["itl_over_ms"])]
         if apart:
             first = p.get("first_itl")
             cells += [shares(p.get("itl_over_ms_later")), "-" if first is None else f"{first['p50']:,.1f} / {first['p99']:,.1f}"]
