@@ -11,7 +11,7 @@
 # layers at its MLA widths, everything else small: write_checkpoint.py --kv-shaped, in /tmp/v3-kv-shaped),
 # kv-load (benchmarks/bench_kv_load.py: the mapped transport against NIXL READs, no vLLM), truth (benchmarks/
 # bench_vllm_truth.py: vLLM alone and the tier + vLLM against float32, tokens and KV rows; CHECKPOINTS picks the
-# seeds, default all three; FP8=1: the checkpoints in FP8, both engines on their FP8 GEMMs, the pool's on FP8_GEMM, default auto;
+# seeds, default all three; TRUTH_PROMPTS prompts per checkpoint, default 24 (the first 24 of a larger draw are those 24); FP8=1: the checkpoints in FP8, both engines on their FP8 GEMMs, the pool's on FP8_GEMM, default auto;
 # WIDE=1: checkpoints whose every linear the pool runs in FP8 too), probe-cg (benchmarks/probes/probe_compiled_graph.py on the slice: the pool's per-batch
 # call as Ray tasks against a Ray Compiled Graph), probe-graphs (benchmarks/probes/probe_cuda_graphs.py on the slice: one prompt's prefill in the worker, eager
 # against replayed from its CUDA graphs), probe-ingress (benchmarks/probes/probe_ingress.py on the slice: the
@@ -92,7 +92,7 @@ for step in "$@"; do
            python3 benchmarks/bench_vllm_decode.py speed --checkpoint "$ckpt" --lengths ${LENGTHS_KV:-32768x8 4096x8} \
              --scatter ${SCATTER:-200} --kv-cache-tokens 131072 --vllm-kv-cache-gib 8 --vllm-memory ${VLLM_MEMORY:-0.4} ${VLLM_EAGER:+--vllm-eager} --vllm-max-graph-batch ${VLLM_GRAPH_BATCH:-8} --ingress ${INGRESS:-proxy} --decode-endpoint ${DECODE_ENDPOINT:-generate} --decode-forward ${DECODE_FORWARD:-early} --vllm-tp ${TP:-1} --vllm-dp ${DP:-1} ${VLLM_GPUS:+--vllm-gpus $VLLM_GPUS} --vllm-args="${VLLM_ARGS:-}" --out "$out/vllm-decode-speed-kv-shaped.json" ;;
     truth) python3 benchmarks/bench_vllm_truth.py --checkpoints ${CHECKPOINTS:-1 2:one-scale 3:one-scale} --vllm-tp ${TP:-1} \
-             --max-len ${TRUTH_MAX_LEN:-4096} ${FP8:+--fp8 --fp8-gemm ${FP8_GEMM:-auto}} ${WIDE:+--wide} --out "$out/vllm-decode-truth${FP8:+-fp8-${FP8_GEMM:-auto}}${WIDE:+-wide}.json" ;;
+             --max-len ${TRUTH_MAX_LEN:-4096} ${TRUTH_PROMPTS:+--prompts $TRUTH_PROMPTS} ${FP8:+--fp8 --fp8-gemm ${FP8_GEMM:-auto}} ${WIDE:+--wide} --out "$out/vllm-decode-truth${FP8:+-fp8-${FP8_GEMM:-auto}}${WIDE:+-wide}.json" ;;
     probe-graphs) slice_ckpt; python3 benchmarks/probes/probe_cuda_graphs.py --checkpoint "$ckpt" --tokens ${PROBE_TOKENS:-16 512 1024 2048 4096} \
                    --out "$out/probe-cuda-graphs.json" ;;
     probe-cg) slice_ckpt; python3 benchmarks/probes/probe_compiled_graph.py --device cuda --tp 1 --checkpoint "$ckpt" --tokens 16 512 4096 \
