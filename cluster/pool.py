@@ -2,7 +2,7 @@
 
     with PrefillPool(PoolConfig(model="tiny", tp=2)).start() as pool:
         result = pool.prefill(token_ids)                  # blocking
-        futures = [pool.submit(p) for p in prompts]       # concurrent requests share batches
+        futures = pool.submit_many(prompts)               # queued together: they share batches
 
 Each replica is one placement group of ``tp * pcp`` bundles (``placement``,
 by default ``STRICT_PACK``: one node), one actor per bundle, joined in one
@@ -170,22 +170,63 @@ class PrefillPool:
         take. ``keep_kv`` keeps the latent KV on the workers for :meth:`fetch_kv`
         until :meth:`release`. ``on_progress(done, total)`` is called after each chunk.
         """
-        if self.stopping or not self._replicas:
-            raise RuntimeError("the prefill pool is not running: call start() first")
-        if not self.alive:
-            raise RuntimeError("the prefill pool has no live replica: every replica failed to restart")
+        self._check_running()
         try:
             request = self._admit(token_ids, request_id, keep_kv, on_progress)
         except (TypeError, ValueError):
             if self.metrics is not None:
                 self.metrics.failed("rejected")
             raise
-        request.future.add_done_callback(self._finished)
+        return self._enqueue([request])[0]
+
+    def submit_many(
+        self,
+        prompts: Sequence,
+        *,
+        keep_kv: bool = False,
+        on_progress: Callable[[int, int], None] | None = None,
+    ) -> list[Future]:
+        """Queue prompts together; a future per prompt, in order (each as :meth:`submit`'s).
+
+        Every prompt is checked first: one the model cannot take raises ``TypeError``/``ValueError``
+        naming its index, and none is queued. Then all enter the queue at once, so an idle replica's
+        next batch takes as many of them as fit: submitted one by one, the first would start a batch
+        alone while the rest were still being checked, and how they split would depend on timing.
+        """
+        self._check_running()
+        requests: list[Request] = []
+        try:
+            for index, token_ids in enumerate(prompts):
+                try:
+                    requests.append(self._admit(token_ids, None, keep_kv, on_progress))
+                except (TypeError, ValueError) as exc:
+                    raise type(exc)(f"prompt {index} of {len(prompts)}: {exc}") from exc
+        except (TypeError, ValueError):
+            with self.lock:  # nothing of this call is queued: its ids are free again
+                for request in requests:
+                    del self._live[request.id]
+                    self._in_flight -= 1
+            if self.metrics is not None:
+                self.metrics.failed("rejected")
+            raise
+        return self._enqueue(requests)
+
+    def _check_running(self) -> None:
+        if self.stopping or not self._replicas:
+            raise RuntimeError("the prefill pool is not running: call start() first")
+        if not self.alive:
+            raise RuntimeError("the prefill pool has no live replica: every replica failed to restart")
+
+    def _enqueue(self, requests: list[Request]) -> list[Future]:
+        """Queue admitted requests together; their futures."""
+        for request in requests:
+            request.future.add_done_callback(self._finished)
         if self.metrics is not None:
             self.metrics.queued(self._in_flight)
-        if not self.queue.put(request):  # shut down meanwhile
-            self.settle_failed(request, RuntimeError("the prefill pool was shut down"))
-        return request.future
+        if not self.queue.put_many(requests):  # shut down meanwhile
+            for request in requests:
+                self.settle_failed(request, RuntimeError("the prefill pool was shut down"))
+        return [request.future for request in requests]
 
     def cancel(self, request_id: str) -> bool:
         """Cancel a request that has not finished (the same as its ``future.cancel()``): it is taken
@@ -267,9 +308,8 @@ class PrefillPool:
         return self.submit(token_ids, **kwargs).result()
 
     def prefill_many(self, prompts: Sequence, **kwargs) -> list[PrefillResult]:
-        """Submit every prompt, then wait for all (they are batched together)."""
-        futures = [self.submit(p, **kwargs) for p in prompts]
-        return [f.result() for f in futures]
+        """Submit every prompt together (:meth:`submit_many`), then wait for all."""
+        return [f.result() for f in self.submit_many(prompts, **kwargs)]
 
     def fetch_kv(self, result: PrefillResult) -> torch.Tensor:
         """The kept latent KV of a request, ``[layers, tokens, latent]`` on the CPU."""

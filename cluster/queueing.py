@@ -19,7 +19,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
@@ -75,6 +75,16 @@ class RequestQueue:
                 self._items.appendleft(request)
             else:
                 self._items.append(request)
+            self._changed.notify_all()
+        return True
+
+    def put_many(self, requests: Sequence[Request]) -> bool:
+        """Queue requests together, in order: a scheduler sees all of them or none (it would start an
+        idle replica's batch on the first alone when they came one by one); False once the queue is closed."""
+        with self._changed:
+            if self.closed:
+                return False
+            self._items.extend(requests)
             self._changed.notify_all()
         return True
 

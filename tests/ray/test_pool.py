@@ -79,6 +79,22 @@ def test_concurrent_requests_share_batches(pool, prompts, reference):
     assert pool.stats.batches - before < chunks_alone
 
 
+def test_prompts_submitted_together_start_in_one_batch(pool):
+    before = pool.stats.batches
+    prompts = [np.arange(40) % 500, np.arange(1, 41) % 500]  # 80 tokens: one batch's budget (96) holds both
+    results = [f.result() for f in pool.submit_many(prompts)]
+    assert [r.num_tokens for r in results] == [40, 40]
+    assert pool.stats.batches - before == 1  # one by one, an idle replica would start on the first alone
+
+
+def test_a_bad_prompt_among_prompts_submitted_together_queues_none_of_them(pool, prompts, reference):
+    before, in_flight = pool.stats.batches, pool.in_flight
+    with pytest.raises(ValueError, match=r"prompt 1 of 3: .*token id 512 is outside the vocabulary"):
+        pool.submit_many([prompts[0], [1, 2, 512], prompts[1]])
+    assert pool.in_flight == in_flight and pool.stats.batches == before
+    torch.testing.assert_close(pool.prefill_many([prompts[1]])[0].logits, reference[1][0], atol=2e-5, rtol=1e-5)
+
+
 @pytest.mark.parametrize(
     "tokens,error,message",
     [

@@ -105,3 +105,17 @@ def test_take_waits_for_a_request_and_close_returns_the_waiting_ones():
     assert [r.id for r in queue.close()] == ["left"]
     assert not queue.put(_request("after", 1))  # closed: the caller fails it
     assert queue.take(Replica(9).reserve, 100, 4, alone_ok=True, timeout_s=5) == ([], [])  # at once
+
+
+def test_requests_put_together_are_seen_together_by_a_waiting_replica():
+    queue, taken = RequestQueue(), []
+    waiting = threading.Thread(target=lambda: taken.append(
+        queue.take(Replica(free=100).reserve, budget=100, chunk_tokens=10, alone_ok=True, timeout_s=10)))
+    waiting.start()
+    time.sleep(0.1)  # the replica waits for work
+    assert queue.put_many([_request(name, 1) for name in ("x", "y", "z")])
+    waiting.join(timeout=10)
+    admitted, _ = taken[0]
+    assert _names(admitted) == ["x", "y", "z"]
+    queue.close()
+    assert not queue.put_many([_request("late", 1)])
