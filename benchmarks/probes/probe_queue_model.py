@@ -60,13 +60,13 @@ def replay(
     has taken it, ``handoff_s`` after its last batch (admissions happen as a batch is built, so the room is
     there for the first batch built after that); ``release="next-batch"``: a release asked for while a batch
     runs is queued behind it on the workers, and its room is there only for the batch built after the next."""
-    count_ = len(lengths)
-    done, ttft, clock, running = np.zeros(count_, dtype=int), np.zeros(count_), 0.0, []
+    total = len(lengths)
+    done, ttft, clock, running = np.zeros(total, dtype=int), np.zeros(total), 0.0, []
     queued, held, next_arrival = [], [], 0  # held: (the time its KV is freed, tokens)
-    while next_arrival < count_ or queued or running:
+    while next_arrival < total or queued or running:
         if not running and not queued and arrivals[next_arrival] > clock:
             clock = arrivals[next_arrival]  # idle until the next arrival
-        while next_arrival < count_ and arrivals[next_arrival] <= clock:
+        while next_arrival < total and arrivals[next_arrival] <= clock:
             queued.append(next_arrival)
             next_arrival += 1
         held = [(t, n) for t, n in held if t > clock]
@@ -79,7 +79,7 @@ def replay(
             if free is not None:
                 free -= int(lengths[request])
         if not running:  # what waits does not fit: on until the next release or arrival
-            clock = min([t for t, _ in held] + ([arrivals[next_arrival]] if next_arrival < count_ else []))
+            clock = min([t for t, _ in held] + ([arrivals[next_arrival]] if next_arrival < total else []))
             continue
         budget, pieces = max_batch_tokens, []
         for request in running:  # the oldest first, each its next piece while the budget lasts
