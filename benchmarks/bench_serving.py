@@ -402,11 +402,11 @@ def sweep(stacks: dict[str, tuple[str, str | None]], inputs: list[int], rates: l
                 if dead is not None:
                     got["server_died"] = died(dead)
                 results.setdefault(stack, {}).setdefault(str(input_len), []).append(got)
-                pool = got.get("pool")
-                pool = "" if pool is None else (f", pool TTFT mean {pool['ttft'].get('mean_ms')} ms, queue mean {pool['queue'].get('mean_ms')} ms, "
-                                                f"{pool['kv_wait']['count']} KV-room waits")  # fmt: skip
+                times = got.get("pool")
+                pool_line = "" if times is None else (f", pool TTFT mean {times['ttft'].get('mean_ms')} ms, queue mean {times['queue'].get('mean_ms')} ms, "
+                                                      f"{times['kv_wait']['count']} KV-room waits")  # fmt: skip
                 log(f"{stack} {input_len} tokens at {rate}/s: {got['completed']} done, {got['failed']} failed, "
-                    f"TTFT p50 {got['ttft'].get('p50')} ms, ITL p99 {got['itl'].get('p99')} ms, {got['output_throughput']} tok/s{pool}")  # fmt: skip
+                    f"TTFT p50 {got['ttft'].get('p50')} ms, ITL p99 {got['itl'].get('p99')} ms, {got['output_throughput']} tok/s{pool_line}")  # fmt: skip
                 if save is not None:
                     save(results)
                 if "server_died" in got:

@@ -195,20 +195,17 @@ class PrefillPool:
         """
         self._check_running()
         requests: list[Request] = []
-        try:
-            for index, token_ids in enumerate(prompts):
-                try:
-                    requests.append(self._admit(token_ids, None, keep_kv, on_progress))
-                except (TypeError, ValueError) as exc:
-                    raise type(exc)(f"prompt {index} of {len(prompts)}: {exc}") from exc
-        except (TypeError, ValueError):
-            with self.lock:  # nothing of this call is queued: its ids are free again
-                for request in requests:
-                    del self._live[request.id]
-                    self._in_flight -= 1
-            if self.metrics is not None:
-                self.metrics.failed("rejected")
-            raise
+        for index, token_ids in enumerate(prompts):
+            try:
+                requests.append(self._admit(token_ids, None, keep_kv, on_progress))
+            except (TypeError, ValueError) as exc:
+                with self.lock:  # nothing of this call is queued: its ids are free again
+                    for request in requests:
+                        del self._live[request.id]
+                    self._in_flight -= len(requests)
+                if self.metrics is not None:
+                    self.metrics.failed("rejected")
+                raise type(exc)(f"prompt {index} of {len(prompts)}: {exc}") from exc
         return self._enqueue(requests)
 
     def _check_running(self) -> None:

@@ -68,23 +68,19 @@ class RequestQueue:
 
     def put(self, request: Request, *, front: bool = False) -> bool:
         """Queue a request (``front``: ahead of all); False once the queue is closed."""
+        return self.put_many([request], front=front)
+
+    def put_many(self, requests: Sequence[Request], *, front: bool = False) -> bool:
+        """Queue requests together, in order (``front``: ahead of all): a scheduler sees all of them or
+        none (it would start an idle replica's batch on the first alone when they came one by one);
+        False once the queue is closed."""
         with self._changed:
             if self.closed:
                 return False
             if front:
-                self._items.appendleft(request)
+                self._items.extendleft(reversed(requests))
             else:
-                self._items.append(request)
-            self._changed.notify_all()
-        return True
-
-    def put_many(self, requests: Sequence[Request]) -> bool:
-        """Queue requests together, in order: a scheduler sees all of them or none (it would start an
-        idle replica's batch on the first alone when they came one by one); False once the queue is closed."""
-        with self._changed:
-            if self.closed:
-                return False
-            self._items.extend(requests)
+                self._items.extend(requests)
             self._changed.notify_all()
         return True
 
