@@ -2,7 +2,8 @@
 # The GPU runs behind benchmarks/results/*-vllm-decode-*.json, step by step (each fits one 10-minute call):
 #   bash benchmarks/run_vllm_gpu.sh OUT_DIR STEP...
 # Steps: install (the two offline bundles staged in /tmp/stage/{gpu,vllm}-NN: deploy/offline_bundle.py build
-# --sets ray,serve,flash-attn-4 and --sets vllm, into /tmp/gpu-site and /tmp/vllm-site, NIXL shared by both),
+# --sets ray,serve,flash-attn-4 and --sets vllm, into /tmp/gpu-site and /tmp/vllm-site, NIXL shared by both; FlashInfer
+# modules built ahead by deploy/flashinfer_aot.py, staged as /tmp/stage/fi-aot/NAME/NAME.so, into vLLM's site's FlashInfer),
 # probe-moe (one bf16 MoE layer through vLLM's kernels and ours: benchmarks/probes/probe_vllm_moe.py),
 # parity-bf16, parity-fp8 (32 prompts of 1-8K tokens through the tier's OpenAI endpoint against vLLM alone,
 # DeepSeek-width tiny MoE checkpoints), speed (the DeepSeek-V3 5-layer FP8 slice in $CKPT, default
@@ -36,14 +37,15 @@
 # take to start (default 600 s); chaos (two
 # GPUs: benchmarks/chaos.py, 2 replicas x TP 2, spare workers on as they are with GPUs: the pool's faults and fault-to-serving).
 # prefill (the slice's prefill through the pool, and through vLLM with each of its MoE backends MOE_BACKENDS (flashinfer_cutlass
-# too once the flashinfer-moe step has built FlashInfer's SM90 CUTLASS MoE into its JIT cache: that nvcc build had not finished
-# in 8 minutes inside vLLM's start on 2026-11-28; run the step detached, beside the others), on CASES, with
+# too once FlashInfer's SM90 CUTLASS MoE is built: by the flashinfer-moe step, 182 sources, 27 of them in 13 minutes beside other
+# steps on 2026-11-29 (alone, about 20 minutes), or ahead by deploy/flashinfer_aot.py and placed by install), on CASES, with
 # bench_moe.py's workers' own times and MoE layer, its KV cache sized by the prompts (--share-gpus), as measured on 2026-11-28:
 # benchmarks/bench_vllm_prefill.py; FP8_GEMMS: a pool side per PoolConfig.fp8_gemm, default auto; WORKER_GEMMS: bench_moe.py's, default the same but auto; ADD=1 keeps the sides already in OUT_DIR); gemms (benchmarks/bench_grouped_gemm.py with DeepGEMM as vLLM's wheel carries it, linked by install:
 # the experts' grouped GEMMs and the dense FP8 linears by torch's kernels and by DeepGEMM's, on V3's shapes, at GEMM_TOKENS tokens, default 16384: at 65536 the script ran out of memory on an H200);
 # flashinfer-fp8-gemm (FlashInfer's SM90 FP8 block-scale GEMM, which vLLM 0.26 runs its FP8 linears with on Hopper, built into
 # its JIT cache, a build of minutes that vLLM's first FP8 step runs otherwise: run it detached beside other steps, finished before
-# truth with FP8=1, prefill and speed; on 2026-11-28 truth died when that build's nvcc processes were stopped inside vLLM); first-batches (benchmarks/probes/probe_first_batches.py on the slice with fp8_gemm deep_gemm: a fresh worker's start and batches
+# truth with FP8=1, prefill and speed; on 2026-11-28 truth died when that build's nvcc processes were stopped inside vLLM; both
+# flashinfer steps only load a module that install placed); first-batches (benchmarks/probes/probe_first_batches.py on the slice with fp8_gemm deep_gemm: a fresh worker's start and batches
 # and the kernels they compile; RANDOM_BATCHES batches of random sizes after the fixed ones). VLLM_ARGS: more arguments for vLLM's server (speed, speed-kv, pd), e.g. "--disable-custom-all-reduce". speed needs an H200: the slice's 26.5 GiB of
 # weights twice, and vLLM's 32K prefill, do not fit an H100 (vLLM held 57 GiB there at VLLM_MEMORY=0.45).
 set -uo pipefail
@@ -77,6 +79,8 @@ for step in "$@"; do
                mkdir -p /tmp/bundle-$set && cp /tmp/stage/$set-*/* /tmp/bundle-$set/
                python3 deploy/offline_bundle.py install --bundle /tmp/bundle-$set --target /tmp/$set-site | tail -1
              done
+             if [ -d /tmp/stage/fi-aot ]; then  # FlashInfer modules built ahead (deploy/flashinfer_aot.py): loaded, not compiled
+               python3 deploy/flashinfer_aot.py install --modules-dir /tmp/stage/fi-aot --site /tmp/vllm-site | tail -2; fi
              ln -sf /tmp/vllm-site/nixl* /tmp/gpu-site/  # the pool's holders serve NIXL with the same wheel
              ln -sfn /tmp/vllm-site/vllm/third_party/deep_gemm /tmp/gpu-site/deep_gemm  # DeepGEMM for fp8_gemm deep_gemm: vLLM's build of it
              python3 -m compileall -q -j 16 /tmp/vllm-site /tmp/gpu-site > /dev/null  # else every process of a first start compiles vLLM

@@ -1,0 +1,136 @@
+#!/usr/bin/env python3
+"""FlashInfer's JIT modules built ahead of time, for GPU nodes whose starts should not compile them.
+
+vLLM 0.26 on Hopper loads two FlashInfer modules that FlashInfer compiles with nvcc on first use:
+``fp8_blockscale_gemm_90`` (its FP8 block-scale linears: about 2 minutes on 16 cores) and
+``fused_moe_90`` (the FLASHINFER_CUTLASS MoE backend: 182 sources, about 20 minutes on 16 cores,
+about 4 hours on 2). FlashInfer loads a module without building it when ``<name>/<name>.so`` sits
+in its AOT folder (``flashinfer/data/aot`` inside the package, where no ``flashinfer-jit-cache``
+package is installed), so a module built once, on any machine with nvcc, serves every later start.
+
+``build`` needs the FlashInfer version the node runs importable (``--flashinfer-path``: the vLLM
+bundle's site, or ``pip install --target DIR --no-deps flashinfer-python==V apache-tvm-ffi==V``),
+nvcc, the CUDA headers the modules include (cuBLAS, NVRTC and cuRAND beside the toolkit's: their
+pip wheels' ``include`` folders copied into the toolkit's), and the driver's link stub
+``lib64/stubs/libcuda.so`` (an empty shared library of that name will do); no GPU. It builds for
+``sm_90a`` and keeps ``libcuda.so.1`` a needed library even when linked against an empty stub, so
+that the driver's symbols resolve when the module is loaded on the GPU node. ``install`` puts
+built modules into a site's FlashInfer AOT folder.
+
+    python deploy/flashinfer_aot.py build --flashinfer-path /tmp/fi-site --modules fp8_blockscale_gemm_90 --out .bundle/fi-aot
+    python deploy/flashinfer_aot.py install --modules-dir .bundle/fi-aot --site /tmp/vllm-site
+
+A module built by FlashInfer's own JIT on a GPU node (``~/.cache/flashinfer/<version>/90a/
+cached_ops/<name>/<name>.so``) can be installed the same way: copy it to ``DIR/<name>/<name>.so``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+# module name -> (FlashInfer's generator of its JitSpec, as module:function)
+MODULES = {
+    "fp8_blockscale_gemm_90": "flashinfer.jit.gemm.fp8_blockscale:gen_fp8_blockscale_gemm_sm90_module",
+    "fused_moe_90": "flashinfer.jit.fused_moe:gen_cutlass_fused_moe_sm90_module",
+}
+
+
+def check_modules(names: list[str]) -> None:
+    unknown = [n for n in names if n not in MODULES]
+    if unknown:
+        raise SystemExit(f"unknown module(s) {unknown}; valid: {', '.join(MODULES)}")
+
+
+def cuda_home() -> Path:
+    """The CUDA toolkit FlashInfer compiles with: CUDA_HOME, else /usr/local/cuda, else the folder above nvcc's
+    on PATH; the one whose include/cuda.h exists (host-compiled sources need its headers on their path)."""
+    nvcc = shutil.which("nvcc")
+    candidates = [Path(p) for p in (os.environ.get("CUDA_HOME"), "/usr/local/cuda") if p]
+    candidates += [Path(nvcc).resolve().parent.parent] if nvcc else []
+    for path in candidates:
+        if (path / "include" / "cuda.h").is_file() and (path / "bin" / "nvcc").is_file():
+            return path
+    raise SystemExit(f"no CUDA toolkit found (looked in {', '.join(map(str, candidates))}): set CUDA_HOME")
+
+
+def build(names: list[str], flashinfer_path: Path, out: Path, jobs: int, workspace: Path | None) -> list[Path]:
+    """Build each module in a child process that sees FlashInfer (and this machine's nvcc); copy its ``.so``
+    into ``out/<name>/``."""
+    check_modules(names)
+    toolkit = cuda_home()
+    workspace = workspace or Path(tempfile.mkdtemp(prefix="fi-aot-"))
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(flashinfer_path), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep),
+        "FLASHINFER_CUDA_ARCH_LIST": "9.0a",  # no GPU to detect: Hopper's arch-specific target, as on the node
+        "FLASHINFER_WORKSPACE_BASE": str(workspace),
+        "MAX_JOBS": str(jobs),
+        "CUDA_HOME": str(toolkit),
+        # -lcuda against the toolkit's stub (or an empty one) is dropped by --as-needed: keep it needed
+        "FLASHINFER_EXTRA_LDFLAGS": "-Wl,--no-as-needed -lcuda -Wl,--as-needed",
+    }
+    built = []
+    for name in names:
+        module, function = MODULES[name].split(":")
+        script = (f"from {module} import {function} as gen\nspec = gen()\nassert spec.name == {name!r}, spec.name\n"
+                  "spec.build(verbose=False)\nprint(spec.jit_library_path)")  # fmt: skip
+        result = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True)
+        if result.returncode != 0:
+            raise SystemExit(f"building {name} failed:\n{result.stderr[-4000:]}")
+        so = Path(result.stdout.strip().splitlines()[-1])
+        dest = out / name / f"{name}.so"
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(so, dest)
+        print(f"{name}: {dest} ({dest.stat().st_size / 2**20:.1f} MiB)", flush=True)
+        built.append(dest)
+    return built
+
+
+def install(modules_dir: Path, site: Path) -> list[Path]:
+    """Copy every ``modules_dir/<name>/<name>.so`` of a known module into ``site``'s FlashInfer AOT folder."""
+    aot = site / "flashinfer" / "data" / "aot"
+    if not (site / "flashinfer").is_dir():
+        raise SystemExit(f"--site {site}: no flashinfer package there")
+    found = sorted(p for p in modules_dir.glob("*/*.so") if p.stem == p.parent.name)
+    check_modules([p.stem for p in found])
+    if not found:
+        raise SystemExit(f"--modules-dir {modules_dir}: no <name>/<name>.so inside (valid names: {', '.join(MODULES)})")
+    placed = []
+    for so in found:
+        dest = aot / so.stem / so.name
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(so, dest)
+        placed.append(dest)
+        print(f"{so.stem}: {dest}", flush=True)
+    return placed
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    b = sub.add_parser("build", help="build modules with this machine's nvcc (no GPU needed)")
+    b.add_argument("--flashinfer-path", type=Path, required=True, help="a folder holding the node's flashinfer and tvm_ffi packages")
+    b.add_argument("--modules", nargs="+", required=True, help=f"modules to build: {', '.join(MODULES)}")
+    b.add_argument("--out", type=Path, required=True, help="folder to write <name>/<name>.so into")
+    b.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="parallel nvcc jobs (default: the CPU count)")
+    b.add_argument("--workspace", type=Path, help="FlashInfer's build folder, kept to resume a build (default: a new temporary one)")
+    i = sub.add_parser("install", help="put built modules into a site's FlashInfer AOT folder")
+    i.add_argument("--modules-dir", type=Path, required=True, help="a folder of <name>/<name>.so")
+    i.add_argument("--site", type=Path, required=True, help="the site-packages folder holding flashinfer (e.g. /tmp/vllm-site)")
+    args = parser.parse_args(argv)
+    if args.command == "build":
+        if args.jobs < 1:
+            parser.error(f"--jobs {args.jobs}: must be at least 1")
+        build(args.modules, args.flashinfer_path, args.out, args.jobs, args.workspace)
+    else:
+        install(args.modules_dir, args.site)
+
+
+if __name__ == "__main__":
+    main()
