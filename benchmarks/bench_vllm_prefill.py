@@ -301,7 +301,8 @@ def ratios(sides: dict, cases: list[str]) -> dict:
 def workers_sides(workers: dict, source: Path, cases: list[str]) -> dict:
     """bench_moe.py's one-GPU runs, a side each (``workers`` for torch's experts, ``workers:GEMM`` for
     another ``fp8_gemm``): the workers' own seconds per case (no Ray, no driver) and the MoE layer alone
-    (router, routed and shared experts); ``workers`` holds the errors when no run has torch's experts."""
+    (router, routed and shared experts); ``workers`` holds bench_moe.py's errors when it has some and no run
+    has torch's experts."""
     out = {}
     for run in (r for r in workers["runs"] if r["gpus"] == 1):
         side = {"source": str(source), "layout": run["layout"], "cases": {
@@ -310,7 +311,7 @@ def workers_sides(workers: dict, source: Path, cases: list[str]) -> dict:
             side["moe_layer"] = {"tokens": run["moe_layer"][0]["tokens_per_gpu"], "layer_s": run["moe_layer"][0]["layer_s"]}
         gemm = run.get("fp8_gemm", "torch")
         out.setdefault("workers" if gemm == "torch" else f"workers:{gemm}", side)
-    if "workers" not in out:
+    if "workers" not in out and workers.get("errors"):
         out["workers"] = {"source": str(source), "error": [e["error"][-300:] for e in workers.get("errors", [])]}
     return out
 

@@ -102,6 +102,7 @@ def test_bench_moes_one_gpu_run_is_folded_in_with_its_moe_layer_or_its_error():
     error = {"layout": "fp8-1gpu", "error": "x" * 500 + "CUDA out of memory"}
     failed = workers_sides({"runs": [deep], "errors": [error]}, Path("w.json"), ["16x4096"])["workers"]
     assert failed["error"][0].endswith("CUDA out of memory") and "cases" not in failed
+    assert set(workers_sides({"runs": [deep], "errors": []}, Path("w.json"), ["16x4096"])) == {"workers:deep_gemm"}  # no torch run asked for
 
 
 @pytest.mark.parametrize(
