@@ -64,6 +64,7 @@ def build(names: list[str], flashinfer_path: Path, out: Path, jobs: int, workspa
     into ``out/<name>/``."""
     check_modules(names)
     toolkit = cuda_home()
+    temporary = workspace is None
     workspace = workspace or Path(tempfile.mkdtemp(prefix="fi-aot-"))
     env = {
         **os.environ,
@@ -77,18 +78,21 @@ def build(names: list[str], flashinfer_path: Path, out: Path, jobs: int, workspa
     }
     built = []
     for name in names:
+        print(f"{name}: building in {workspace} with {jobs} nvcc jobs", flush=True)
         module, function = MODULES[name].split(":")
         script = (f"from {module} import {function} as gen\nspec = gen()\nassert spec.name == {name!r}, spec.name\n"
                   "spec.build(verbose=False)\nprint(spec.jit_library_path)")  # fmt: skip
         result = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True)
         if result.returncode != 0:
-            raise SystemExit(f"building {name} failed:\n{result.stderr[-4000:]}")
+            raise SystemExit(f"building {name} failed (its build folder: {workspace}):\n{result.stderr[-4000:]}")
         so = Path(result.stdout.strip().splitlines()[-1])
         dest = out / name / f"{name}.so"
         dest.parent.mkdir(parents=True, exist_ok=True)
         shutil.copy2(so, dest)
         print(f"{name}: {dest} ({dest.stat().st_size / 2**20:.1f} MiB)", flush=True)
         built.append(dest)
+    if temporary:
+        shutil.rmtree(workspace)  # gigabytes of objects: kept only where --workspace asked for them
     return built
 
 
