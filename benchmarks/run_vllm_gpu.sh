@@ -37,8 +37,8 @@
 # take to start (default 600 s); chaos (two
 # GPUs: benchmarks/chaos.py, 2 replicas x TP 2, spare workers on as they are with GPUs: the pool's faults and fault-to-serving).
 # prefill (the slice's prefill through the pool, and through vLLM with each of its MoE backends MOE_BACKENDS (flashinfer_cutlass
-# too once FlashInfer's SM90 CUTLASS MoE is built: by the flashinfer-moe step, 182 sources, 27 of them in 13 minutes beside other
-# steps on 2026-11-29 (alone, about 20 minutes), or ahead by deploy/flashinfer_aot.py and placed by install), on CASES, with
+# too once FlashInfer's SM90 CUTLASS MoE is built: by the flashinfer-moe step, 182 sources, 27 of them in 9 minutes beside other
+# steps on 2026-11-29 (alone, about half an hour), or ahead by deploy/flashinfer_aot.py and placed by install), on CASES, with
 # bench_moe.py's workers' own times and MoE layer, its KV cache sized by the prompts (--share-gpus), as measured on 2026-11-28:
 # benchmarks/bench_vllm_prefill.py; FP8_GEMMS: a pool side per PoolConfig.fp8_gemm, default auto; WORKER_GEMMS: bench_moe.py's, default the same but auto; ADD=1 keeps the sides already in OUT_DIR); gemms (benchmarks/bench_grouped_gemm.py with DeepGEMM as vLLM's wheel carries it, linked by install:
 # the experts' grouped GEMMs and the dense FP8 linears by torch's kernels and by DeepGEMM's, on V3's shapes, at GEMM_TOKENS tokens, default 16384: at 65536 the script ran out of memory on an H200);

@@ -3,8 +3,8 @@
 
 vLLM 0.26 on Hopper loads two FlashInfer modules that FlashInfer compiles with nvcc on first use:
 ``fp8_blockscale_gemm_90`` (its FP8 block-scale linears: about 2 minutes on 16 cores) and
-``fused_moe_90`` (the FLASHINFER_CUTLASS MoE backend: 182 sources, about 20 minutes on 16 cores,
-about 4 hours on 2). FlashInfer loads a module without building it when ``<name>/<name>.so`` sits
+``fused_moe_90`` (the FLASHINFER_CUTLASS MoE backend: 182 sources, 160 of them of about 3 minutes of
+one core each: about half an hour on 16 cores, about 4 hours on 2). FlashInfer loads a module without building it when ``<name>/<name>.so`` sits
 in its AOT folder (``flashinfer/data/aot`` inside the package, where no ``flashinfer-jit-cache``
 package is installed), so a module built once, on any machine with nvcc, serves every later start.
 
