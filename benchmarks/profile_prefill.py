@@ -2,7 +2,7 @@
 
 Builds a ``PrefillWorker`` of ``--model`` (``--num-layers`` of it, random weights, FP8 where the
 checkpoint format is FP8 and ``--weights fp8``), prefills ``--prompts N L`` (N prompts of L tokens,
-all in one batch when they fit ``--chunk-tokens``) twice to warm up, times a third run, profiles a
+all in one batch when they fit ``--chunk-tokens``; FP8 GEMMs on ``--fp8-gemm``) twice to warm up, times a third run, profiles a
 fourth, and prints and writes the operators and kernels by GPU time, with the sum of kernel times
 and the time the GPU was busy (kernels merged) against the run's wall time, and ``shares``: the
 kernel time by part of the model (:data:`PARTS`, :func:`kernel_shares`).
@@ -31,6 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 from spmd import chunk_batches  # noqa: E402 -- the tests' prompt-by-chunk batching, as the pool schedules it
 
+from configs.model import FP8_GEMMS  # noqa: E402
 from configs.pool import PoolConfig  # noqa: E402
 from workers.worker import PrefillWorker, rendezvous_address  # noqa: E402
 
@@ -79,6 +80,7 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, nargs=2, default=[16, 4096], metavar=("N", "L"))
     parser.add_argument("--chunk-tokens", type=int, default=32768)
     parser.add_argument("--backend", default="auto", help="the MLA prefill backend (PoolConfig.backend)")
+    parser.add_argument("--fp8-gemm", default="auto", choices=FP8_GEMMS, help="what runs the FP8 GEMMs (PoolConfig.fp8_gemm; default auto)")
     parser.add_argument("--top", type=int, default=40, help="operators and kernels listed")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
@@ -86,7 +88,7 @@ def main() -> None:
         parser.error("needs a CUDA GPU")
     count, length = args.prompts
     config = PoolConfig(
-        model=args.model, num_layers=args.num_layers, backend=args.backend, dtype="bfloat16", device="cuda",
+        model=args.model, num_layers=args.num_layers, backend=args.backend, fp8_gemm=args.fp8_gemm, dtype="bfloat16", device="cuda",
         quantization="auto" if args.weights == "fp8" else "none", chunk_tokens=args.chunk_tokens,
         max_batch_tokens=max(args.chunk_tokens, count * min(length, args.chunk_tokens)), gpu_memory_utilization=0.85, seed=0,
     )  # fmt: skip
@@ -116,13 +118,13 @@ def main() -> None:
     result = {
         "benchmark": "one prefill batch on one GPU, torch.profiler", "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "machine": machine(), "command": " ".join([Path(sys.executable).name, *sys.argv]),
-        "model": args.model, "layers": args.num_layers, "weights": info.weights, "backend": info.backend,
+        "model": args.model, "layers": args.num_layers, "weights": info.weights, "fp8_gemm": info.fp8_gemm, "backend": info.backend,
         "prompts": count, "prompt_tokens": length, "wall_s": wall,
         "layer_tokens_per_s": count * length * args.num_layers / wall,
         "kernel_sum_ms": sum(e.device_time for e in gpu) / 1e3, "gpu_busy_ms": _busy_ms(gpu),
         "shares": kernel_shares([(e.name, e.device_time / 1e3) for e in gpu]), "top": top,
     }  # fmt: skip
-    print(f"{count} x {length} tokens, {args.num_layers} layers, {info.weights}, {info.backend}: {wall * 1e3:.1f} ms, "
+    print(f"{count} x {length} tokens, {args.num_layers} layers, {info.weights} on {info.fp8_gemm}, {info.backend}: {wall * 1e3:.1f} ms, "
           f"kernels {result['kernel_sum_ms']:.1f} ms, GPU busy {result['gpu_busy_ms']:.1f} ms")  # fmt: skip
     for row in top:
         print(f"{row['cuda_ms']:10.2f} ms {row['calls']:6d}  {row['name'][:110]}")
