@@ -312,7 +312,7 @@ def workers_sides(workers: dict, source: Path, cases: list[str]) -> dict:
         gemm = run.get("fp8_gemm", "torch")
         out.setdefault("workers" if gemm == "torch" else f"workers:{gemm}", side)
     if "workers" not in out and workers.get("errors"):
-        out["workers"] = {"source": str(source), "error": [e["error"][-300:] for e in workers.get("errors", [])]}
+        out["workers"] = {"source": str(source), "error": [e["error"][-300:] for e in workers["errors"]]}
     return out
 
 

@@ -176,7 +176,7 @@ def _tail_table(document) -> list[str]:
         cells = [stack, input_len, _rate(p), shares(p["itl_over_ms"])]
         if apart:
             first = p.get("first_itl")
-            cells += [shares(p.get("itl_over_ms_later")), "-" if first is None else f"{first['p50']:,.1f} / {first['p99']:,.1f}"]
+            cells += [shares(p.get("itl_over_ms_later")), "-" if first is None else _p50_p99(first)]
         rows.append("| " + " | ".join(str(c) for c in [*cells, shares(p["engine_itl"]["over_ms"])]) + " |")
     head = ["stack", "input tokens", "rate (req/s)", "client, % over 10 / 25 / 50 ms"]
     if apart:
