@@ -79,12 +79,17 @@ def truth_tokens(checkpoint: Path, prompts: list[list[int]], steps: int, device:
     return out
 
 
-def pool_config(checkpoint: Path, dtype: str, device: str, fp8_gemm: str = "auto"):
+def pool_config(checkpoint: Path, dtype: str, device: str, fp8_gemm: str = "auto", kept: list[list[int]] = ()):
+    """The pool's config; its KV cache holds ``1 << 17`` tokens, or every prompt of ``kept`` at once if more
+    (the tier keeps each prompt's KV until vLLM has loaded it: a prompt with no room would wait for a
+    release that only comes after the prefills, and the run would hang)."""
     from configs.pool import PoolConfig
 
     gpu = device == "cuda"
+    block = PoolConfig.block_size
+    kv_tokens = max(1 << 17, sum(-(-len(prompt) // block) * block for prompt in kept))
     return PoolConfig(checkpoint=str(checkpoint), dtype=dtype, device=device, use_gpus=gpu, worker_cpus=1.0 if gpu else 0.25,
-                      kv_cache_tokens=1 << 17, fp8_gemm=fp8_gemm, **({"gpu_memory_utilization": 0.9} if gpu else {}))  # fmt: skip
+                      kv_cache_tokens=kv_tokens, fp8_gemm=fp8_gemm, **({"gpu_memory_utilization": 0.9} if gpu else {}))  # fmt: skip
 
 
 def truth_rows(checkpoint: Path, prompts: list[list[int]], device: str, dtype: str = "float32") -> list[torch.Tensor]:
@@ -108,7 +113,7 @@ def engines(checkpoint: Path, prompts: list[list[int]], steps: int, args, workdi
     from cluster.kv_server import KVServer
     from cluster.pool import PrefillPool
 
-    with PrefillPool(pool_config(checkpoint, args.dtype, args.device, args.fp8_gemm)).start() as pool, KVServer(pool, token=TOKEN) as server:
+    with PrefillPool(pool_config(checkpoint, args.dtype, args.device, args.fp8_gemm, kept=prompts)).start() as pool, KVServer(pool, token=TOKEN) as server:
         kept = [pool.prefill(prompt, keep_kv=True) for prompt in prompts]
         fp8_gemm = pool.weights_report()["fp8_gemm"]
         job_steps = [{"name": f"alone-{i}", "prompts": [p], "tickets": [None]} for i, p in enumerate(prompts)]

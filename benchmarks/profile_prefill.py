@@ -37,9 +37,10 @@ from workers.worker import PrefillWorker, rendezvous_address  # noqa: E402
 
 
 # the parts of a prefill, by kernel name (the first pattern that matches; case-insensitive): FP8 activation quantization
-# serves the linears and the experts alike, so it is a part of its own
+# serves the linears and the experts alike, so it is a part of its own. DeepGEMM's kernels name no GEMM type, only
+# their template values: after the layout's major, M, N and K comes the number of groups, 1 for a dense GEMM
 PARTS = (
-    ("moe_experts", r"GroupProblemShape|grouped|m_grouped|fused_moe"),
+    ("moe_experts", r"GroupProblemShape|grouped|m_grouped|fused_moe|deep_gemm::\w+<\([^)]*\)\d+, \d+u, \d+u, \d+u, (?!1u,)\d+u,"),
     ("attention", r"flash_?attn|fmha|attention|mla"),
     ("linears", r"nvjet|gemm|cutlass|sm90_xmma"),
     ("fp8_quantize", r"quantize|quant_"),

@@ -1,6 +1,6 @@
 """``benchmarks/bench_vllm_truth.py``'s scoring of an engine against the float32 truth (the accuracy
 comparisons of the vLLM decode and FP8 results are only as right as this): departures, first tokens,
-rows' distance, and the totals over checkpoints."""
+rows' distance, and the totals over checkpoints; and the tier's pool holding every prompt's kept KV at once."""
 
 import sys
 from pathlib import Path
@@ -10,7 +10,7 @@ import torch
 
 BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
 sys.path.insert(0, str(BENCHMARKS))
-from bench_vllm_truth import compare, totals  # noqa: E402
+from bench_vllm_truth import compare, pool_config, totals  # noqa: E402
 
 
 def _truth():
@@ -37,3 +37,14 @@ def test_totals_add_every_checkpoint_per_engine():
                    {"vllm_alone": _side(0, [{"step": 3}, {"step": 1}]), "tier_and_vllm": _side(1, [{"step": 0}])}]  # fmt: skip
     assert totals(checkpoints) == {"vllm_alone": {"prompts": 4, "first_tokens_equal_to_truth": 3, "prompts_equal_to_truth": 1},
                                    "tier_and_vllm": {"prompts": 4, "first_tokens_equal_to_truth": 3, "prompts_equal_to_truth": 3}}  # fmt: skip
+
+
+def test_the_tiers_pool_holds_every_prompts_kept_kv_at_once():
+    """The tier keeps each prompt's KV until vLLM loads it, after every prefill: a cache too small for all
+    of them left the first prefill past its 131,072 tokens waiting for a release that never came (96 prompts
+    of 1-4K on one H200, 2026-11-29)."""
+    prompts = [[1] * 4000] * 95 + [[1] * 65]
+    config = pool_config(Path("ckpt"), "bfloat16", "cpu", kept=prompts)
+    block = config.block_size
+    assert config.kv_cache_tokens >= 95 * 4032 + 2 * block > 1 << 17  # each prompt in whole blocks
+    assert pool_config(Path("ckpt"), "float32", "cpu").kv_cache_tokens == 1 << 17  # nothing kept: the default
