@@ -16,7 +16,8 @@ Requests are validated at submit (``cluster.queueing.validate_tokens``), before
 they join a batch, so a bad request fails alone. The driver owns each replica's KV blocks
 (``cluster.prefix_cache``: every PCP rank's, shared by prompts with a common prefix, cached prefixes
 evicted LRU for room): a prompt that could never fit is refused at submit, one that does not fit yet
-waits for releases, and a request goes to the replica holding most of its prefix (:meth:`PrefillPool.routed_elsewhere`). A request's future can
+waits for releases (logged once past ``cluster.queueing.KV_WAIT_WARN_S``), and a request goes to
+the replica holding most of its prefix (:meth:`PrefillPool.routed_elsewhere`). A request's future can
 be cancelled (``future.cancel()`` or :meth:`PrefillPool.cancel`): it is taken out
 before its next chunk and its KV blocks are freed. A batch that fails (a worker
 raised, died or got stuck) replaces its replica; its requests are retried once

@@ -5,7 +5,8 @@ requests whose KV fits in *its* free blocks now, so a request that does not fit 
 runs on another that has room instead of waiting for the first. Younger requests may pass one
 that fits nowhere yet, but only for ``STARVATION_S``: after that no replica admits anything
 younger until it has run (its KV fits once enough is released), so a long prompt is never
-starved by a stream of short ones.
+starved by a stream of short ones. A request that has waited ``KV_WAIT_WARN_S`` for room is
+logged once: room that never comes is usually KV kept for a receiver (``keep_kv``) and never released.
 
 Prompts are checked here (:func:`validate_tokens`) before they join the queue, so a bad one fails
 alone.
@@ -16,6 +17,7 @@ own): a request that breaks its batch then cannot break another request's retry.
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections import deque
@@ -29,6 +31,9 @@ import torch
 from configs.model import ModelConfig
 
 STARVATION_S = 2.0  # how long younger requests may pass one whose KV fits no replica yet
+KV_WAIT_WARN_S = 30.0  # a request waiting this long for KV room is logged (once)
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(eq=False)
@@ -48,6 +53,7 @@ class Request:
     alone: bool = False  # runs in a batch of its own (a retry)
     blocked_since: float | None = None  # when a replica first found it did not fit
     blocked_s: float = 0.0  # how long it waited for KV room before a replica admitted it
+    wait_logged: bool = False  # its wait for room passed KV_WAIT_WARN_S and was logged
 
     @property
     def remaining(self) -> int:
@@ -146,7 +152,16 @@ class RequestQueue:
                 continue
             if request.blocked_since is None:
                 request.blocked_since = now
-            elif now - request.blocked_since > STARVATION_S:
+                continue
+            waited = now - request.blocked_since
+            if waited > KV_WAIT_WARN_S and not request.wait_logged:
+                request.wait_logged = True
+                logger.warning(
+                    "request %r (%d tokens) has waited %.0f s for room in a replica's KV cache: KV kept with keep_kv "
+                    "stays until PrefillPool.release frees it (a KV server frees what no receiver claims within "
+                    "its unclaimed_ttl_s)", request.id, len(request.tokens), waited,
+                )  # fmt: skip
+            if waited > STARVATION_S:
                 break  # it has waited long enough: nothing younger passes it
         return admitted, cancelled
 

@@ -1,6 +1,7 @@
 """The pool's request queue (``cluster.queueing``): admission by fit, arrival order, retries alone,
-cancellations taken out, and no starvation of a request that fits nowhere yet."""
+cancellations taken out, no starvation of a request that fits nowhere yet, and a long wait for room logged."""
 
+import logging
 import threading
 import time
 from concurrent.futures import Future
@@ -93,6 +94,22 @@ def test_a_request_that_fits_nowhere_is_passed_for_a_while_then_nothing_younger_
     replica.free = 10  # KV released
     (long, _), = queue.take(replica.reserve, 100, 4, alone_ok=True, timeout_s=0)[0]
     assert long.id == "long" and 0.3 <= long.blocked_s < 5 and long.blocked_since is None  # its wait for room, for the pool's metrics
+
+
+def test_a_long_wait_for_room_is_logged_once_naming_kept_kv(monkeypatch, caplog):
+    monkeypatch.setattr(queueing, "KV_WAIT_WARN_S", 0.2)
+    queue = RequestQueue()
+    queue.put(_request("held-out", 10))
+    replica = Replica(free=5)  # the rest held by KV nobody releases
+    with caplog.at_level(logging.WARNING, logger="cluster.queueing"):
+        for _ in range(2):
+            assert queue.take(replica.reserve, 100, 4, alone_ok=True, timeout_s=0)[0] == []
+        assert caplog.records == []  # not yet
+        time.sleep(0.3)
+        for _ in range(3):
+            assert queue.take(replica.reserve, 100, 4, alone_ok=True, timeout_s=0)[0] == []
+    (record,) = caplog.records
+    assert "'held-out' (10 tokens) has waited" in record.getMessage() and "PrefillPool.release" in record.getMessage()
 
 
 def test_take_waits_for_a_request_and_close_returns_the_waiting_ones():
