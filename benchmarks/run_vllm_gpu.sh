@@ -15,7 +15,8 @@
 # seeds, default all three; TRUTH_PROMPTS prompts per checkpoint, default 24 (the first 24 of a larger draw are those 24); FP8=1: the checkpoints in FP8, both engines on their FP8 GEMMs, the pool's on FP8_GEMM, default auto;
 # WIDE=1: checkpoints whose every linear the pool runs in FP8 too), probe-cg (benchmarks/probes/probe_compiled_graph.py on the slice: the pool's per-batch
 # call as Ray tasks against a Ray Compiled Graph), probe-graphs (benchmarks/probes/probe_cuda_graphs.py on the slice: one prompt's prefill in the worker, eager
-# against replayed from its CUDA graphs), probe-ingress (benchmarks/probes/probe_ingress.py on the slice: the
+# against replayed from its CUDA graphs), probe-attn (benchmarks/probes/probe_prefill_attention.py: MLA prefill attention on FA4, vLLM's FA3
+# and vLLM's FA3 on FP8 inputs, speed and distance from float32), probe-ingress (benchmarks/probes/probe_ingress.py on the slice: the
 # tier's fixed cost through Serve's proxy and at the replica's own port; INGRESS=replica gives speed, serving, pd and soak that way too;
 # DECODE_ENDPOINT=completions has speed and speed-kv ask vLLM's /v1/completions after the tier's first token, not its generate endpoint; DECODE_FORWARD=after_first_token has them send vLLM the request after that token, not as the prefill is submitted), serving and soak (benchmarks/bench_serving.py: vLLM's serving
 # benchmark against the tier and vLLM alone at RATES on the slice, then vLLM alone on the whole GPU (STACKS: some of them; ADD=1
@@ -97,6 +98,7 @@ for step in "$@"; do
              --scatter ${SCATTER:-200} --kv-cache-tokens 131072 --vllm-kv-cache-gib 8 --vllm-memory ${VLLM_MEMORY:-0.4} ${VLLM_EAGER:+--vllm-eager} --vllm-max-graph-batch ${VLLM_GRAPH_BATCH:-8} --ingress ${INGRESS:-proxy} --decode-endpoint ${DECODE_ENDPOINT:-generate} --decode-forward ${DECODE_FORWARD:-early} --vllm-tp ${TP:-1} --vllm-dp ${DP:-1} ${VLLM_GPUS:+--vllm-gpus $VLLM_GPUS} --vllm-args="${VLLM_ARGS:-}" --out "$out/vllm-decode-speed-kv-shaped.json" ;;
     truth) python3 benchmarks/bench_vllm_truth.py --checkpoints ${CHECKPOINTS:-1 2:one-scale 3:one-scale} --vllm-tp ${TP:-1} \
              --max-len ${TRUTH_MAX_LEN:-4096} ${TRUTH_PROMPTS:+--prompts $TRUTH_PROMPTS} ${FP8:+--fp8 --fp8-gemm ${FP8_GEMM:-auto}} ${WIDE:+--wide} --out "$out/vllm-decode-truth${FP8:+-fp8-${FP8_GEMM:-auto}}${WIDE:+-wide}.json" ;;
+    probe-attn) PYTHONPATH=/tmp/gpu-site:/tmp/vllm-site:$PWD python3 benchmarks/probes/probe_prefill_attention.py --out "$out/probe-prefill-attention.json" ;;
     probe-graphs) slice_ckpt; python3 benchmarks/probes/probe_cuda_graphs.py --checkpoint "$ckpt" --tokens ${PROBE_TOKENS:-16 512 1024 2048 4096} \
                    --out "$out/probe-cuda-graphs.json" ;;
     probe-cg) slice_ckpt; python3 benchmarks/probes/probe_compiled_graph.py --device cuda --tp 1 --checkpoint "$ckpt" --tokens 16 512 4096 \
