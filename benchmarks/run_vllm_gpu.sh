@@ -3,7 +3,8 @@
 #   bash benchmarks/run_vllm_gpu.sh OUT_DIR STEP...
 # Steps: install (the two offline bundles staged in /tmp/stage/{gpu,vllm}-NN: deploy/offline_bundle.py build
 # --sets ray,serve,flash-attn-4 and --sets vllm, into /tmp/gpu-site and /tmp/vllm-site, NIXL shared by both; FlashInfer
-# modules built ahead by deploy/flashinfer_aot.py, staged as /tmp/stage/fi-aot/NAME/NAME.so, into vLLM's site's FlashInfer),
+# modules built ahead by deploy/flashinfer_aot.py, staged as /tmp/stage/fi-aot/NAME/NAME.so or as its pack's parts /tmp/stage/fi-aot-NN/,
+# into vLLM's site's FlashInfer),
 # probe-moe (one bf16 MoE layer through vLLM's kernels and ours: benchmarks/probes/probe_vllm_moe.py),
 # parity-bf16, parity-fp8 (32 prompts of 1-8K tokens through the tier's OpenAI endpoint against vLLM alone,
 # DeepSeek-width tiny MoE checkpoints), speed (the DeepSeek-V3 5-layer FP8 slice in $CKPT, default
@@ -80,6 +81,8 @@ for step in "$@"; do
                mkdir -p /tmp/bundle-$set && cp /tmp/stage/$set-*/* /tmp/bundle-$set/
                python3 deploy/offline_bundle.py install --bundle /tmp/bundle-$set --target /tmp/$set-site | tail -1
              done
+             if [ -d /tmp/stage/fi-aot-00 ]; then  # modules too large for one copy: flashinfer_aot.py pack's parts, one per copy
+               python3 deploy/flashinfer_aot.py unpack --parts-dir /tmp/stage --out /tmp/stage/fi-aot | tail -1; fi
              if [ -d /tmp/stage/fi-aot ]; then  # FlashInfer modules built ahead (deploy/flashinfer_aot.py): loaded, not compiled
                python3 deploy/flashinfer_aot.py install --modules-dir /tmp/stage/fi-aot --site /tmp/vllm-site | tail -2; fi
              ln -sf /tmp/vllm-site/nixl* /tmp/gpu-site/  # the pool's holders serve NIXL with the same wheel

@@ -15,10 +15,15 @@ pip wheels' ``include`` folders copied into the toolkit's), and the driver's lin
 ``lib64/stubs/libcuda.so`` (an empty shared library of that name will do); no GPU. It builds for
 ``sm_90a`` and keeps ``libcuda.so.1`` a needed library even when linked against an empty stub, so
 that the driver's symbols resolve when the module is loaded on the GPU node. ``install`` puts
-built modules into a site's FlashInfer AOT folder.
+built modules into a site's FlashInfer AOT folder. A module too large to copy in one piece (the MoE
+module, hundreds of MiB) travels as ``pack``'s parts, one folder each, gzip-compressed; ``unpack``
+joins the parts wherever they were copied to, checks them against the digest ``pack`` wrote, and
+gives back the folder of modules ``install`` takes.
 
     python deploy/flashinfer_aot.py build --flashinfer-path /tmp/fi-site --modules fp8_blockscale_gemm_90 --out .bundle/fi-aot
-    python deploy/flashinfer_aot.py install --modules-dir .bundle/fi-aot --site /tmp/vllm-site
+    python deploy/flashinfer_aot.py pack --modules-dir .bundle/fi-aot --out .bundle/stage --max-part-mb 55
+    python deploy/flashinfer_aot.py unpack --parts-dir /tmp/stage --out /tmp/stage/fi-aot    # on the node
+    python deploy/flashinfer_aot.py install --modules-dir /tmp/stage/fi-aot --site /tmp/vllm-site
 
 A module built by FlashInfer's own JIT on a GPU node (``~/.cache/flashinfer/<version>/90a/
 cached_ops/<name>/<name>.so``) can be installed the same way: copy it to ``DIR/<name>/<name>.so``.
@@ -27,10 +32,14 @@ cached_ops/<name>/<name>.so``) can be installed the same way: copy it to ``DIR/<
 from __future__ import annotations
 
 import argparse
+import hashlib
+import io
+import json
 import os
 import shutil
 import subprocess
 import sys
+import tarfile
 import tempfile
 from pathlib import Path
 
@@ -101,10 +110,7 @@ def install(modules_dir: Path, site: Path) -> list[Path]:
     aot = site / "flashinfer" / "data" / "aot"
     if not (site / "flashinfer").is_dir():
         raise SystemExit(f"--site {site}: no flashinfer package there")
-    found = sorted(p for p in modules_dir.glob("*/*.so") if p.stem == p.parent.name)
-    check_modules([p.stem for p in found])
-    if not found:
-        raise SystemExit(f"--modules-dir {modules_dir}: no <name>/<name>.so inside (valid names: {', '.join(MODULES)})")
+    found = _modules_in(modules_dir)
     placed = []
     for so in found:
         dest = aot / so.stem / so.name
@@ -113,6 +119,64 @@ def install(modules_dir: Path, site: Path) -> list[Path]:
         placed.append(dest)
         print(f"{so.stem}: {dest}", flush=True)
     return placed
+
+
+PACKED = "fi-aot.tar.gz"  # pack's archive; part i is PARTS_DIR/fi-aot-<i>/fi-aot.tar.gz.part<i>, its manifest in fi-aot-00
+
+
+def _modules_in(modules_dir: Path) -> list[Path]:
+    """The ``<name>/<name>.so`` of known modules in ``modules_dir``; ``SystemExit`` naming what is wrong."""
+    found = sorted(p for p in modules_dir.glob("*/*.so") if p.stem == p.parent.name)
+    check_modules([p.stem for p in found])
+    if not found:
+        raise SystemExit(f"--modules-dir {modules_dir}: no <name>/<name>.so inside (valid names: {', '.join(MODULES)})")
+    return found
+
+
+def pack(modules_dir: Path, out: Path, max_part_mb: int) -> list[Path]:
+    """The modules of ``modules_dir`` as one gzip-compressed tar in parts of at most ``max_part_mb`` MiB,
+    part ``i`` alone in ``out/fi-aot-<i>/`` (a folder to copy at a time), with a manifest (the parts,
+    their size and the archive's sha256) beside part 0."""
+    found = _modules_in(modules_dir)
+    buffer = io.BytesIO()
+    with tarfile.open(fileobj=buffer, mode="w:gz") as archive:
+        for so in found:
+            archive.add(so, arcname=f"{so.stem}/{so.name}")
+    data, size = buffer.getvalue(), max_part_mb << 20
+    chunks = [data[i : i + size] for i in range(0, len(data), size)]
+    for stale in out.glob("fi-aot-*"):
+        shutil.rmtree(stale)  # parts of an earlier pack would be joined with these
+    parts = []
+    for index, chunk in enumerate(chunks):
+        part = out / f"fi-aot-{index:02d}" / f"{PACKED}.part{index:02d}"
+        part.parent.mkdir(parents=True, exist_ok=True)
+        part.write_bytes(chunk)
+        parts.append(part)
+    manifest = {"modules": [so.stem for so in found], "parts": len(chunks), "bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+    (out / "fi-aot-00" / "fi-aot.json").write_text(json.dumps(manifest, indent=1) + "\n")
+    print(f"{', '.join(manifest['modules'])}: {len(chunks)} part(s) of <= {max_part_mb} MiB, {len(data) / 2**20:.1f} MiB in all, in {out}/fi-aot-NN", flush=True)
+    return parts
+
+
+def unpack(parts_dir: Path, out: Path) -> list[Path]:
+    """Join ``pack``'s parts found in ``parts_dir/fi-aot-*/``, check them against its manifest and extract
+    the modules into ``out`` (``out/<name>/<name>.so``, what :func:`install` takes)."""
+    manifest_path = parts_dir / "fi-aot-00" / "fi-aot.json"
+    if not manifest_path.is_file():
+        raise SystemExit(f"--parts-dir {parts_dir}: no fi-aot-00/fi-aot.json (pack's manifest, beside its first part)")
+    manifest = json.loads(manifest_path.read_text())
+    parts = sorted(parts_dir.glob(f"fi-aot-*/{PACKED}.part*"))
+    if len(parts) != manifest["parts"]:
+        names = ", ".join(p.name for p in parts) or "none"
+        raise SystemExit(f"--parts-dir {parts_dir}: {len(parts)} of {manifest['parts']} parts found ({names}): copy every fi-aot-NN folder")
+    data = b"".join(p.read_bytes() for p in parts)
+    if hashlib.sha256(data).hexdigest() != manifest["sha256"]:
+        raise SystemExit(f"--parts-dir {parts_dir}: the joined parts ({len(data)} bytes) do not match pack's digest ({manifest['bytes']} bytes)")
+    with tarfile.open(fileobj=io.BytesIO(data), mode="r:gz") as archive:
+        archive.extractall(out, filter="data")
+    found = _modules_in(out)
+    print(f"{', '.join(p.stem for p in found)}: unpacked into {out}", flush=True)
+    return found
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -127,11 +191,24 @@ def main(argv: list[str] | None = None) -> None:
     i = sub.add_parser("install", help="put built modules into a site's FlashInfer AOT folder")
     i.add_argument("--modules-dir", type=Path, required=True, help="a folder of <name>/<name>.so")
     i.add_argument("--site", type=Path, required=True, help="the site-packages folder holding flashinfer (e.g. /tmp/vllm-site)")
+    k = sub.add_parser("pack", help="built modules as gzip-compressed parts, one folder each, for copies of limited size")
+    k.add_argument("--modules-dir", type=Path, required=True, help="a folder of <name>/<name>.so")
+    k.add_argument("--out", type=Path, required=True, help="folder to write fi-aot-NN/ into (those of an earlier pack there are replaced)")
+    k.add_argument("--max-part-mb", type=int, default=55, help="largest part in MiB (default 55)")
+    u = sub.add_parser("unpack", help="join pack's parts, check them and extract the modules")
+    u.add_argument("--parts-dir", type=Path, required=True, help="the folder holding pack's fi-aot-NN/ folders")
+    u.add_argument("--out", type=Path, required=True, help="folder to extract <name>/<name>.so into")
     args = parser.parse_args(argv)
     if args.command == "build":
         if args.jobs < 1:
             parser.error(f"--jobs {args.jobs}: must be at least 1")
         build(args.modules, args.flashinfer_path, args.out, args.jobs, args.workspace)
+    elif args.command == "pack":
+        if args.max_part_mb < 1:
+            parser.error(f"--max-part-mb {args.max_part_mb}: must be at least 1")
+        pack(args.modules_dir, args.out, args.max_part_mb)
+    elif args.command == "unpack":
+        unpack(args.parts_dir, args.out)
     else:
         install(args.modules_dir, args.site)
 
