@@ -481,6 +481,11 @@ class PrefillPool:
             self.stats.batches += 1
             self.stats.pieces += pieces
 
+    def count_time(self, batch_s: float, worker_s: float) -> None:
+        with self.lock:
+            self.stats.batch_s += batch_s
+            self.stats.worker_s += worker_s
+
     def count_pcp(self, report) -> None:
         if report.pcp_strategy is None:
             return

@@ -51,13 +51,18 @@ class PrefillResult:
 
 @dataclass
 class PoolStats:
-    """Counters since start: batches run, chunk pieces in them; requests completed, failed,
-    cancelled, and retried after a replica fault; each replica fault (``recoveries``); under PCP
-    the batches per context strategy and the bytes one worker received for them. Every submitted
-    request ends up in exactly one of completed, failed and cancelled."""
+    """Counters since start: batches run, chunk pieces in them, the seconds from sending a batch to
+    its results back in the driver (``batch_s``) and the part of them rank 0 spent in the call
+    (``worker_s``: its forward and the results' copy to the host; the rest is Ray's call and the
+    results' transfer); requests completed, failed, cancelled, and retried after a replica fault;
+    each replica fault (``recoveries``); under PCP the batches per context strategy and the bytes one
+    worker received for them. Every submitted request ends up in exactly one of completed, failed
+    and cancelled."""
 
     batches: int = 0
     pieces: int = 0
+    batch_s: float = 0.0
+    worker_s: float = 0.0
     completed: int = 0
     failed: int = 0
     cancelled: int = 0

@@ -154,14 +154,16 @@ class ReplicaScheduler:
         except (ray.exceptions.RayError, BatchTimeout) as exc:
             self._recover([r for r, _ in batch], exc)
             return
+        ran_s = time.perf_counter() - now
         if pool.metrics is not None:
-            pool.metrics.ran_batch(time.perf_counter() - now)
+            pool.metrics.ran_batch(ran_s)
         if self._recovering is not None:
             self._recovering.serving_s = time.time() - self._recovering.detected
             logger.warning("replica %d serves again %.1f s after its fault", replica.index, self._recovering.serving_s)
             self._recovering = None
         report = outputs[0]
         finished = {result.request_id: result for result in report.results}
+        pool.count_time(ran_s, report.worker_s)
         pool.count_pcp(report)
         block_size = pool.config.block_size
         with pool.lock:

@@ -107,10 +107,12 @@ class PieceResult:
 
 @dataclass
 class BatchOutput:
-    """What rank 0 returns for a batch: finished requests, and under PCP the context strategy
-    used and the bytes one rank received for it (all layers)."""
+    """What rank 0 returns for a batch: finished requests, the seconds rank 0 spent in the call (its
+    forward and the results' copy to the host), and under PCP the context strategy used and the bytes
+    one rank received for it (all layers)."""
 
     results: list[PieceResult]
+    worker_s: float = 0.0
     pcp_strategy: str | None = None
     pcp_bytes: int = 0
 
@@ -389,6 +391,7 @@ class PrefillWorker(KVHolder):
     def prefill(self, pieces: Sequence[ChunkPiece]) -> BatchOutput | None:
         """Run one batch of chunk pieces. Every rank of the replica gets the same call;
         global rank 0 returns the finished requests' results and the batch's PCP report."""
+        began = time.perf_counter()
         model = self._model()
         device = model.lm_head.weight.device
         self._batches += 1
@@ -428,9 +431,9 @@ class PrefillWorker(KVHolder):
         host_logits, host_hidden = logits[finished].cpu().numpy(), last_hidden[finished].cpu().numpy()
         results = [PieceResult(pieces[i].request_id, host_logits[j], host_hidden[j]) for j, i in enumerate(finished)]
         if not isinstance(batch, PCPPlan):
-            return BatchOutput(results)
+            return BatchOutput(results, time.perf_counter() - began)
         layers = model.config.num_hidden_layers
-        return BatchOutput(results, batch.strategy, int(batch.comm_bytes_per_layer * layers))
+        return BatchOutput(results, time.perf_counter() - began, batch.strategy, int(batch.comm_bytes_per_layer * layers))
 
     def _replays(self, pieces: Sequence[ChunkPiece]) -> bool:
         """Whether this batch runs from the captured graphs: one prompt with no cached context that fits

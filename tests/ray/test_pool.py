@@ -80,11 +80,16 @@ def test_concurrent_requests_share_batches(pool, prompts, reference):
 
 
 def test_prompts_submitted_together_start_in_one_batch(pool):
-    before = pool.stats.batches
+    before, times = pool.stats.batches, (pool.stats.batch_s, pool.stats.worker_s)
     prompts = [np.arange(40) % 500, np.arange(1, 41) % 500]  # 80 tokens: one batch's budget (96) holds both
+    began = time.perf_counter()
     results = [f.result() for f in pool.submit_many(prompts)]
+    wall = time.perf_counter() - began
     assert [r.num_tokens for r in results] == [40, 40]
     assert pool.stats.batches - before == 1  # one by one, an idle replica would start on the first alone
+    # the batch's time, as the driver saw it and as rank 0 spent it: the second inside the first, inside the wall
+    batch_s, worker_s = pool.stats.batch_s - times[0], pool.stats.worker_s - times[1]
+    assert 0 < worker_s < batch_s < wall
 
 
 def test_a_bad_prompt_among_prompts_submitted_together_queues_none_of_them(pool, prompts, reference):
