@@ -5,7 +5,8 @@ checkpoint format is FP8 and ``--weights fp8``), prefills ``--prompts N L`` (N p
 all in one batch when they fit ``--chunk-tokens``; FP8 GEMMs on ``--fp8-gemm``) twice to warm up, times a third run, profiles a
 fourth, and prints and writes the operators and kernels by GPU time, with the sum of kernel times
 and the time the GPU was busy (kernels merged) against the run's wall time, and ``shares``: the
-kernel time by part of the model (:data:`PARTS`, :func:`kernel_shares`).
+kernel time by part of the model (:data:`PARTS`, :func:`kernel_shares`), and ``gpu_idle``: the time
+the GPU sat idle between kernels and the longest such gaps with their neighbours (:func:`idle_gaps`).
 
     python benchmarks/profile_prefill.py --model deepseek-v3 --num-layers 5 --prompts 16 4096 --out FILE.json
 """
@@ -73,6 +74,25 @@ def _busy_ms(events) -> float:
     return (busy + (current[1] - current[0] if current else 0)) / 1e3
 
 
+def idle_gaps(events, top: int = 12, min_ms: float = 0.05) -> dict:
+    """Where the GPU sat idle between the first kernel and the last (``events``: GPU kernels and copies,
+    with ``name`` and ``time_range`` in microseconds): the idle milliseconds in all, and the ``top``
+    longest gaps of at least ``min_ms`` with the kernels on either side, the first one's start from the
+    first kernel's (a host sync or a slow launch shows up as a gap after the kernel it waited for)."""
+    spans = sorted((e.time_range.start, e.time_range.end, e.name) for e in events)
+    if not spans:
+        return {"idle_ms": 0.0, "gaps": []}
+    gaps, end, last = [], spans[0][1], spans[0][2]
+    for start, stop, name in spans[1:]:
+        if start > end:
+            gaps.append(((start - end) / 1e3, last, name, (end - spans[0][0]) / 1e3))
+        if stop > end:
+            end, last = stop, name
+    longest = sorted((g for g in gaps if g[0] >= min_ms), key=lambda g: -g[0])[:top]
+    return {"idle_ms": round(sum(g[0] for g in gaps), 3),
+            "gaps": [{"ms": round(ms, 3), "at_ms": round(at, 3), "after": before[:100], "before": after[:100]} for ms, before, after, at in longest]}  # fmt: skip
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="deepseek-v3")
@@ -123,10 +143,10 @@ def main() -> None:
         "prompts": count, "prompt_tokens": length, "wall_s": wall,
         "layer_tokens_per_s": count * length * args.num_layers / wall,
         "kernel_sum_ms": sum(e.device_time for e in gpu) / 1e3, "gpu_busy_ms": _busy_ms(gpu),
-        "shares": kernel_shares([(e.name, e.device_time / 1e3) for e in gpu]), "top": top,
+        "shares": kernel_shares([(e.name, e.device_time / 1e3) for e in gpu]), "gpu_idle": idle_gaps(gpu), "top": top,
     }  # fmt: skip
     print(f"{count} x {length} tokens, {args.num_layers} layers, {info.weights} on {info.fp8_gemm}, {info.backend}: {wall * 1e3:.1f} ms, "
-          f"kernels {result['kernel_sum_ms']:.1f} ms, GPU busy {result['gpu_busy_ms']:.1f} ms")  # fmt: skip
+          f"kernels {result['kernel_sum_ms']:.1f} ms, GPU busy {result['gpu_busy_ms']:.1f} ms, idle between kernels {result['gpu_idle']['idle_ms']:.1f} ms")  # fmt: skip
     for row in top:
         print(f"{row['cuda_ms']:10.2f} ms {row['calls']:6d}  {row['name'][:110]}")
     args.out.write_text(json.dumps(result, indent=1) + "\n")

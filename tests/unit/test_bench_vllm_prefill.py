@@ -7,13 +7,14 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
 BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
 sys.path.insert(0, str(BENCHMARKS))
 from bench_vllm_prefill import backend_in_log, moe_layer_flops, moe_layer_table, parse_case, prompts, ratios, workers_sides  # noqa: E402
-from profile_prefill import kernel_shares  # noqa: E402
+from profile_prefill import idle_gaps, kernel_shares  # noqa: E402
 
 V3 = {"hidden_size": 7168, "moe_intermediate_size": 2048, "n_routed_experts": 256, "num_experts_per_tok": 8, "n_shared_experts": 1}
 
@@ -140,3 +141,18 @@ def test_a_profiles_kernels_fall_into_the_parts_of_the_model_by_name():
         "rope_and_keys": 10.7, "glue": 4.4}  # fmt: skip
     assert sum(entry["share"] for entry in shares.values()) == pytest.approx(1.0, abs=1e-3)
     assert kernel_shares([])["glue"] == {"ms": 0.0, "share": 0.0}
+
+
+def test_a_profiles_idle_gaps_are_found_between_kernels_with_their_neighbours():
+    def kernel(name, start_us, end_us):
+        return SimpleNamespace(name=name, time_range=SimpleNamespace(start=start_us, end=end_us))
+
+    events = [kernel("gemm", 0, 1000), kernel("copy", 500, 1200),  # overlapping: no gap
+              kernel("norm", 1300, 1400),  # 0.1 ms after the copy
+              kernel("DtoH", 1400, 1450), kernel("attention", 3450, 9000),  # 2 ms: a host sync
+              kernel("tiny", 9010, 9020)]  # fmt: skip
+    got = idle_gaps(events, top=5)
+    assert got["idle_ms"] == pytest.approx(2.11)
+    assert got["gaps"] == [{"ms": 2.0, "at_ms": 1.45, "after": "DtoH", "before": "attention"},
+                           {"ms": 0.1, "at_ms": 1.2, "after": "copy", "before": "norm"}]  # fmt: skip
+    assert idle_gaps([]) == {"idle_ms": 0.0, "gaps": []}
