@@ -520,17 +520,23 @@ class PrefillPool:
         if replica is not None:
             with self.lock:
                 replica.pending_tokens -= request.remaining
-            self._free(replica, request)
+            self._free(replica, [request])
         with self.lock:
             self._live.pop(request.id, None)
             self.stats.cancelled += 1
 
-    def complete(self, replica: Replica, request: Request, piece) -> None:
-        cancelled = request.cancelled
+    def complete(self, replica: Replica, done: list[tuple[Request, object]]) -> None:
+        """Finish a batch's finished requests (``(request, its workers.worker.PieceResult)``): free the KV
+        of those not kept (one call per worker for all of them), then settle each one's future."""
+        freed = [request for request, _ in done if request.cancelled or not request.keep_kv]
+        self._free(replica, freed)
+        for request, piece in done:
+            self._complete_one(replica, request, piece, freed=request in freed)
+
+    def _complete_one(self, replica: Replica, request: Request, piece, *, freed: bool) -> None:
+        cancelled = request.cancelled and freed  # one cancelled after the free above keeps its KV until released below
         if self.metrics is not None:
             self.metrics.prefix_cache(len(request.tokens), request.cached_tokens)
-        if cancelled or not request.keep_kv:
-            self._free(replica, request)
         result = PrefillResult(
             request_id=request.id,
             num_tokens=len(request.tokens),
@@ -539,7 +545,7 @@ class PrefillPool:
             replica=replica.index,
             ttft_s=time.perf_counter() - request.submitted,
             queue_s=(request.started or request.submitted) - request.submitted,
-            kv_kept=request.keep_kv and not cancelled,
+            kv_kept=request.keep_kv and not freed,
             prompt_digest=prompt_digest(request.tokens) if request.keep_kv else "",  # what a decode server checks
             generation=replica.generation,
             cached_tokens=request.cached_tokens,
@@ -561,13 +567,17 @@ class PrefillPool:
                 self.stats.cancelled += 1
             self.release(result)
 
-    def _free(self, replica: Replica, request: Request) -> None:
-        """Free a request's KV on the replica's workers (actor calls run in order: before any later batch)."""
+    def _free(self, replica: Replica, requests: list[Request]) -> None:
+        """Free requests' KV on the replica's workers, one call per worker for all (actor calls run in
+        order: before any later batch)."""
+        if not requests:
+            return
         for worker in replica.workers:
-            worker.release.remote([request.id])
+            worker.release.remote([request.id for request in requests])
         with self.lock:
             if replica.prefix is not None:
-                replica.prefix.release(request.id)
+                for request in requests:
+                    replica.prefix.release(request.id)
         self.queue.notify()
 
     def _replica(self, index: int) -> Replica:

@@ -173,6 +173,7 @@ class ReplicaScheduler:
                 request.done += count
                 if replica.prefix is not None:
                     replica.prefix.written(request.id, request.names[first : request.done // block_size], first)
+        done = []
         for request, count in batch:
             if request.on_progress is not None:
                 try:
@@ -181,7 +182,8 @@ class ReplicaScheduler:
                     logger.exception("on_progress of request %r raised; continuing", request.id)
             if request.remaining == 0:
                 self.active.remove(request)
-                pool.complete(replica, request, finished[request.id])
+                done.append((request, finished[request.id]))
+        pool.complete(replica, done)
 
     def _recover(self, batch: list[Request], exc: BaseException) -> None:
         """Replace the replica after a failed batch: requeue or fail its requests, kill its actors,
