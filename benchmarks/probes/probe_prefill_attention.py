@@ -5,9 +5,9 @@ what vLLM 0.26 runs for MLA prefill on Hopper) in bfloat16, and the same FA3 on 
     PYTHONPATH=/tmp/gpu-site:/tmp/vllm-site python benchmarks/probes/probe_prefill_attention.py --out probe.json
 
 Causal varlen attention of ``--cases`` batches (``16x4096``: 16 prompts of 4,096 tokens), 128 heads,
-Q/K head dim 192 (128 + 64 rotary), V head dim 128: per kernel the time per call (p50 of ``--repeats``)
-and its TF/s, and each one's distance (relative L2 over the probed heads) from float32 attention on the
-same bfloat16 inputs (``--ref-heads`` heads of the first prompt). FP8: Q, K and V quantized with one
+Q/K head dim 192 (128 + 64 rotary), V head dim 128: per kernel its GPU time per call (CUDA events,
+p50 of ``--repeats``, ``timing.seconds_per_call``) and its TF/s, and each one's distance (relative L2
+over the probed heads) from float32 attention on the same bfloat16 inputs (``--ref-heads`` heads of the first prompt). FP8: Q, K and V quantized with one
 scale per head (``amax / 448``), given back to the kernel as its descale factors. The inputs are
 random normal rows, so the accuracy is a kernel's rounding only: what FP8 attention does to a real
 model's tokens needs a model run against the float32 truth.
@@ -25,6 +25,7 @@ sys.path[:0] = [str(Path(__file__).resolve().parents[1]), str(Path(__file__).res
 
 import torch
 from machine import machine  # benchmarks/machine.py
+from timing import seconds_per_call  # benchmarks/timing.py
 
 HEADS, QK_DIM, V_DIM = 128, 192, 128
 FP8_MAX = 448.0
@@ -38,20 +39,6 @@ def parse_case(text: str) -> tuple[int, int]:
 def causal_flops(count: int, length: int) -> float:
     """Multiply-adds of causal attention (QK^T and PV over the lower triangle), as FLOPs."""
     return count * length * (length + 1) / 2 * HEADS * (QK_DIM + V_DIM) * 2
-
-
-def timed_ms(call, repeats: int) -> float:
-    call()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        call()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return sorted(times)[len(times) // 2]
 
 
 def per_head_fp8(x: torch.Tensor, count: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -120,7 +107,7 @@ def main() -> None:
             inputs = fp8 if name.endswith("fp8") else [q, k, v]
             try:
                 out = call(*inputs)
-                ms = timed_ms(lambda call=call, inputs=inputs: call(*inputs), args.repeats)
+                ms = seconds_per_call(lambda call=call, inputs=inputs: call(*inputs), args.repeats) * 1e3
             except Exception as exc:  # noqa: BLE001 -- a kernel that does not take these shapes is recorded
                 entry["errors"][name] = repr(exc)[:500]
                 continue
