@@ -408,28 +408,27 @@ class PrefillWorker(KVHolder):
             batch, out = None, self.graphs.run(pieces[0].token_ids)
         else:
             batch, out = self._run_eagerly(model, pieces, device)
-        start = 0
-        for i, piece in enumerate(pieces):
-            if isinstance(batch, PCPPlan):
-                self.kv.append(piece.request_id, out.latents, batch.store_index[i])
-            else:
-                self.kv.append(piece.request_id, out.latents, slice(start, start + len(piece.token_ids)))
-            start += len(piece.token_ids)
+        if isinstance(batch, PCPPlan):
+            self.kv.append_many(out.latents, [(piece.request_id, batch.store_index[i]) for i, piece in enumerate(pieces)])
+        else:
+            ends = np.cumsum([len(piece.token_ids) for piece in pieces]).tolist()
+            self.kv.append_many(out.latents, [(piece.request_id, slice(end - len(piece.token_ids), end)) for piece, end in zip(pieces, ends)])
+        for piece in pieces:
             if piece.is_last and device.type == "cuda":
                 self._kv_ready[piece.request_id] = torch.cuda.Event()
                 self._kv_ready[piece.request_id].record()
         # float32 from the device (the model upcasts its logits there): a vocab-sized cast in the driver
         # runs on torch's intra-op thread pool, whose wake-up cost a cached turn 3-10 ms of TTFT on
         # H200; float32 numpy arrays store in Ray's object store in 0.9-1.5 ms, as bf16 tensors did
-        logits, last_hidden = out.logits, out.last_hidden.float()
+        vocab = out.logits.shape[1]
+        last = torch.cat([out.logits, out.last_hidden.float()], dim=1)  # [pieces, vocab + hidden]: one copy to the host
         if isinstance(batch, PCPPlan):  # last tokens of whole requests are on their owners (workers.pcp)
-            last = batch.gather_last(torch.cat([logits, last_hidden], dim=1))
-            logits, last_hidden = last.split([logits.shape[1], last_hidden.shape[1]], dim=1)
+            last = batch.gather_last(last)
         if self.rank != 0:
             return None
-        finished = [i for i, piece in enumerate(pieces) if piece.is_last]  # one copy from the device for all
-        host_logits, host_hidden = logits[finished].cpu().numpy(), last_hidden[finished].cpu().numpy()
-        results = [PieceResult(pieces[i].request_id, host_logits[j], host_hidden[j]) for j, i in enumerate(finished)]
+        finished = [i for i, piece in enumerate(pieces) if piece.is_last]
+        host = (last if len(finished) == len(pieces) else last[finished]).cpu().numpy()
+        results = [PieceResult(pieces[i].request_id, host[j, :vocab], host[j, vocab:]) for j, i in enumerate(finished)]
         if not isinstance(batch, PCPPlan):
             return BatchOutput(results, time.perf_counter() - began)
         layers = model.config.num_hidden_layers

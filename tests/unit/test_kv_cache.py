@@ -28,7 +28,7 @@ def test_vllm_layout_token_i_is_in_block_table_i_over_block_size():
     cache.reserve("a", 10)  # blocks 1, 2, 3
     latent = torch.arange(10 * 6, dtype=torch.float32).view(10, 6)
     cache.append("a", [latent, latent + 1000], slice(0, 10))
-    table = cache._requests["a"].blocks.tolist()
+    table = cache.block_table("a")
     assert table == [1, 2, 3]
     for i in range(10):
         assert torch.equal(cache.blocks[0, table[i // 4], i % 4], latent[i])
@@ -84,3 +84,29 @@ def test_block_views_are_the_paged_blocks_without_a_copy_when_the_table_is_one_r
     copies = cache.block_views("b")
     assert copies[0].data_ptr() != cache.blocks[0, 0].data_ptr()
     assert all(torch.equal(c.reshape(12, 6)[:9], cache.rows("b", layer)) for layer, c in enumerate(copies))
+
+
+def test_a_batchs_pieces_are_appended_together_as_each_alone_would_be():
+    latents = [torch.randn(14, 6), torch.randn(14, 6)]  # a batch of three pieces: rows 0-4, 5-10, 11-13
+    together, alone = _cache(), _cache()
+    for cache in (together, alone):
+        cache.reserve("a", 9)
+        cache.reserve("b", 6)
+        cache.reserve("c", 3)
+        cache.append("a", latents, slice(0, 4))  # a's first chunk, from an earlier batch
+    parts = [("a", slice(4, 9)), ("b", slice(9, 14)), ("c", slice(0, 3))]  # b's rows before c's: not one run
+    together.append_many(latents, parts)
+    for request_id, rows in parts:
+        alone.append(request_id, latents, rows)
+    for request_id in "abc":
+        assert together.length(request_id) == alone.length(request_id)
+        for layer in range(2):
+            assert torch.equal(together.rows(request_id, layer), alone.rows(request_id, layer))
+    assert torch.equal(together.rows("a", 1), latents[1][:9]) and torch.equal(together.rows("c", 0), latents[0][:3])
+    mixed = _cache()  # index tensors (a PCP rank's rows) beside a slice
+    mixed.reserve("p", 4)
+    mixed.reserve("q", 2)
+    mixed.append_many(latents, [("p", torch.tensor([13, 1, 7, 2])), ("q", slice(3, 5))])
+    assert torch.equal(mixed.rows("p", 0), latents[0][[13, 1, 7, 2]]) and torch.equal(mixed.rows("q", 1), latents[1][3:5])
+    with pytest.raises(KeyError, match="no KV cache for request 'zz'"):
+        mixed.append_many(latents, [("zz", slice(0, 1))])
