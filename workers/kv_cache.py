@@ -129,7 +129,7 @@ class PagedKVCache:
             sources.append(rows)
         if not parts:
             return
-        target = torch.from_numpy(np.concatenate(slots)).to(self.blocks.device)
+        target = self._to_device(np.concatenate(slots))
         index = _as_one_slice(sources, total)
         if index is None:
             device = latents[0].device
@@ -161,7 +161,7 @@ class PagedKVCache:
         entry = self._entry(request_id)
         if entry.first is not None:
             return list(self.blocks[:, entry.first : entry.first + len(entry.ids)])
-        blocks = torch.tensor(entry.ids, dtype=torch.int64, device=self.blocks.device)
+        blocks = self._to_device(np.asarray(entry.ids, dtype=np.int64))
         return [layer.index_select(0, blocks) for layer in self.blocks]
 
     def release(self, request_id: str) -> int:
@@ -174,8 +174,17 @@ class PagedKVCache:
 
     def _device_slots(self, entry: _Entry) -> torch.Tensor:
         if entry.device_slots is None:
-            entry.device_slots = torch.from_numpy(entry.slots).to(self.blocks.device)
+            entry.device_slots = self._to_device(entry.slots)
         return entry.device_slots
+
+    def _to_device(self, array: np.ndarray) -> torch.Tensor:
+        """A host array on the cache's device; to a GPU from pinned memory, queued on the stream: a copy
+        from pageable memory would wait for every kernel queued before it (the forward, when rows are
+        written after it)."""
+        tensor = torch.from_numpy(array)
+        if self.blocks.device.type != "cuda":
+            return tensor.to(self.blocks.device)
+        return tensor.pin_memory().to(self.blocks.device, non_blocking=True)
 
     def _entry(self, request_id: str) -> _Entry:
         try:
