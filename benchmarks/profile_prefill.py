@@ -62,32 +62,31 @@ def kernel_shares(kernels: list[tuple[str, float]]) -> dict:
     return {name: {"ms": round(ms, 3), "share": round(ms / total, 4) if total else 0.0} for name, ms in parts.items()}
 
 
+def _merged(events) -> list[tuple[float, float, str, str]]:
+    """``events`` (GPU kernels and copies, ``name`` and ``time_range`` in microseconds) merged where they
+    overlap or touch: ``(start, end, the first one's name, the name of the one that ends it)`` in time order."""
+    spans = []
+    for start, end, name in sorted((e.time_range.start, e.time_range.end, e.name) for e in events):
+        if spans and start <= spans[-1][1]:
+            if end > spans[-1][1]:
+                spans[-1] = (spans[-1][0], end, spans[-1][2], name)
+        else:
+            spans.append((start, end, name, name))
+    return spans
+
+
 def _busy_ms(events) -> float:
     """Milliseconds in which at least one of ``events`` (GPU kernels, copies) ran."""
-    busy, current = 0.0, None
-    for start, end in sorted((e.time_range.start, e.time_range.end) for e in events):
-        if current is None or start > current[1]:
-            busy += 0 if current is None else current[1] - current[0]
-            current = [start, end]
-        else:
-            current[1] = max(current[1], end)
-    return (busy + (current[1] - current[0] if current else 0)) / 1e3
+    return sum(end - start for start, end, *_ in _merged(events)) / 1e3
 
 
 def idle_gaps(events, top: int = 12, min_ms: float = 0.05) -> dict:
-    """Where the GPU sat idle between the first kernel and the last (``events``: GPU kernels and copies,
-    with ``name`` and ``time_range`` in microseconds): the idle milliseconds in all, and the ``top``
-    longest gaps of at least ``min_ms`` with the kernels on either side, the first one's start from the
-    first kernel's (a host sync or a slow launch shows up as a gap after the kernel it waited for)."""
-    spans = sorted((e.time_range.start, e.time_range.end, e.name) for e in events)
-    if not spans:
-        return {"idle_ms": 0.0, "gaps": []}
-    gaps, end, last = [], spans[0][1], spans[0][2]
-    for start, stop, name in spans[1:]:
-        if start > end:
-            gaps.append(((start - end) / 1e3, last, name, (end - spans[0][0]) / 1e3))
-        if stop > end:
-            end, last = stop, name
+    """Where the GPU sat idle between the first kernel and the last (``events`` as :func:`_merged` takes
+    them): the idle milliseconds in all, and the ``top`` longest gaps of at least ``min_ms`` with the
+    kernels on either side, the first one's start from the first kernel's (a host sync or a slow launch
+    shows up as a gap after the kernel it waited for)."""
+    spans = _merged(events)
+    gaps = [((b[0] - a[1]) / 1e3, a[3], b[2], (a[1] - spans[0][0]) / 1e3) for a, b in zip(spans, spans[1:])]
     longest = sorted((g for g in gaps if g[0] >= min_ms), key=lambda g: -g[0])[:top]
     return {"idle_ms": round(sum(g[0] for g in gaps), 3),
             "gaps": [{"ms": round(ms, 3), "at_ms": round(at, 3), "after": before[:100], "before": after[:100]} for ms, before, after, at in longest]}  # fmt: skip

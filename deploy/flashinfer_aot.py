@@ -43,6 +43,8 @@ import tarfile
 import tempfile
 from pathlib import Path
 
+from offline_bundle import write_parts  # deploy/offline_bundle.py: the bundles' parts, cut the same way
+
 # module name -> (FlashInfer's generator of its JitSpec, as module:function)
 MODULES = {
     "fp8_blockscale_gemm_90": "flashinfer.jit.gemm.fp8_blockscale:gen_fp8_blockscale_gemm_sm90_module",
@@ -142,19 +144,13 @@ def pack(modules_dir: Path, out: Path, max_part_mb: int) -> list[Path]:
     with tarfile.open(fileobj=buffer, mode="w:gz") as archive:
         for so in found:
             archive.add(so, arcname=f"{so.stem}/{so.name}")
-    data, size = buffer.getvalue(), max_part_mb << 20
-    chunks = [data[i : i + size] for i in range(0, len(data), size)]
+    data = buffer.getvalue()
     for stale in out.glob("fi-aot-*"):
         shutil.rmtree(stale)  # parts of an earlier pack would be joined with these
-    parts = []
-    for index, chunk in enumerate(chunks):
-        part = out / f"fi-aot-{index:02d}" / f"{PACKED}.part{index:02d}"
-        part.parent.mkdir(parents=True, exist_ok=True)
-        part.write_bytes(chunk)
-        parts.append(part)
-    manifest = {"modules": [so.stem for so in found], "parts": len(chunks), "bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+    parts = write_parts(data, max_part_mb << 20, lambda index: out / f"fi-aot-{index:02d}" / f"{PACKED}.part{index:02d}")
+    manifest = {"modules": [so.stem for so in found], "parts": len(parts), "bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
     (out / "fi-aot-00" / "fi-aot.json").write_text(json.dumps(manifest, indent=1) + "\n")
-    print(f"{', '.join(manifest['modules'])}: {len(chunks)} part(s) of <= {max_part_mb} MiB, {len(data) / 2**20:.1f} MiB in all, in {out}/fi-aot-NN", flush=True)
+    print(f"{', '.join(manifest['modules'])}: {len(parts)} part(s) of <= {max_part_mb} MiB, {len(data) / 2**20:.1f} MiB in all, in {out}/fi-aot-NN", flush=True)
     return parts
 
 

@@ -334,9 +334,16 @@ def _pack(tree: Path, out: Path, name: str, max_part_bytes: int, compress: bool)
         old.unlink()
     blob = archive.read_bytes()
     archive.unlink()
+    return write_parts(blob, max_part_bytes, lambda index: out / f"{archive.name}.part{index:02d}")
+
+
+def write_parts(blob: bytes, max_part_bytes: int, path_of) -> list[Path]:
+    """``blob`` cut into parts of at most ``max_part_bytes``, part ``i`` written to ``path_of(i)`` (its
+    folder made); the parts' paths."""
     parts = []
     for index, start in enumerate(range(0, len(blob), max_part_bytes)):
-        part = out / f"{archive.name}.part{index:02d}"
+        part = path_of(index)
+        part.parent.mkdir(parents=True, exist_ok=True)
         part.write_bytes(blob[start : start + max_part_bytes])
         parts.append(part)
     return parts

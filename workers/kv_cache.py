@@ -119,6 +119,8 @@ class PagedKVCache:
     def append_many(self, latents: list[torch.Tensor], parts: Sequence[tuple[str, slice | torch.Tensor]]) -> None:
         """Append each ``(request_id, rows)`` of ``parts`` (rows: a slice or an index tensor of every layer's
         batch latent ``[T, width]``): one copy of the slots to the device and one write per layer for all."""
+        if not parts:
+            return
         total = latents[0].shape[0]
         slots, sources = [], []
         for request_id, rows in parts:
@@ -127,8 +129,6 @@ class PagedKVCache:
             assert entry.length + count <= entry.capacity, (request_id, entry.length, count, entry.capacity)
             slots.append(entry.slots[entry.length : entry.length + count])
             sources.append(rows)
-        if not parts:
-            return
         target = self._to_device(np.concatenate(slots))
         index = _as_one_slice(sources, total)
         if index is None:
