@@ -8,6 +8,7 @@ import atexit
 import contextlib
 import json
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -82,9 +83,33 @@ def requires_scale_out_flag(pythonpath: str) -> bool:
     return False
 
 
+# where a server's port is drawn from: above Ray's worker ports (10002-19999 by default), below the
+# kernel's ephemeral ports (/proc/sys/net/ipv4/ip_local_port_range, 32768-60999 by default)
+LISTEN_PORTS = range(20000, 32768)
+
+
+def ephemeral_ports() -> range:
+    """The ports the kernel gives outgoing connections (Linux's ``ip_local_port_range``)."""
+    try:
+        low, high = map(int, Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
+    except (OSError, ValueError):
+        return range(32768, 61000)
+    return range(low, high + 1)
+
+
 def free_port() -> int:
-    with socket.create_server(("127.0.0.1", 0)) as sock:
-        return sock.getsockname()[1]
+    """A port free now, outside the ephemeral range. A server killed and started again takes its port
+    back: a port the kernel may hand to any outgoing connection (Ray's, the tier's) could be taken
+    in between, and the restart would fail to bind it."""
+    ephemeral = ephemeral_ports()
+    ports = [p for p in LISTEN_PORTS if p not in ephemeral]
+    for port in random.SystemRandom().sample(ports, min(len(ports), 200)):
+        try:
+            with socket.create_server(("127.0.0.1", port)):
+                return port
+        except OSError:
+            continue
+    raise RuntimeError(f"no free port among {len(ports)} in {LISTEN_PORTS} outside the ephemeral range {ephemeral}")
 
 
 class VLLMServer:
@@ -133,17 +158,26 @@ class VLLMServer:
     def log(self) -> str:
         return self.log_path.read_text()
 
+    def log_tail(self, lines: int = 40) -> str:
+        """The last ``lines`` of its latest start's log (a failed start's reason, for a report that
+        outlives the log's folder)."""
+        try:
+            return "\n".join(self.log.splitlines()[-lines:])
+        except OSError as exc:
+            return f"(no log: {exc})"
+
     def wait_up(self, timeout_s: float = 300) -> None:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
-                raise RuntimeError(f"vLLM exited ({self.process.returncode}): see {self.logs}")
+                raise RuntimeError(f"vLLM exited ({self.process.returncode}) on start {self.starts} on port {self.port}; "
+                                   f"the end of {self.log_path}:\n{self.log_tail()}")  # fmt: skip
             try:
                 with urllib.request.urlopen(f"{self.url}/health", timeout=2):
                     return
             except OSError:
                 time.sleep(1)
-        raise RuntimeError(f"vLLM did not start within {timeout_s} s: see {self.logs}")
+        raise RuntimeError(f"vLLM did not start within {timeout_s} s on port {self.port}; the end of {self.log_path}:\n{self.log_tail()}")
 
     def kill(self) -> None:
         os.killpg(self.process.pid, signal.SIGKILL)
