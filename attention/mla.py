@@ -346,6 +346,8 @@ class MLAAttention(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """``hidden [T, hidden]`` -> ``(out [T, hidden], latent [T, Lkv+R])``.
 
+        ``hidden`` is a tensor in the layer's dtype, or the rows already in the form the projections
+        that read it take (with a ``shape``; e.g. quantized once for FP8 linears, ``workers.fp8.FP8Rows``).
         ``context_kv [C, Lkv+R]`` holds the cached rows of every sequence with
         context, packed in batch order; it must be given iff the batch has context.
         """
@@ -362,7 +364,8 @@ class MLAAttention(nn.Module):
         return self.output(attn), latent
 
     def project(self, hidden: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``hidden [T, hidden]`` at ``positions [T]`` -> ``q [T, N, P+R]`` and ``latent [T, Lkv+R]``, both rotated."""
+        """``hidden [T, hidden]`` (as :meth:`forward` takes it) at ``positions [T]`` -> ``q [T, N, P+R]`` and
+        ``latent [T, Lkv+R]``, both rotated."""
         c, tokens = self.config, hidden.shape[0]
         if c.q_lora_rank is None:
             q = self.q_proj(hidden)
@@ -422,12 +425,12 @@ class MLAAttention(nn.Module):
         return self.kv_a_layernorm.weight.dtype
 
     def _check_inputs(self, hidden: torch.Tensor, batch: PrefillBatch, context_kv: torch.Tensor | None) -> None:
-        if hidden.dim() != 2 or hidden.shape != (batch.num_tokens, self.config.hidden_size):
+        if tuple(hidden.shape) != (batch.num_tokens, self.config.hidden_size):
             raise ValueError(
                 f"hidden must be [tokens={batch.num_tokens}, hidden={self.config.hidden_size}], "
                 f"got {tuple(hidden.shape)}"
             )
-        if hidden.dtype != self.dtype:
+        if isinstance(hidden, torch.Tensor) and hidden.dtype != self.dtype:
             raise TypeError(f"hidden has dtype {hidden.dtype}, the layer computes in {self.dtype}")
         if batch.num_context_rows == 0:
             if context_kv is not None and context_kv.shape[0] > 0:

@@ -39,7 +39,8 @@ from workers.worker import PrefillWorker, rendezvous_address  # noqa: E402
 
 # the parts of a prefill, by kernel name (the first pattern that matches; case-insensitive): FP8 activation quantization
 # serves the linears and the experts alike, so it is a part of its own. DeepGEMM's kernels name no GEMM type, only
-# their template values: after the layout's major, M, N and K comes the number of groups, 1 for a dense GEMM
+# their template values: after the layout's major, M, N and K comes the number of groups, 1 for a dense GEMM. A norm
+# that writes its rows quantized (attention.rms_norm_triton's _rms_norm_fp8_kernel) is a norm
 PARTS = (
     ("moe_experts", r"GroupProblemShape|grouped|m_grouped|fused_moe|deep_gemm::\w+<\([^)]*\)\d+, \d+u, \d+u, \d+u, (?!1u,)\d+u,"),
     ("attention", r"flash_?attn|fmha|attention|mla"),

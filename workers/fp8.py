@@ -20,10 +20,13 @@ compute dtype) FP8 weights are dequantized to the compute dtype at load.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import nn
 
 from attention.kernel_choice import use_triton
+from attention.mla import RMSNorm
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0
@@ -118,6 +121,41 @@ def quantize_activations(
     return q, scale.new_empty(scale.shape[1], rows).copy_(scale.t())  # [groups, rows], strides (rows, 1) even for 1 group
 
 
+@dataclass(frozen=True)
+class FP8Rows:
+    """Activation rows quantized once for the FP8 linears that read them (:class:`FP8RMSNorm`'s output):
+    ``q [M', K]`` and ``scale [K / 128, M']`` as :func:`quantize_activations` returns them (``M'`` the
+    ``rows`` rounded up to a multiple of 4), standing for a ``[rows, K]`` input."""
+
+    q: torch.Tensor
+    scale: torch.Tensor
+    rows: int
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        """The shape of the rows it stands for, as an input tensor's."""
+        return self.rows, self.q.shape[1]
+
+
+class FP8RMSNorm(RMSNorm):
+    """``attention.mla.RMSNorm`` whose output is :class:`FP8Rows` for FP8 linears (every reader of it
+    must be an :class:`FP8Linear` of its width): on CUDA the norm and the quantization in one pass
+    (``attention.rms_norm_triton.rms_norm_fp8``), the rows' bf16 values never written, and quantized
+    once for all readers; elsewhere the norm, then :func:`quantize_activations`. The same FP8 values
+    and scales either way, up to the kernels' float32 order of operations."""
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None, *, impl: str = "auto") -> FP8Rows:  # type: ignore[override]
+        rows, width = x.shape
+        padded = -(-rows // 4) * 4
+        if use_triton(impl, x, supported=width % BLOCK == 0):
+            from attention.rms_norm_triton import MAX_WIDTH, rms_norm_fp8
+
+            if width <= MAX_WIDTH and x.stride(1) == 1:
+                q, scale = rms_norm_fp8(x, self.weight, self.eps, residual, group=BLOCK, rows=padded, fp8_max=FP8_MAX, scale_eps=EPS)
+                return FP8Rows(q, scale, rows)
+        return FP8Rows(*quantize_activations(super().forward(x, residual), BLOCK, pad_rows_to=4), rows)
+
+
 def block_gemm_shape_ok(in_features: int, out_features: int) -> bool:
     """Whether torch's block-scaled FP8 GEMM computes a weight of this shape right: ``K % 128 == 0``,
     ``N % 16 == 0`` and, with more than one 128-row block of ``N``, ``K % 512 == 0``. torch takes the
@@ -150,9 +188,14 @@ class FP8Linear(nn.Module):
                 f"out_features % 16 == 0 and, for out_features > 128, in_features % 512 == 0"
             )
 
-    def forward(self, x: torch.Tensor, *, silu_mul: bool = False) -> torch.Tensor:
+    def forward(self, x: torch.Tensor | FP8Rows, *, silu_mul: bool = False) -> torch.Tensor:
         """``x [..., K]`` -> ``[..., N]``; ``silu_mul``: ``x`` is ``[..., 2K]`` and the input is
-        ``silu(x[..., :K]) * x[..., K:]``, computed in the quantization pass."""
+        ``silu(x[..., :K]) * x[..., K:]``, computed in the quantization pass. ``x`` may be rows already
+        quantized (:class:`FP8Rows`, ``[M, K]``)."""
+        if isinstance(x, FP8Rows):
+            if x.q.shape[1] != self.in_features or silu_mul:
+                raise ValueError(f"FP8Linear of {self.in_features} inputs got quantized rows of {x.q.shape[1]}" + (" with silu_mul" if silu_mul else ""))
+            return self.gemm(x.q, x.scale.t())[: x.rows]
         shape = x.shape
         x2 = x.reshape(-1, self.in_features * (2 if silu_mul else 1))
         q, scale = quantize_activations(x2, BLOCK, pad_rows_to=4, silu_mul=silu_mul)

@@ -37,7 +37,8 @@ dense MLPs' ``gate_up_proj``, ``gate_proj`` over ``up_proj`` (:class:`DenseMLP`)
 
 With ``fp8`` the linear layers whose shard keeps DeepSeek's 128x128 blocks whole
 are ``workers.fp8.FP8Linear`` (``workers.deepgemm.DeepGEMMLinear`` with ``fp8_gemm="deep_gemm"``,
-where DeepGEMM takes the shape) and the experts FP8 (``workers.moe.Experts``);
+where DeepGEMM takes the shape) and the experts FP8 (``workers.moe.Experts``); the norms read only
+by FP8 linears write FP8 rows (``workers.fp8.FP8RMSNorm``);
 the modules are built on the meta device and materialized once, so no bf16
 copy of an FP8 weight is ever allocated.
 """
@@ -57,7 +58,7 @@ from configs.model import ModelConfig
 from workers.activation import silu_mul
 from workers.collectives import GroupRank, all_gather_into, reduce_scatter_into
 from workers.deepgemm import DeepGEMMLinear, whole_blocks
-from workers.fp8 import BLOCK, FP8Linear, block_gemm_shape_ok
+from workers.fp8 import BLOCK, FP8Linear, FP8RMSNorm, block_gemm_shape_ok
 from workers.expert_parallel import EPGroup
 from workers.moe import MoE
 from workers.pcp import PCPPlan, context_parallel_attention
@@ -234,7 +235,9 @@ class DeepseekPrefillModel(nn.Module):
     def _use_fp8_linears(self, gemm: str) -> None:
         """Swap every quantized linear layer (all but ``lm_head``) whose shard keeps the 128x128 blocks
         whole for an :class:`FP8Linear`, run by DeepGEMM where ``gemm`` is "deep_gemm" and it takes the
-        shape; the others stay in bf16 (their FP8 weights are dequantized)."""
+        shape; the others stay in bf16 (their FP8 weights are dequantized). A norm whose every reader is
+        then an FP8 linear (``input_layernorm``, ``q_a_layernorm``) becomes an :class:`FP8RMSNorm`: its
+        rows quantized in its own pass, once for both of ``input_layernorm``'s readers."""
         for name, module in list(self.model.named_modules()):
             if not isinstance(module, nn.Linear):
                 continue
@@ -243,6 +246,13 @@ class DeepseekPrefillModel(nn.Module):
                 parent, _, child = name.rpartition(".")
                 linear = DeepGEMMLinear if gemm == "deep_gemm" and whole_blocks(module.in_features, module.out_features) else FP8Linear
                 setattr(self.model.get_submodule(parent), child, linear(module.in_features, module.out_features, device="meta"))
+        for layer in self.model.layers:  # norms read only by FP8 linears write their rows quantized
+            attn = layer.self_attn
+            first = [attn.kv_a_proj_with_mqa, attn.q_proj if attn.config.q_lora_rank is None else attn.q_a_proj]
+            if all(isinstance(linear, FP8Linear) for linear in first):
+                layer.input_layernorm = quantizing(layer.input_layernorm)
+            if attn.config.q_lora_rank is not None and isinstance(attn.q_b_proj, FP8Linear):
+                attn.q_a_layernorm = quantizing(attn.q_a_layernorm)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -327,6 +337,11 @@ class DeepseekPrefillModel(nn.Module):
                 f"a sequence of {longest} tokens exceeds {self.config.name}'s maximum of "
                 f"{self.config.max_position_embeddings} positions"
             )
+
+
+def quantizing(norm: RMSNorm) -> FP8RMSNorm:
+    """``norm`` (on the meta device) as an :class:`FP8RMSNorm`: its output quantized for FP8 linears."""
+    return FP8RMSNorm(norm.weight.shape[0], norm.eps, dtype=norm.weight.dtype, device=norm.weight.device)
 
 
 def merged_parts(root: nn.Module, module_name: str) -> tuple[tuple[str, int], ...]:

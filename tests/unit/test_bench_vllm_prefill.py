@@ -131,13 +131,13 @@ def test_a_profiles_kernels_fall_into_the_parts_of_the_model_by_name():
         # DeepGEMM: dense (1 group) and the experts' grouped GEMM (256 groups), told apart by that template value only
         ("void deep_gemm::sm90_fp8_gemm_1d2d_impl<(cute::UMMA::Major)0, 0u, 36864u, 7168u, 1u, 256u, 128u, 128u, 128u", 75.0),
         ("void deep_gemm::sm90_fp8_gemm_1d2d_impl<(cute::UMMA::Major)0, 0u, 4096u, 7168u, 256u, 128u, 192u, 128u, 128u", 48.0),
-        ("_quantize_kernel", 21.0), ("_rms_norm_kernel", 13.6), ("_keys_kernel", 7.5), ("_rotate_kernel", 3.2),
+        ("_quantize_kernel", 21.0), ("_rms_norm_kernel", 13.6), ("_rms_norm_fp8_kernel", 4.0), ("_keys_kernel", 7.5), ("_rotate_kernel", 3.2),
         ("_gather_sum_kernel", 3.9), ("_route_kernel", 1.0), ("void at_cuda_detail::cub::detail::radix_sort::DeviceRadixSortOnesweepKernel", 0.2),
         ("void at::native::vectorized_elementwise_kernel<8, at::native::CUDAFunctor_add<c10::BFloat16>>", 1.3), ("Memcpy DtoH (Device -> Pageable)", 3.1),
     ]  # fmt: skip
     shares = kernel_shares(kernels)
     assert {part: entry["ms"] for part, entry in shares.items()} == {
-        "moe_experts": 153.0, "attention": 93.0, "linears": 320.0, "fp8_quantize": 21.0, "moe_routing": 5.1, "norms": 13.6,
+        "moe_experts": 153.0, "attention": 93.0, "linears": 320.0, "fp8_quantize": 21.0, "moe_routing": 5.1, "norms": 17.6,
         "rope_and_keys": 10.7, "glue": 4.4}  # fmt: skip
     assert sum(entry["share"] for entry in shares.values()) == pytest.approx(1.0, abs=1e-3)
     assert kernel_shares([])["glue"] == {"ms": 0.0, "share": 0.0}

@@ -8,11 +8,14 @@ from hf_models import vllm_checkpoint_config
 from torch import nn
 from transformers import DeepseekV3ForCausalLM
 
+from attention.rms_norm_triton import add_rms_norm, rms_norm
 from configs.model import MoEConfig
 from workers import fp8_triton
 from workers.fp8 import (
     FP8,
     FP8Linear,
+    FP8RMSNorm,
+    FP8Rows,
     block_dequantize,
     block_gemm_shape_ok,
     block_quantize,
@@ -106,6 +109,47 @@ def test_triton_quantization_in_one_pass_equals_two_passes(group, silu_mul, monk
     assert one_pass[0].shape == (8, 768 if silu_mul else 1536) and not one_pass[0][6:].float().any()
 
 
+@pytest.mark.parametrize("residual", [False, True], ids=["norm", "add-norm"])
+def test_the_norm_quantized_in_its_pass_equals_the_norm_then_the_quantization(residual):
+    """``FP8RMSNorm``'s one-pass kernel (Triton's interpreter) writes the FP8 bytes and scales that the
+    norm's kernel then the quantization's write (bf16 rows in between), the residual stream added
+    into the same way; padding rows zeros; the torch path's scales (norm, then quantization) within a
+    bf16 rounding (the interpreter's bf16 casts truncate). Not its FP8 values: the interpreter's FP8
+    cast takes a value that rounds up to a power of two to half that power (126.4 to 64, not 128), in
+    either kernel; the GPU test below compares them with torch's."""
+    gen = torch.Generator().manual_seed(4)
+    x = (torch.randn(6, 1024, generator=gen) * torch.logspace(-1, 1, 1024)).to(torch.bfloat16)
+    stream = torch.randn(6, 1024, generator=gen) * 2 if residual else None
+    norm = FP8RMSNorm(1024, 1e-6, dtype=torch.bfloat16)
+    with torch.no_grad():
+        norm.weight.copy_(1 + 0.1 * torch.randn(1024, generator=gen))
+    streams = [None if stream is None else stream.clone() for _ in range(3)]
+    fused = norm(x, streams[0], impl="triton")
+    rows = add_rms_norm(x, streams[1], norm.weight, 1e-6) if residual else rms_norm(x, norm.weight, 1e-6)  # the norm's own kernel
+    two = FP8Rows(*quantize_activations(rows, 128, pad_rows_to=4, impl="triton"), 6)
+    assert isinstance(fused, FP8Rows) and fused.shape == (6, 1024) and fused.q.shape == (8, 1024) and fused.scale.shape == (8, 8)
+    assert torch.equal(fused.q.view(torch.uint8), two.q.view(torch.uint8)) and torch.equal(fused.scale, two.scale)
+    assert not fused.q[6:].float().any()
+    if residual:
+        assert torch.equal(streams[0], streams[1]) and torch.equal(streams[0], stream + x.float())
+    plain = norm(x, streams[2], impl="torch")
+    torch.testing.assert_close(plain.scale, fused.scale, rtol=1e-2, atol=0)
+
+
+def test_fp8_linear_takes_rows_quantized_once_and_refuses_other_widths(monkeypatch):
+    """An FP8 linear given :class:`FP8Rows` runs its GEMM on them as they are (torch's, emulated): the
+    output of quantizing the input itself; rows of another width are refused, naming both."""
+    fp8_emulation.install(monkeypatch)
+    linear = FP8Linear(256, 48, device="cpu")
+    q, scale = block_quantize(torch.randn(48, 256))
+    linear.weight.data, linear.weight_scale_inv.data = q, scale
+    x = torch.randn(5, 256).to(torch.bfloat16)
+    rows = FP8Rows(*quantize_activations(x, 128, pad_rows_to=4), 5)
+    assert torch.equal(linear(rows), linear(x))
+    with pytest.raises(ValueError, match="FP8Linear of 256 inputs got quantized rows of 128"):
+        linear(FP8Rows(*quantize_activations(x[:, :128], 128, pad_rows_to=4), 5))
+
+
 def test_bad_quantization_groups_are_refused():
     with pytest.raises(ValueError, match="K \\(200\\) to be a multiple"):
         quantize_activations(torch.randn(4, 200), 128)
@@ -144,6 +188,24 @@ def test_triton_quantization_equals_torch(group, silu_mul, weighted, scattered):
     mismatched = (got[0].float() != ref[0].float()).float().mean().item()
     assert mismatched < 1e-3  # a value at a rounding tie may land either side
     assert _relative(got[0].float(), ref[0].float()) < 1e-2
+
+
+@gpu
+@pytest.mark.gpu
+def test_the_norm_quantized_in_its_pass_equals_torch():
+    """``FP8RMSNorm``'s kernel on the GPU against the norm and the quantization in torch ops, at V3's
+    width with the decoder's float32 residual stream."""
+    x = torch.randn(1000, 7168, device="cuda").to(torch.bfloat16)
+    stream = torch.randn(1000, 7168, device="cuda") * 4
+    norm = FP8RMSNorm(7168, 1e-6, dtype=torch.bfloat16, device="cuda")
+    with torch.no_grad():
+        norm.weight.copy_(1 + 0.1 * torch.randn(7168, device="cuda"))
+    streams = [stream.clone(), stream.clone()]
+    got, ref = norm(x, streams[0], impl="triton"), norm(x, streams[1], impl="torch")
+    assert torch.equal(streams[0], streams[1])
+    torch.testing.assert_close(got.scale, ref.scale, rtol=1e-2, atol=0)
+    assert (got.q.float() != ref.q.float()).float().mean().item() < 1e-3
+    assert _relative(got.q.float(), ref.q.float()) < 1e-2
 
 
 @gpu

@@ -17,10 +17,12 @@ from transformers.models.deepseek_v2.modeling_deepseek_v2 import DeepseekV2TopkR
 from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3TopkRouter
 
 from attention.backends.torch_sdpa import TorchSDPAPrefillBackend
-from attention.mla import plan_prefill_batch
+from attention.mla import RMSNorm, plan_prefill_batch
 from configs.model import EP_SCHEDULES, MoEConfig, load_model_config, model_config_from_dict
 from configs.pool import PoolConfig
-from workers.fp8 import FP8Linear, block_dequantize
+from workers import fp8 as fp8_module
+from workers import model as model_module
+from workers.fp8 import FP8Linear, FP8RMSNorm, block_dequantize
 from workers.model import DeepseekPrefillModel, merged_parts
 from workers.expert_parallel import EPGroup, sm_carveout
 from workers import deepgemm
@@ -215,6 +217,37 @@ def test_fp8_gemm_path_keeps_the_checkpoint_format(checkpoints, prompts, monkeyp
     expected = _transformers_logits(hf, prompts)
     assert (out.logits - expected).abs().max() < 0.05 * expected.abs().max()
     assert torch.equal(out.logits.argmax(-1), expected.argmax(-1))
+
+
+def test_norms_read_only_by_fp8_linears_quantize_their_rows_once_for_them(tmp_path, monkeypatch):
+    """At the wide widths every attention linear runs in FP8 (torch's GEMMs, emulated): each layer's
+    ``input_layernorm`` (read by ``q_a_proj`` and ``kv_a_proj_with_mqa``) and ``q_a_layernorm``
+    (``q_b_proj``) write FP8 rows, quantized once per layer where the two readers each quantized the
+    norm's bf16 rows; ``kv_a_layernorm`` (the cached rows) and ``post_attention_layernorm`` (the router
+    reads it) stay bf16. The same FP8 values reach the GEMMs: the logits are those of the model
+    without it, bit for bit."""
+    fp8_emulation.install(monkeypatch)
+    path = tmp_path / "wide"
+    write_vllm_checkpoint(path, fp8=True, wide=True, seed=2)
+    gen = np.random.default_rng(3)
+    prompts = [gen.integers(0, 508, size=n) for n in (1, 37, 90)]
+    tokens, plan = torch.from_numpy(np.concatenate(prompts).astype(np.int64)), plan_prefill_batch([len(p) for p in prompts])
+    quantized = fp8_module.quantize_activations
+    calls = []
+    monkeypatch.setattr(fp8_module, "quantize_activations", lambda *a, **kw: calls.append(a[0].shape[1]) or quantized(*a, **kw))
+    logits, counts = {}, {}
+    for fused in (True, False):
+        if not fused:
+            monkeypatch.setattr(model_module, "quantizing", lambda norm: norm)
+        model = _ours(path, dtype=torch.bfloat16, fp8=True)
+        norms = {name for name, m in model.named_modules() if isinstance(m, FP8RMSNorm)}
+        assert norms == ({f"model.layers.{i}.{n}" for i in range(3) for n in ("input_layernorm", "self_attn.q_a_layernorm")} if fused else set())
+        assert sum(isinstance(m, RMSNorm) for m in model.modules()) == 13  # 4 a layer and the final norm
+        calls.clear()
+        logits[fused] = model(tokens, plan).logits
+        counts[fused] = calls.count(1024)  # quantizations of the hidden width: the attention's input
+    assert torch.equal(logits[True], logits[False])
+    assert counts[False] - counts[True] == 3, counts  # one a layer fewer
 
 
 def test_deep_gemms_layout_starts_each_experts_rows_on_its_alignment_and_marks_the_padding():
