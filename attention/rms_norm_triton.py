@@ -23,10 +23,10 @@ rounded twice): this kernel 0.45 ms, torch's op 0.65 ms, the separate float32 op
 dtype as above): FP8 values and a scale per group, never the rounded row itself. The tile is read as
 ``[BLOCK_M, WIDTH / GROUP, GROUP]``, so each group's largest magnitude is a reduction over its last
 axis. Where the norm feeds only FP8 linears (a layer's ``input_layernorm``: ``q_a_proj`` and
-``kv_a_proj_with_mqa``; ``q_a_layernorm``: ``q_b_proj``) this replaces the norm's write and read of
-the bf16 rows, and the second reader's quantization of them again. Why a kernel: no library has
-it; FlashInfer's ``rmsnorm_quant`` takes one static scale per tensor, not DeepSeek's dynamic
-per-token 1x128 scales.
+``kv_a_proj_with_mqa``; ``q_a_layernorm``: ``q_b_proj``; a dense layer's ``post_attention_layernorm``:
+``gate_up_proj``) this replaces the norm's write and read of the bf16 rows, and the second reader's
+quantization of them again. Why a kernel: no library has it; FlashInfer's ``rmsnorm_quant`` takes one
+static scale per tensor, not DeepSeek's dynamic per-token 1x128 scales.
 """
 
 from __future__ import annotations

@@ -236,8 +236,9 @@ class DeepseekPrefillModel(nn.Module):
         """Swap every quantized linear layer (all but ``lm_head``) whose shard keeps the 128x128 blocks
         whole for an :class:`FP8Linear`, run by DeepGEMM where ``gemm`` is "deep_gemm" and it takes the
         shape; the others stay in bf16 (their FP8 weights are dequantized). A norm whose every reader is
-        then an FP8 linear (``input_layernorm``, ``q_a_layernorm``) becomes an :class:`FP8RMSNorm`: its
-        rows quantized in its own pass, once for both of ``input_layernorm``'s readers."""
+        then an FP8 linear (``input_layernorm``, ``q_a_layernorm``, a dense layer's
+        ``post_attention_layernorm``) becomes an :class:`FP8RMSNorm`: its rows quantized in its own pass,
+        once for both of ``input_layernorm``'s readers."""
         for name, module in list(self.model.named_modules()):
             if not isinstance(module, nn.Linear):
                 continue
@@ -253,6 +254,8 @@ class DeepseekPrefillModel(nn.Module):
                 layer.input_layernorm = quantizing(layer.input_layernorm)
             if attn.config.q_lora_rank is not None and isinstance(attn.q_b_proj, FP8Linear):
                 attn.q_a_layernorm = quantizing(attn.q_a_layernorm)
+            if isinstance(layer.mlp, DenseMLP) and isinstance(layer.mlp.gate_up_proj, FP8Linear):  # a MoE layer's router reads bf16
+                layer.post_attention_layernorm = quantizing(layer.post_attention_layernorm)
 
     @property
     def dtype(self) -> torch.dtype:

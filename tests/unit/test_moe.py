@@ -223,7 +223,8 @@ def test_norms_read_only_by_fp8_linears_quantize_their_rows_once_for_them(tmp_pa
     """At the wide widths every attention linear runs in FP8 (torch's GEMMs, emulated): each layer's
     ``input_layernorm`` (read by ``q_a_proj`` and ``kv_a_proj_with_mqa``) and ``q_a_layernorm``
     (``q_b_proj``) write FP8 rows, quantized once per layer where the two readers each quantized the
-    norm's bf16 rows; ``kv_a_layernorm`` (the cached rows) and ``post_attention_layernorm`` (the router
+    norm's bf16 rows, and so does the dense layer's ``post_attention_layernorm`` (``gate_up_proj``);
+    ``kv_a_layernorm`` (the cached rows) and a MoE layer's ``post_attention_layernorm`` (the router
     reads it) stay bf16. The same FP8 values reach the GEMMs: the logits are those of the model
     without it, bit for bit."""
     fp8_emulation.install(monkeypatch)
@@ -241,7 +242,8 @@ def test_norms_read_only_by_fp8_linears_quantize_their_rows_once_for_them(tmp_pa
             monkeypatch.setattr(model_module, "quantizing", lambda norm: norm)
         model = _ours(path, dtype=torch.bfloat16, fp8=True)
         norms = {name for name, m in model.named_modules() if isinstance(m, FP8RMSNorm)}
-        assert norms == ({f"model.layers.{i}.{n}" for i in range(3) for n in ("input_layernorm", "self_attn.q_a_layernorm")} if fused else set())
+        expected = {f"model.layers.{i}.{n}" for i in range(3) for n in ("input_layernorm", "self_attn.q_a_layernorm")} | {"model.layers.0.post_attention_layernorm"}
+        assert norms == (expected if fused else set())
         assert sum(isinstance(m, RMSNorm) for m in model.modules()) == 13  # 4 a layer and the final norm
         calls.clear()
         logits[fused] = model(tokens, plan).logits
