@@ -6,8 +6,11 @@ import torch
 from workers.kv_cache import KVCacheFull, PagedKVCache, blocks_for
 
 
-def _cache(num_blocks=8, block_size=4, layers=2, width=6):
-    return PagedKVCache(layers, num_blocks, block_size, width, torch.float32, torch.device("cpu"))
+DEVICES = ["cpu"] + ([pytest.param("cuda", marks=pytest.mark.gpu)] if torch.cuda.is_available() else [])
+
+
+def _cache(num_blocks=8, block_size=4, layers=2, width=6, device="cpu"):
+    return PagedKVCache(layers, num_blocks, block_size, width, torch.float32, torch.device(device))
 
 
 def test_rows_come_back_in_order_across_chunks_and_blocks():
@@ -86,9 +89,12 @@ def test_block_views_are_the_paged_blocks_without_a_copy_when_the_table_is_one_r
     assert all(torch.equal(c.reshape(12, 6)[:9], cache.rows("b", layer)) for layer, c in enumerate(copies))
 
 
-def test_a_batchs_pieces_are_appended_together_as_each_alone_would_be():
-    latents = [torch.randn(14, 6), torch.randn(14, 6)]  # a batch of three pieces: rows 0-4, 5-10, 11-13
-    together, alone = _cache(), _cache()
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_batchs_pieces_are_appended_together_as_each_alone_would_be(device):
+    """On a GPU the slot tables go from pinned host memory, queued on the stream behind the kernels
+    that write the batch's rows: the rows read back are the batch's."""
+    latents = [torch.randn(14, 6, device=device), torch.randn(14, 6, device=device)]  # a batch of three pieces: rows 0-4, 5-10, 11-13
+    together, alone = _cache(device=device), _cache(device=device)
     for cache in (together, alone):
         cache.reserve("a", 9)
         cache.reserve("b", 6)
@@ -103,10 +109,10 @@ def test_a_batchs_pieces_are_appended_together_as_each_alone_would_be():
         for layer in range(2):
             assert torch.equal(together.rows(request_id, layer), alone.rows(request_id, layer))
     assert torch.equal(together.rows("a", 1), latents[1][:9]) and torch.equal(together.rows("c", 0), latents[0][:3])
-    mixed = _cache()  # index tensors (a PCP rank's rows) beside a slice
+    mixed = _cache(device=device)  # index tensors (a PCP rank's rows) beside a slice
     mixed.reserve("p", 4)
     mixed.reserve("q", 2)
-    mixed.append_many(latents, [("p", torch.tensor([13, 1, 7, 2])), ("q", slice(3, 5))])
+    mixed.append_many(latents, [("p", torch.tensor([13, 1, 7, 2], device=device)), ("q", slice(3, 5))])
     assert torch.equal(mixed.rows("p", 0), latents[0][[13, 1, 7, 2]]) and torch.equal(mixed.rows("q", 1), latents[1][3:5])
     with pytest.raises(KeyError, match="no KV cache for request 'zz'"):
         mixed.append_many(latents, [("zz", slice(0, 1))])
