@@ -219,7 +219,16 @@ def test_fp8_gemm_path_keeps_the_checkpoint_format(checkpoints, prompts, monkeyp
     assert torch.equal(out.logits.argmax(-1), expected.argmax(-1))
 
 
-def test_norms_read_only_by_fp8_linears_quantize_their_rows_once_for_them(tmp_path, monkeypatch):
+@pytest.fixture(scope="module")
+def wide_fp8_checkpoint(tmp_path_factory):
+    """A V3 FP8 checkpoint at the wide widths (hidden 1024, q LoRA 512): every attention linear is one
+    torch's block-scaled GEMM takes, so each layer's input_layernorm writes FP8 rows."""
+    path = tmp_path_factory.mktemp("wide") / "v3"
+    write_vllm_checkpoint(path, fp8=True, wide=True, seed=2)
+    return path
+
+
+def test_norms_read_only_by_fp8_linears_quantize_their_rows_once_for_them(wide_fp8_checkpoint, monkeypatch):
     """At the wide widths every attention linear runs in FP8 (torch's GEMMs, emulated): each layer's
     ``input_layernorm`` (read by ``q_a_proj`` and ``kv_a_proj_with_mqa``) and ``q_a_layernorm``
     (``q_b_proj``) write FP8 rows, quantized once per layer where the two readers each quantized the
@@ -228,8 +237,7 @@ def test_norms_read_only_by_fp8_linears_quantize_their_rows_once_for_them(tmp_pa
     reads it) stay bf16. The same FP8 values reach the GEMMs: the logits are those of the model
     without it, bit for bit."""
     fp8_emulation.install(monkeypatch)
-    path = tmp_path / "wide"
-    write_vllm_checkpoint(path, fp8=True, wide=True, seed=2)
+    path = wide_fp8_checkpoint
     gen = np.random.default_rng(3)
     prompts = [gen.integers(0, 508, size=n) for n in (1, 37, 90)]
     tokens, plan = torch.from_numpy(np.concatenate(prompts).astype(np.int64)), plan_prefill_batch([len(p) for p in prompts])
@@ -458,6 +466,25 @@ def test_expert_parallel_fp8_gemms(checkpoints, prompts, schedule):
     for i, prompt in enumerate(prompts):
         out = reference(torch.from_numpy(prompt.astype(np.int64)), plan_prefill_batch([len(prompt)]))
         torch.testing.assert_close(torch.from_numpy(got[0].logits[f"r{i}"]), out.logits[0], atol=2e-2, rtol=2e-2)
+
+
+def test_context_parallel_workers_take_the_norms_fp8_rows(wide_fp8_checkpoint, prompts):
+    """Two PCP workers (emulated FP8 GEMMs) on the checkpoint whose input norms write FP8 rows: each
+    rank's share of the tokens goes through ``context_parallel_attention`` as FP8 rows, and the logits
+    are one process's up to rounding (two ranks round attention's merge and the experts' sums
+    otherwise, and FP8 quantization amplifies a bf16 step: at these widths the two differ by up to
+    0.037 on logits of 1.3-2.2, 2.4% relative L2 on the one-token prompt, the same bit for bit with
+    the norms' FP8 rows or without them). Rows mixed up between the ranks would differ by the logits' size."""
+    config = PoolConfig(checkpoint=str(wide_fp8_checkpoint), pcp=2, device="cpu", dtype="bfloat16", chunk_tokens=48, block_size=8,
+                        kv_cache_tokens=1024)  # fmt: skip
+    got = run_workers(config, prompts, 48, prepare=emulated_fp8)
+    emulated_fp8()
+    reference = _ours(wide_fp8_checkpoint, dtype=torch.bfloat16, fp8=True)
+    assert isinstance(reference.model.layers[1].input_layernorm, FP8RMSNorm)
+    for i, prompt in enumerate(prompts):
+        expected = reference(torch.from_numpy(prompt.astype(np.int64)), plan_prefill_batch([len(prompt)])).logits[0]
+        logits = torch.from_numpy(got[0].logits[f"r{i}"])
+        assert ((logits - expected).norm() / expected.norm()).item() < 0.05 and (logits - expected).abs().max().item() < 0.1, i
 
 
 @pytest.mark.parametrize("schedule", ["local-first", "all-to-all"])
