@@ -32,6 +32,7 @@ FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0
 BLOCK = 128
 EPS = 1e-10  # smallest amax used for a scale: an all-zero group quantizes to zeros, never NaN
+ROW_ALIGN = 4  # the linears' activation rows padded to a multiple of this: their M-major scales need M % 4 == 0
 
 
 def fp8_gemm_supported(device: torch.device) -> bool:
@@ -125,7 +126,7 @@ def quantize_activations(
 class FP8Rows:
     """Activation rows quantized once for the FP8 linears that read them (:class:`FP8RMSNorm`'s output):
     ``q [M', K]`` and ``scale [K / 128, M']`` as :func:`quantize_activations` returns them (``M'`` the
-    ``rows`` rounded up to a multiple of 4), standing for a ``[rows, K]`` input."""
+    ``rows`` rounded up to a multiple of :data:`ROW_ALIGN`), standing for a ``[rows, K]`` input."""
 
     q: torch.Tensor
     scale: torch.Tensor
@@ -146,14 +147,14 @@ class FP8RMSNorm(RMSNorm):
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None, *, impl: str = "auto") -> FP8Rows:  # type: ignore[override]
         rows, width = x.shape
-        padded = -(-rows // 4) * 4
+        padded = -(-rows // ROW_ALIGN) * ROW_ALIGN
         if use_triton(impl, x, supported=width % BLOCK == 0):
             from attention.rms_norm_triton import MAX_WIDTH, rms_norm_fp8
 
             if width <= MAX_WIDTH and x.stride(1) == 1:
                 q, scale = rms_norm_fp8(x, self.weight, self.eps, residual, group=BLOCK, rows=padded, fp8_max=FP8_MAX, scale_eps=EPS)
                 return FP8Rows(q, scale, rows)
-        return FP8Rows(*quantize_activations(super().forward(x, residual), BLOCK, pad_rows_to=4), rows)
+        return FP8Rows(*quantize_activations(super().forward(x, residual), BLOCK, pad_rows_to=ROW_ALIGN), rows)
 
 
 def block_gemm_shape_ok(in_features: int, out_features: int) -> bool:
@@ -198,7 +199,7 @@ class FP8Linear(nn.Module):
             return self.gemm(x.q, x.scale.t())[: x.rows]
         shape = x.shape
         x2 = x.reshape(-1, self.in_features * (2 if silu_mul else 1))
-        q, scale = quantize_activations(x2, BLOCK, pad_rows_to=4, silu_mul=silu_mul)
+        q, scale = quantize_activations(x2, BLOCK, pad_rows_to=ROW_ALIGN, silu_mul=silu_mul)
         return self.gemm(q, scale.t())[: x2.shape[0]].view(*shape[:-1], self.out_features)
 
     def gemm(self, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:

@@ -429,10 +429,10 @@ class PrefillWorker(KVHolder):
         finished = [i for i, piece in enumerate(pieces) if piece.is_last]
         host = (last if len(finished) == len(pieces) else last[finished]).cpu().numpy()
         results = [PieceResult(pieces[i].request_id, host[j, :vocab], host[j, vocab:]) for j, i in enumerate(finished)]
+        worker_s = time.perf_counter() - began
         if not isinstance(batch, PCPPlan):
-            return BatchOutput(results, time.perf_counter() - began)
-        layers = model.config.num_hidden_layers
-        return BatchOutput(results, time.perf_counter() - began, batch.strategy, int(batch.comm_bytes_per_layer * layers))
+            return BatchOutput(results, worker_s)
+        return BatchOutput(results, worker_s, batch.strategy, int(batch.comm_bytes_per_layer * model.config.num_hidden_layers))
 
     def _replays(self, pieces: Sequence[ChunkPiece]) -> bool:
         """Whether this batch runs from the captured graphs: one prompt with no cached context that fits
