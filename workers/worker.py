@@ -154,6 +154,20 @@ def rendezvous_address() -> tuple[str, int]:
         return host, sock.getsockname()[1]
 
 
+def results_to_host(rows: torch.Tensor) -> np.ndarray:
+    """A batch's result rows as a host array; from a GPU through pinned memory. A 16x4K batch's rows
+    (its logits and last hidden rows, 8.7 MB) take 0.18 ms pinned against 0.68 ms into reused pageable
+    pages on H200, and the layer profile of such a batch saw 5.2 ms of copies to pageable memory
+    (``2026-11-29-h200-results-to-host.json``). The pinned buffer comes from torch's caching host
+    allocator and is reused only once the arrays viewing it are gone (after Ray stored them), so a
+    later batch never writes into an earlier batch's results."""
+    if rows.device.type != "cuda":
+        return rows.numpy()
+    host = torch.empty(rows.shape, dtype=rows.dtype, pin_memory=True)
+    host.copy_(rows)  # synchronous: the values are there on return
+    return host.numpy()
+
+
 class PrefillWorker(KVHolder):
     def __init__(self, config: PoolConfig, rank: int | None, env: dict[str, str] | None = None) -> None:
         """``env``: variables for this process (NCCL's, OMP_NUM_THREADS), set before anything reads them.
@@ -427,7 +441,7 @@ class PrefillWorker(KVHolder):
         if self.rank != 0:
             return None
         finished = [i for i, piece in enumerate(pieces) if piece.is_last]
-        host = (last if len(finished) == len(pieces) else last[finished]).cpu().numpy()
+        host = results_to_host(last if len(finished) == len(pieces) else last[finished])
         results = [PieceResult(pieces[i].request_id, host[j, :vocab], host[j, vocab:]) for j, i in enumerate(finished)]
         worker_s = time.perf_counter() - began
         if not isinstance(batch, PCPPlan):
