@@ -172,11 +172,16 @@ def compare(truth: list[dict], rows: list[torch.Tensor], runs: list[dict]) -> di
 
 
 def totals(checkpoints: list[dict]) -> dict:
-    """Per engine, over every checkpoint: prompts whose first token, and whose every token, equals the truth's."""
+    """Per engine, over every checkpoint: prompts whose first token, and whose every token, equals the
+    truth's, and on how many prompts it alone departs from the truth (the other engine does not): the
+    prompts both get wrong or both get right say nothing about which is nearer."""
+    sides = ("vllm_alone", "tier_and_vllm")
+    departed = [{side: {d["prompt"] for d in c[side]["departures"]} for side in sides} for c in checkpoints]
     return {side: {"prompts": sum(c[side]["prompts_equal_to_truth"] + len(c[side]["departures"]) for c in checkpoints),
                    "first_tokens_equal_to_truth": sum(c[side]["first_tokens_equal_to_truth"] for c in checkpoints),
-                   "prompts_equal_to_truth": sum(c[side]["prompts_equal_to_truth"] for c in checkpoints)}
-            for side in ("vllm_alone", "tier_and_vllm")}  # fmt: skip
+                   "prompts_equal_to_truth": sum(c[side]["prompts_equal_to_truth"] for c in checkpoints),
+                   "departs_alone": sum(len(d[side] - d[other]) for d in departed)}
+            for side, other in zip(sides, reversed(sides))}  # fmt: skip
 
 
 def main() -> None:

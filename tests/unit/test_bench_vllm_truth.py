@@ -33,10 +33,13 @@ def _side(equal: int, departures: list[dict]) -> dict:
 
 
 def test_totals_add_every_checkpoint_per_engine():
-    checkpoints = [{"vllm_alone": _side(1, [{"step": 0}]), "tier_and_vllm": _side(2, [])},
-                   {"vllm_alone": _side(0, [{"step": 3}, {"step": 1}]), "tier_and_vllm": _side(1, [{"step": 0}])}]  # fmt: skip
-    assert totals(checkpoints) == {"vllm_alone": {"prompts": 4, "first_tokens_equal_to_truth": 3, "prompts_equal_to_truth": 1},
-                                   "tier_and_vllm": {"prompts": 4, "first_tokens_equal_to_truth": 3, "prompts_equal_to_truth": 3}}  # fmt: skip
+    checkpoints = [{"vllm_alone": _side(1, [{"prompt": 0, "step": 0}]), "tier_and_vllm": _side(2, [])},
+                   {"vllm_alone": _side(0, [{"prompt": 0, "step": 3}, {"prompt": 1, "step": 1}]),
+                    "tier_and_vllm": _side(1, [{"prompt": 1, "step": 0}])}]  # fmt: skip
+    assert totals(checkpoints) == {
+        "vllm_alone": {"prompts": 4, "first_tokens_equal_to_truth": 3, "prompts_equal_to_truth": 1, "departs_alone": 2},
+        "tier_and_vllm": {"prompts": 4, "first_tokens_equal_to_truth": 3, "prompts_equal_to_truth": 3, "departs_alone": 0},
+    }
 
 
 def test_the_tiers_pool_holds_every_prompts_kept_kv_at_once():
