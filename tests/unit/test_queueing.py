@@ -7,6 +7,7 @@ import time
 from concurrent.futures import Future
 
 import numpy as np
+import pytest
 
 from cluster import queueing
 from cluster.queueing import Request, RequestQueue
@@ -136,3 +137,28 @@ def test_requests_put_together_are_seen_together_by_a_waiting_replica():
     assert _names(admitted) == ["x", "y", "z"]
     queue.close()
     assert not queue.put_many([_request("late", 1)])
+
+
+def test_a_list_of_ints_is_read_as_the_array_path_reads_it_and_others_fail_as_before():
+    """Lists of Python ints take a C loop without numpy's type inference (``_int_list``); every other
+    prompt takes ``np.asarray``: the same ids, and the same errors naming what is wrong."""
+    from configs.model import load_model_config
+
+    model = load_model_config("tiny")
+    ids = np.random.default_rng(0).integers(0, 512, 4096)
+    got = queueing.validate_tokens(ids.tolist(), model)
+    assert got.dtype == np.int32 and np.array_equal(got, ids)
+    assert np.array_equal(queueing.validate_tokens([np.int64(3), 4, np.int32(5)], model), [3, 4, 5])
+    assert np.array_equal(queueing.validate_tokens([2, True], model), [2, 1])  # as np.asarray reads it
+    for bad, error, message in [
+        ([], ValueError, "empty prompt"),
+        ([True, False], TypeError, "must be integers, got dtype bool"),
+        ([1, 2.5], TypeError, "must be integers, got dtype float64"),
+        ([1, "2"], TypeError, "must be integers"),
+        ([[1, 2], [3, 4]], ValueError, "flat sequence, got shape"),
+        ([1, 1 << 70], TypeError, "must be integers, got dtype object"),
+        ([1, 512], ValueError, r"token id 512 is outside the vocabulary \[0, 512\)"),
+        ([-1, 2], ValueError, "token id -1 is outside"),
+    ]:
+        with pytest.raises(error, match=message):
+            queueing.validate_tokens(bad, model)
