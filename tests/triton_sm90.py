@@ -21,7 +21,8 @@ from workers.fp8 import EPS, FP8_MAX
 
 TOOLS = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
 ROUTE = {"logits_ptr": "*fp32", "bias_ptr": "*fp32", "weights_ptr": "*fp32", "ids_ptr": "*i64", "T": "i32", "E": "i32", "scaling": "fp32"}
-GATHER_SUM = {"src_ptr": "*bf16", "index_ptr": "*i64", "out_ptr": "*bf16", "H": "i32", "src_stride": "i32", "out_stride": "i32"}
+GATHER_SUM = {"src_ptr": "*bf16", "index_ptr": "*i64", "add_ptr": "*bf16", "out_ptr": "*bf16", "H": "i32", "src_stride": "i32", "add_stride": "i32",
+              "out_stride": "i32"}  # fmt: skip
 QUANTIZE = {"x_ptr": "*bf16", "w_ptr": "*fp32", "q_ptr": "*fp8e4nv", "s_ptr": "*fp32", "dest_ptr": "*i64",
             "M": "i32", "M_PAD": "i32", "K": "i32", "x_stride": "i32", "q_stride": "i32", "s_stride_g": "i32"}  # fmt: skip
 KEYS = {"kv_ptr": "*bf16", "pe_ptr": "*bf16", "k_ptr": "*bf16", "T": "i32", "H": "i32", "kv_stride_t": "i32", "kv_stride_h": "i32", "pe_stride_t": "i32"}
@@ -61,7 +62,8 @@ def cases() -> dict:
             out[f"rms-norm-{width}-{kind}"] = (rms_norm_triton._rms_norm_kernel, types, {**rms_norm_triton.rms_norm_constants(width), "ADD": add})
     for weighted in (False, True):  # a dense MLP's activation, the experts' (times each pair's weight)
         out[f"silu-mul{'-weighted' if weighted else ''}"] = (activation_triton._silu_mul_kernel, SILU_MUL, activation_triton.silu_mul_constants(weighted))
-    out["gather-sum"] = (moe_triton._gather_sum_kernel, GATHER_SUM, {"SLOTS": 8, "BLOCK": moe_triton.BLOCK_H})
+    for add in (False, True):  # the routed sum, and with the shared experts' rows added in its pass
+        out[f"gather-sum{'-add' if add else ''}"] = (moe_triton._gather_sum_kernel, GATHER_SUM, {"SLOTS": 8, "BLOCK": moe_triton.BLOCK_H, "ADD": add})
     for name, (group, silu_mul, row_weight, scatter) in QUANTIZE_CASES.items():
         constants = fp8_triton.quantize_constants(group, FP8_MAX, EPS, silu_mul=silu_mul, row_weight=row_weight, scatter=scatter)
         out[f"quantize-{name}"] = (fp8_triton._quantize_kernel, QUANTIZE, constants)

@@ -24,7 +24,9 @@ Expert parallelism, per micro-batch of tokens:
        weighted pairs (the routing weight is applied before ``down``, which is linear)
     4. combine (all-to-all back, bf16): each token gets one partial sum per rank, added in fp32
 
-Both sums read each row once and add in float32 (:func:`gather_sum`, a Triton kernel on CUDA).
+Both sums read each row once and add in float32 (:func:`gather_sum`, a Triton kernel on CUDA). On one
+rank, with no combine to overlap, :meth:`MoE.forward` adds the shared experts' rows in the routed
+sum's pass (one rounding, no add of its own).
 
 No (token, expert) pair is computed twice. The combine runs while the caller computes the shared
 experts (:meth:`MoE.start_routed`). The schedules (``configs.pool.PoolConfig.ep_schedule``):
@@ -58,18 +60,21 @@ from workers.expert_parallel import Dispatch, EPGroup, exchange_counts, sm_carve
 from workers.fp8 import BLOCK, FP8, quantize_activations
 
 def gather_sum(
-    src: torch.Tensor, index: torch.Tensor, dtype: torch.dtype, *, out: torch.Tensor | None = None, impl: str = "auto"
-) -> torch.Tensor:
-    """``out [T, H]`` in ``dtype`` with ``out[t] = sum_j src[index[t, j]]`` (float32 accumulation) over the
-    slots whose ``index [T, S]`` is not -1 (written into ``out`` when given). A Triton kernel on CUDA (``workers.moe_triton``), torch ops elsewhere; ``impl``
+    src: torch.Tensor, index: torch.Tensor, dtype: torch.dtype, *, out: torch.Tensor | None = None, add: torch.Tensor | None = None,
+    impl: str = "auto",
+) -> torch.Tensor:  # fmt: skip
+    """``out [T, H]`` in ``dtype`` with ``out[t] = add[t] + sum_j src[index[t, j]]`` (float32 accumulation,
+    one rounding) over the slots whose ``index [T, S]`` is not -1 (``add``: none when not given; written
+    into ``out`` when given). A Triton kernel on CUDA (``workers.moe_triton``), torch ops elsewhere; ``impl``
     forces one ("triton" on CPU tensors needs ``TRITON_INTERPRET=1``)."""
     if use_triton(impl, src):
         from workers.moe_triton import gather_sum as kernel
 
-        return kernel(src, index.contiguous(), dtype, out)
+        return kernel(src, index.contiguous(), dtype, out, add)
     padded = torch.cat([src, src.new_zeros(1, src.shape[1])])  # row -1 reads zeros
     rows = padded.index_select(0, torch.where(index >= 0, index, src.shape[0]).reshape(-1))
-    result = rows.view(*index.shape, src.shape[1]).sum(dim=1, dtype=torch.float32).to(dtype)
+    total = rows.view(*index.shape, src.shape[1]).sum(dim=1, dtype=torch.float32)
+    result = (total if add is None else total + add.float()).to(dtype)
     return result if out is None else out.copy_(result)
 
 
@@ -296,6 +301,13 @@ class MoE(nn.Module):
         return self._tables
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.shared_experts is not None and self.ep.size == 1 and self.rounding == "reference":
+            # one rank has no combine to overlap: the shared experts' rows go into the routed sum's own pass,
+            # rounded once with it, instead of an add of two [T, H] tensors of its own (0.67 ms a MoE layer at 64K
+            # tokens on H200: the profile's bf16 add, 2026-11-29-h200-prefill-profile-*-fp8-norms-16x4k.json)
+            shared = self.shared_experts(x)
+            weights, ids = self.gate(x)
+            return self._compute(x, ids - self.first_expert, weights, ids.numel(), add=shared).to(x.dtype)
         finish = self.start_routed(x)
         if self.shared_experts is None:
             return finish()
@@ -344,19 +356,22 @@ class MoE(nn.Module):
 
     def _compute(
         self, rows: list[torch.Tensor] | torch.Tensor, local_ids: torch.Tensor, weights: torch.Tensor, pairs: int,
-        out: torch.Tensor | None = None, order: _PairOrder | None = None,
+        out: torch.Tensor | None = None, order: _PairOrder | None = None, add: torch.Tensor | None = None,
     ) -> torch.Tensor:  # fmt: skip
         """Rows ``[N, ...]`` with their local expert ids ``[N, k]`` (-1: not here) and weights ``[N, k]``,
         ``pairs`` of the ids valid -> the weighted sum of each row's experts ``[N, H]`` (into ``out``).
         ``rows``: as :meth:`Experts.prepare` makes them, or the hidden rows themselves (FP8 experts then
         quantize each row straight into its pairs' places), or with ``order`` (:meth:`_pair_order`)
-        the experts' input rows already in that order."""
+        the experts' input rows already in that order. ``add [N, H]``: rows added to the sum in its pass
+        (rounding "reference" only: vLLM's scales the sum after it)."""
         n, k = local_ids.shape
         self.pairs += pairs
         hidden = rows if isinstance(rows, torch.Tensor) else None
         dtype = torch.bfloat16 if self.experts.fp8 else (rows if hidden is not None else rows[0]).dtype
         if not pairs:
             zeros = local_ids.new_zeros(n, self.experts.down_proj.shape[1], dtype=dtype)
+            if add is not None:
+                zeros = zeros + add.to(dtype)
             return zeros if out is None else out.copy_(zeros)
         layout = None
         if order is not None:
@@ -372,7 +387,7 @@ class MoE(nn.Module):
             else:
                 pair_rows = layout.gather(rows, order.index // k)
         y = self.experts(pair_rows, weights.reshape(-1)[order.index], order.offs, layout)
-        total = gather_sum(y, where, dtype, out=out)
+        total = gather_sum(y, where, dtype, out=out, add=add)
         if self.rounding == "vllm":  # scaled after the sum, rounded again (one rank holds every pair: moe_vllm.check_supported)
             return total * self.config.routed_scaling_factor
         return total

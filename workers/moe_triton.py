@@ -29,11 +29,15 @@ BLOCK_H = 1024
 
 
 @triton.jit
-def _gather_sum_kernel(src_ptr, index_ptr, out_ptr, H, src_stride, out_stride, SLOTS: tl.constexpr, BLOCK: tl.constexpr):
+def _gather_sum_kernel(
+    src_ptr, index_ptr, add_ptr, out_ptr, H, src_stride, add_stride, out_stride, SLOTS: tl.constexpr, BLOCK: tl.constexpr, ADD: tl.constexpr
+):
     t = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < H
     acc = tl.zeros([BLOCK], dtype=tl.float32)
+    if ADD:  # the row added to the sum (the shared experts' output), in the same float32 accumulation
+        acc += tl.load(add_ptr + t * add_stride + cols, mask=mask, other=0.0).to(tl.float32)
     for j in tl.static_range(SLOTS):
         row = tl.load(index_ptr + t * SLOTS + j).to(tl.int64) + cols * 0  # the slot's row, for every column
         values = tl.load(src_ptr + tl.maximum(row, 0) * src_stride + cols, mask=mask & (row >= 0), other=0.0)
@@ -41,8 +45,10 @@ def _gather_sum_kernel(src_ptr, index_ptr, out_ptr, H, src_stride, out_stride, S
     tl.store(out_ptr + t * out_stride + cols, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def gather_sum(src: torch.Tensor, index: torch.Tensor, dtype: torch.dtype, out: torch.Tensor | None = None) -> torch.Tensor:
-    """See ``workers.moe.gather_sum``; ``index`` is contiguous, ``src`` and ``out`` have contiguous rows."""
+def gather_sum(
+    src: torch.Tensor, index: torch.Tensor, dtype: torch.dtype, out: torch.Tensor | None = None, add: torch.Tensor | None = None
+) -> torch.Tensor:
+    """See ``workers.moe.gather_sum``; ``index`` is contiguous, ``src``, ``out`` and ``add`` have contiguous rows."""
     rows, slots = index.shape
     if src.stride(1) != 1:
         src = src.contiguous()
@@ -50,9 +56,13 @@ def gather_sum(src: torch.Tensor, index: torch.Tensor, dtype: torch.dtype, out: 
         out = torch.empty(rows, src.shape[1], dtype=dtype, device=src.device)
     elif out.shape != (rows, src.shape[1]) or out.dtype != dtype or out.stride(1) != 1:
         raise ValueError(f"out must be a [{rows}, {src.shape[1]}] {dtype} tensor with contiguous rows, got {tuple(out.shape)} {out.dtype}")
+    if add is not None and (add.shape != (rows, src.shape[1]) or add.stride(1) != 1):
+        raise ValueError(f"add must be a [{rows}, {src.shape[1]}] tensor with contiguous rows, got {tuple(add.shape)}")
     if rows and src.shape[1]:
         grid = (rows, triton.cdiv(src.shape[1], BLOCK_H))
-        _gather_sum_kernel[grid](src, index, out, src.shape[1], src.stride(0), out.stride(0), SLOTS=slots, BLOCK=BLOCK_H)
+        extra = out if add is None else add  # not read without ADD
+        _gather_sum_kernel[grid](src, index, extra, out, src.shape[1], src.stride(0), extra.stride(0), out.stride(0),
+                                 SLOTS=slots, BLOCK=BLOCK_H, ADD=add is not None)  # fmt: skip
     return out
 
 

@@ -145,6 +145,14 @@ def test_gather_sum_adds_the_indexed_rows_in_float32(impl, device, dtype):
     got = gather_sum(src, index, torch.float32, impl=impl)
     torch.testing.assert_close(got.double(), expected, atol=1e-5, rtol=1e-5)
     assert torch.equal(got[7], torch.zeros(1100, device=device))
+    # with rows added in the same pass (the shared experts'), rounded once to the output's dtype
+    add = torch.randn(300, 1100, device=device).to(dtype)
+    got = gather_sum(src, index, dtype, add=add, impl=impl)
+    exact = expected + add.double()
+    assert got.dtype == dtype and torch.equal(got[7], add[7])
+    torch.testing.assert_close(got.double(), exact.to(dtype).double(), atol=1e-5, rtol=1e-5 if dtype == torch.float32 else 8e-3)
+    with pytest.raises(ValueError, match=r"add must be a \[300, 1100\] tensor"):
+        gather_sum(src, index, dtype, add=add[:10], impl="triton")
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -426,6 +434,41 @@ def test_every_ep_schedule_equals_one_rank_holding_all_experts(tokens):
             torch.testing.assert_close(f, layer, atol=1e-5, rtol=1e-5, msg=f"{schedule}, rank {rank}: layer")
     for schedule in EP_SCHEDULES:  # two calls (routed, then the layer) per rank
         assert sum(ranks[schedule][2] for ranks in got) == 2 * sum(tokens) * config.num_experts_per_tok, schedule
+
+
+@pytest.mark.parametrize("impl", ["torch", "triton"])
+def test_one_rank_adds_the_shared_experts_in_the_routed_sums_pass(impl, monkeypatch):
+    """On one rank the layer's output is the shared experts' rows added into the routed sum's own float32
+    pass (``gather_sum``'s ``add``), rounded once: in float32 it equals ``routed + shared``; in bf16 it is
+    the exact sum of the pair rows and the shared rows rounded once; each (token, expert) pair is computed once."""
+    import workers.moe as moe_module
+
+    config = MoEConfig(n_routed_experts=16, num_experts_per_tok=4, moe_intermediate_size=32, n_shared_experts=1,
+                       n_group=4, topk_group=2, routed_scaling_factor=2.5)  # fmt: skip
+    layer = build_moe_layer(config, 64, EPGroup())
+    original, calls = moe_module.gather_sum, []
+
+    def gather_sum(src, index, dtype, **kw):
+        calls.append((src, index, kw.get("add")))
+        return original(src, index, dtype, **{**kw, "impl": impl})
+
+    monkeypatch.setattr(moe_module, "gather_sum", gather_sum)
+    x = torch.randn(37, 64)
+    with torch.no_grad():
+        whole, pairs = layer(x), layer.pairs
+        torch.testing.assert_close(whole, layer.routed(x) + layer.shared_experts(x), atol=1e-6, rtol=1e-6)
+        assert pairs == 37 * config.num_experts_per_tok and calls[0][2] is not None and calls[1][2] is None
+        layer.to(torch.bfloat16)
+        calls.clear()
+        whole = layer(x.to(torch.bfloat16))
+    (src, index, add), = calls
+    exact = torch.stack([sum((src[i].double() for i in row if i >= 0), add[t].double()) for t, row in enumerate(index.tolist())])
+    assert whole.dtype == torch.bfloat16 and torch.equal(add, layer.shared_experts(x.to(torch.bfloat16)))
+    torch.testing.assert_close(whole.double(), exact.to(torch.bfloat16).double(), atol=0, rtol=torch.finfo(torch.bfloat16).eps)
+    if impl == "torch":  # Triton's interpreter truncates float32 to bf16 (a GPU rounds to nearest): within a step above
+        # rounded once, all but those a float32 hair from a rounding boundary are the exact sum's bf16 (rounding the
+        # routed sum first and then the sum matched on 74% of them)
+        assert (whole == exact.to(torch.bfloat16)).float().mean() >= 0.99
 
 
 def test_sm_carveout_is_set_only_around_cuda_work_and_restored():
