@@ -159,13 +159,16 @@ def test_gather_sum_adds_the_indexed_rows_in_float32(impl, device, dtype):
 @pytest.mark.gpu
 @pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
 def test_one_rank_runs_the_moe_layer_without_waiting_for_the_gpu(fp8):
-    """On one rank no step of the MoE layer (routing, sorting the pairs, the grouped GEMMs, the sums)
-    copies to the host or synchronizes: the host stays ahead and the GPU never idles between kernels."""
+    """On one rank no step of the MoE layer (routing, sorting the pairs, the grouped GEMMs, the sums, the
+    shared experts added in the routed sum's pass) copies to the host or synchronizes: the host stays
+    ahead and the GPU never idles between kernels."""
     from workers.fp8 import requantize_rows
+    from workers.model import DenseMLP
     from workers.moe import MoE
 
     config = load_model_config("deepseek-v3").moe
-    moe = MoE(config, 1024, dtype=torch.bfloat16, fp8=fp8, device="cuda")
+    shared = DenseMLP(1024, 256, dtype=torch.bfloat16, device="cuda")
+    moe = MoE(config, 1024, dtype=torch.bfloat16, fp8=fp8, shared_experts=shared, device="cuda")
     with torch.no_grad():
         for param in moe.parameters():
             param.copy_(torch.randn(param.shape, device="cuda") * 0.05)  # FP8 experts are set below
@@ -175,14 +178,18 @@ def test_one_rank_runs_the_moe_layer_without_waiting_for_the_gpu(fp8):
                 getattr(moe.experts, name).copy_(q)
                 getattr(moe.experts, f"{name}_scale").copy_(scale)
         x = torch.randn(3000, 1024, device="cuda").to(torch.bfloat16)
-        expected = moe.routed(x)  # compiles the kernels
+        expected = moe.routed(x), moe(x)  # compiles the kernels
         torch.cuda.synchronize()
         torch.cuda.set_sync_debug_mode("error")
         try:
-            got = moe.routed(x)
+            got = moe.routed(x), moe(x)
         finally:
             torch.cuda.set_sync_debug_mode("default")
-    assert torch.equal(got, expected)
+    assert torch.equal(got[0], expected[0]) and torch.equal(got[1], expected[1])
+    with torch.no_grad():
+        routed, rows = got[0].float(), shared(x).float()
+    # the routed sum and the shared rows, rounded once: within a bf16 step of each part of the sum
+    assert ((got[1].float() - (routed + rows)).abs() <= torch.finfo(torch.bfloat16).eps * (routed.abs() + rows.abs())).all()
 
 
 # ---- whole models, one process ------------------------------------------------------------------------
