@@ -170,7 +170,7 @@ class RequestQueue:
 def _int_list(tokens: list) -> np.ndarray | None:
     """A list of Python ints as an int64 array, read in one C loop without numpy's type inference
     (16 prompts of 4K: 1.7 ms against 4.1 for ``np.asarray`` on the CPU machine, part of every
-    submission's time); None for anything else (floats, nested lists, bools first, out of int64),
+    submission's time: ``2026-11-29-cpu-pool-parts-token-list-admission.json``); None for anything else (floats, nested lists, bools first, out of int64),
     which ``np.asarray`` then takes, so that its checks name what is wrong as before."""
     if tokens and type(tokens[0]) is bool:
         return None
