@@ -37,6 +37,7 @@ import triton.language as tl
 
 MAX_WIDTH = 8192  # the widest row held in registers (DeepSeek's hidden sizes are 7168 and below)
 VALUES_PER_PROGRAM = 8192
+FP8_PER_THREAD = 16  # values a thread of the quantizing kernel holds (rms_norm_constants says why)
 
 
 # the row count varies with every batch: not specialized on (the kernel compiles once)
@@ -104,7 +105,7 @@ def rms_norm_fp8(
     q = torch.empty(rows, width, dtype=torch.float8_e4m3fn, device=x.device)
     scale = torch.empty(width // group, rows, dtype=torch.float32, device=x.device)
     if rows:
-        constants = rms_norm_constants(width, per_thread=16)
+        constants = rms_norm_constants(width, per_thread=FP8_PER_THREAD)
         grid = (triton.cdiv(rows, constants["BLOCK_M"]),)
         res = residual if residual is not None else x  # not read without ADD
         _rms_norm_fp8_kernel[grid](

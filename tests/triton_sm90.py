@@ -32,6 +32,13 @@ RESIDUAL_NORMS = {  # the decoder's float32 residual stream (workers.model): its
     "float32-rows": ({**RMS_NORM, "x_ptr": "*fp32"}, False),
     "add": ({**RMS_NORM, "res_ptr": "*fp32"}, True),
 }
+RMS_NORM_FP8 = {"x_ptr": "*bf16", "w_ptr": "*bf16", "q_ptr": "*fp8e4nv", "s_ptr": "*fp32", "res_ptr": "*fp32", "M": "i32", "M_PAD": "i32", "D": "i32",
+                "x_stride": "i32", "q_stride": "i32", "s_stride": "i32", "res_stride": "i32", "eps": "fp32"}  # fmt: skip
+FP8_NORMS = {  # workers.fp8.FP8RMSNorm: a layer's first norm on the float32 stream, each add with its norm, q_a_layernorm's bf16 rows
+    "float32-rows": ({**RMS_NORM_FP8, "x_ptr": "*fp32"}, False),
+    "add": (RMS_NORM_FP8, True),
+    "bf16-rows": (RMS_NORM_FP8, False),
+}
 SILU_MUL = {"x_ptr": "*bf16", "w_ptr": "*fp32", "out_ptr": "*bf16", "M": "i32", "K": "i32", "x_stride": "i32", "out_stride": "i32"}
 ROTATE = {"x_ptr": "*bf16", "cos_ptr": "*fp32", "sin_ptr": "*fp32", "T": "i32", "H": "i32", "stride_t": "i32", "stride_h": "i32"}
 QUANTIZE_CASES = {  # group, silu_mul, row_weight, scatter: as fp8.py and moe.py call it
@@ -60,6 +67,11 @@ def cases() -> dict:
     for width in (7168, 5120, 2048):  # the hidden sizes again, on the residual stream
         for kind, (types, add) in RESIDUAL_NORMS.items():
             out[f"rms-norm-{width}-{kind}"] = (rms_norm_triton._rms_norm_kernel, types, {**rms_norm_triton.rms_norm_constants(width), "ADD": add})
+    for width in (7168, 5120, 2048, 1536):  # the hidden sizes and V3's q LoRA rank, norms written as FP8 rows for FP8 linears
+        for kind, (types, add) in FP8_NORMS.items():
+            constants = {**rms_norm_triton.rms_norm_constants(width, per_thread=rms_norm_triton.FP8_PER_THREAD), "ADD": add, "GROUP": 128,
+                         "FP8_MAX": FP8_MAX, "Q_EPS": EPS}  # fmt: skip
+            out[f"rms-norm-fp8-{width}-{kind}"] = (rms_norm_triton._rms_norm_fp8_kernel, types, constants)
     for weighted in (False, True):  # a dense MLP's activation, the experts' (times each pair's weight)
         out[f"silu-mul{'-weighted' if weighted else ''}"] = (activation_triton._silu_mul_kernel, SILU_MUL, activation_triton.silu_mul_constants(weighted))
     for add in (False, True):  # the routed sum, and with the shared experts' rows added in its pass
