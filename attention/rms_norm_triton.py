@@ -91,11 +91,13 @@ def _rms_norm_fp8_kernel(
 
 def rms_norm_fp8(
     x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None, *, group: int, rows: int, fp8_max: float, scale_eps: float,
+    constants: dict | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """:func:`rms_norm` (:func:`add_rms_norm` with ``residual``) of ``x [M, D]`` quantized to FP8 per row
     per ``group`` columns (``D % group == 0``): ``q [rows, D]`` float8_e4m3fn and ``scale [D / group,
     rows]`` float32, rows from ``M`` to ``rows`` zeros (``workers.fp8.quantize_activations``' layout,
-    ``scale_eps`` the smallest largest magnitude it scales by). One pass."""
+    ``scale_eps`` the smallest largest magnitude it scales by). One pass. ``constants``: a launch's
+    ``BLOCK_M`` and ``num_warps`` instead of :func:`rms_norm_constants`' (``benchmarks/probes/probe_rms_norm_fp8.py``)."""
     m, width = x.shape
     if x.stride(1) != 1 or width > MAX_WIDTH or width % group or rows < m:
         raise ValueError(f"rms_norm_fp8 needs a contiguous last dim of at most {MAX_WIDTH} in whole groups of {group} and rows >= {m}, "
@@ -105,7 +107,7 @@ def rms_norm_fp8(
     q = torch.empty(rows, width, dtype=torch.float8_e4m3fn, device=x.device)
     scale = torch.empty(width // group, rows, dtype=torch.float32, device=x.device)
     if rows:
-        constants = rms_norm_constants(width, per_thread=FP8_PER_THREAD)
+        constants = {**rms_norm_constants(width, per_thread=FP8_PER_THREAD), **(constants or {})}
         grid = (triton.cdiv(rows, constants["BLOCK_M"]),)
         res = residual if residual is not None else x  # not read without ADD
         _rms_norm_fp8_kernel[grid](

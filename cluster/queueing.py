@@ -167,12 +167,13 @@ class RequestQueue:
         return admitted, cancelled
 
 
-def _int_list(tokens: list) -> np.ndarray | None:
+def _int_list(tokens) -> np.ndarray | None:
     """A list of Python ints as an int64 array, read in one C loop without numpy's type inference
     (16 prompts of 4K: 1.7 ms against 4.1 for ``np.asarray`` on the CPU machine, part of every
-    submission's time: ``2026-11-29-cpu-pool-parts-token-list-admission.json``); None for anything else (floats, nested lists, bools first, out of int64),
-    which ``np.asarray`` then takes, so that its checks name what is wrong as before."""
-    if tokens and type(tokens[0]) is bool:
+    submission's time: ``2026-11-29-cpu-pool-parts-token-list-admission.json``); None for anything
+    else (not a list, floats, nested lists, bools first, out of int64), which ``np.asarray`` then
+    takes, so that its checks name what is wrong as before."""
+    if type(tokens) is not list or (tokens and type(tokens[0]) is bool):
         return None
     try:
         return np.frombuffer(typed_array("q", tokens), dtype=np.int64)
@@ -185,7 +186,7 @@ def validate_tokens(token_ids, model: ModelConfig) -> np.ndarray:
     (empty, not integers, not flat, longer than the model's positions, an id outside its vocabulary)."""
     if isinstance(token_ids, torch.Tensor):
         token_ids = token_ids.cpu().numpy()
-    array = _int_list(token_ids) if type(token_ids) is list else None
+    array = _int_list(token_ids)
     if array is None:
         array = np.asarray(token_ids)
     if array.size == 0:

@@ -305,9 +305,7 @@ class MoE(nn.Module):
             # one rank has no combine to overlap: the shared experts' rows go into the routed sum's own pass,
             # rounded once with it, instead of an add of two [T, H] tensors of its own (0.67 ms a MoE layer at 64K
             # tokens on H200: the profile's bf16 add, 2026-11-29-h200-prefill-profile-*-fp8-norms-16x4k.json)
-            shared = self.shared_experts(x)
-            weights, ids = self.gate(x)
-            return self._compute(x, ids - self.first_expert, weights, ids.numel(), add=shared).to(x.dtype)
+            return self._one_rank(x, add=self.shared_experts(x))
         finish = self.start_routed(x)
         if self.shared_experts is None:
             return finish()
@@ -328,14 +326,19 @@ class MoE(nn.Module):
     def start_routed(self, x: torch.Tensor) -> Callable[[], torch.Tensor]:
         """Start :meth:`routed`; returns the function that waits for the combine all-to-all and gives
         the sum (compute something else in between: it overlaps the combine)."""
-        weights, ids = self.gate(x)
         if self.ep.size == 1:
-            out = self._compute(x, ids - self.first_expert, weights, ids.numel()).to(x.dtype)
+            out = self._one_rank(x)
             return lambda: out
+        weights, ids = self.gate(x)
         if self.schedule == "local-first":
             return self._local_first(x, ids, weights)
         # every rank splits, whatever its token count: the ranks' count exchanges must agree in size
         return self._micro_batches(x, self.experts.prepare(x), ids, weights, 2 if self.schedule == "two-micro-batches" else 1)
+
+    def _one_rank(self, x: torch.Tensor, add: torch.Tensor | None = None) -> torch.Tensor:
+        """The routed sum where this rank holds every expert, with ``add`` in its pass (:meth:`_compute`)."""
+        weights, ids = self.gate(x)
+        return self._compute(x, ids - self.first_expert, weights, ids.numel(), add=add).to(x.dtype)
 
     def _pair_order(self, local_ids: torch.Tensor, pairs: int) -> _PairOrder:
         """The ``pairs`` valid (row, slot)s of ``local_ids [N, k]`` (-1: not here) sorted by local expert."""

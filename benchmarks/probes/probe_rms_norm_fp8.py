@@ -24,7 +24,6 @@ from pathlib import Path
 sys.path[:0] = [str(Path(__file__).resolve().parents[1]), str(Path(__file__).resolve().parents[2])]  # benchmarks/, the repository
 
 import torch
-import triton
 from machine import machine  # benchmarks/machine.py
 from timing import seconds_per_call  # benchmarks/timing.py
 
@@ -38,16 +37,10 @@ CASES = {  # name: (width, the input's dtype, adds into the float32 residual str
 }
 
 
-def launch(x, weight, residual, q, scale, block_m: int, num_warps: int) -> None:
-    """The kernel as ``rms_norm_triton.rms_norm_fp8`` launches it, at ``block_m`` rows a program and ``num_warps``."""
-    rows, width = q.shape
-    grid = (triton.cdiv(rows, block_m),)
-    res = residual if residual is not None else x
-    rms_norm_triton._rms_norm_fp8_kernel[grid](
-        x, weight, q, scale, res, x.shape[0], rows, width, x.stride(0), q.stride(0), scale.stride(0), res.stride(0), 1e-6,
-        WIDTH=triton.next_power_of_2(width), GROUP=BLOCK, BLOCK_M=block_m, ADD=residual is not None, FP8_MAX=FP8_MAX, Q_EPS=EPS,
-        num_warps=num_warps,
-    )  # fmt: skip
+def norm(x, weight, residual, rows: int, block_m: int | None = None, num_warps: int | None = None):
+    """The launcher (``rms_norm_triton.rms_norm_fp8``), at ``block_m`` rows a program and ``num_warps`` where given."""
+    constants = {} if block_m is None else {"BLOCK_M": block_m, "num_warps": num_warps}
+    return rms_norm_triton.rms_norm_fp8(x, weight, 1e-6, residual, group=BLOCK, rows=rows, fp8_max=FP8_MAX, scale_eps=EPS, constants=constants)
 
 
 def main() -> None:
@@ -74,15 +67,14 @@ def main() -> None:
         stream = torch.randn(args.tokens, width, device="cuda") if add else None
         moved = x.numel() * x.element_size() + x.numel() * (1 + 4 / BLOCK) + (2 * stream.numel() * 4 if add else 0)  # in, FP8 rows and scales out, the stream in and out
         chosen = rms_norm_triton.rms_norm_constants(width, per_thread=rms_norm_triton.FP8_PER_THREAD)
-        want = rms_norm_triton.rms_norm_fp8(x, weight, 1e-6, None if stream is None else stream.clone(), group=BLOCK, rows=args.tokens, fp8_max=FP8_MAX, scale_eps=EPS)
+        want = norm(x, weight, None if stream is None else stream.clone(), args.tokens)
         entry = {"width": width, "input": str(dtype).removeprefix("torch."), "adds_residual": add, "gigabytes": round(moved / 1e9, 3),
                  "launcher_choice": f"{chosen['BLOCK_M']}x{chosen['num_warps']}", "configs": {}}  # fmt: skip
         for block_m, warps in dict.fromkeys([*configs, (chosen["BLOCK_M"], chosen["num_warps"])]):
-            q, scale = torch.empty_like(want[0]), torch.empty_like(want[1])
             residual = None if stream is None else stream.clone()
-            launch(x, weight, residual, q, scale, block_m, warps)
+            q, scale = norm(x, weight, residual, args.tokens, block_m, warps)
             same = bool(torch.equal(q.view(torch.uint8), want[0].view(torch.uint8)) and torch.equal(scale, want[1]))
-            seconds = seconds_per_call(lambda: launch(x, weight, residual, q, scale, block_m, warps), args.repeats)  # the stream grows: its values do not matter here
+            seconds = seconds_per_call(lambda: norm(x, weight, residual, args.tokens, block_m, warps), args.repeats)  # the stream grows: its values do not matter here
             entry["configs"][f"{block_m}x{warps}"] = {"ms": round(seconds * 1e3, 4), "tb_per_s": round(moved / seconds / 1e12, 2), "bytes_equal_to_launcher": same}
         residual = None if stream is None else stream.clone()
 
@@ -93,7 +85,7 @@ def main() -> None:
         entry["norm_then_quantize_ms"] = round(seconds_per_call(two_passes, args.repeats) * 1e3, 4)
         report["cases"][name] = entry
         best = min(entry["configs"].items(), key=lambda item: item[1]["ms"])
-        print(f"{name}: launcher {entry['launcher_choice']} {entry['configs'].get(entry['launcher_choice'], {}).get('ms')} ms, "
+        print(f"{name}: launcher {entry['launcher_choice']} {entry['configs'][entry['launcher_choice']]['ms']} ms, "
               f"best {best[0]} {best[1]['ms']} ms ({best[1]['tb_per_s']} TB/s), two passes {entry['norm_then_quantize_ms']} ms", flush=True)  # fmt: skip
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=1) + "\n")
