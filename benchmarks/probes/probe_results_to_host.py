@@ -1,12 +1,17 @@
 """Probe: a batch's result rows (logits and last hidden rows, float32) from the GPU to the host, as the
 worker hands them to Ray: into pageable memory (``tensor.cpu()``) against through pinned memory from
-torch's caching host allocator (``workers.worker.results_to_host``).
+torch's caching host allocator (``workers.worker.results_to_host``); with ``--ray``, also the batch's
+output (``BatchOutput`` of ``PieceResult`` rows, as the worker returns it) through a Ray actor's call
+each way, to see whether Ray's part of the pool's call depends on where the arrays live.
 
-    python benchmarks/probes/probe_results_to_host.py --out probe.json
+    python benchmarks/probes/probe_results_to_host.py --out probe.json [--ray]
 
 Per batch of ``--prompts`` requests of a model of ``--vocab`` and ``--hidden`` (default DeepSeek-V3's):
 each way's first call (nothing cached yet: fresh pages, a fresh pinned block) and the p50 of
-``--repeats`` calls after it, wall time on the host including the synchronization.
+``--repeats`` calls after it, wall time on the host including the synchronization. Through Ray
+(``ray``): per call the actor's own seconds (the copy and building the output) and the rest of the
+call as the driver saw it (Ray's: submitting, storing the arrays, fetching them), p50 of ``--repeats``
+calls of each way, the ways taking turns.
 """
 
 from __future__ import annotations
@@ -24,7 +29,40 @@ sys.path[:0] = [str(Path(__file__).resolve().parents[1]), str(Path(__file__).res
 import torch
 from machine import machine  # benchmarks/machine.py
 
-from workers.worker import results_to_host
+from workers.worker import BatchOutput, PieceResult, results_to_host
+
+WAYS = {"pageable": lambda rows: rows.cpu().numpy(), "pinned": results_to_host}
+
+
+class ResultsActor:
+    """What a worker's ``prefill`` does after its forward: the rows to the host, one result per prompt."""
+
+    def __init__(self, count: int, vocab: int, hidden: int) -> None:
+        self.rows, self.vocab = torch.randn(count, vocab + hidden, device="cuda"), vocab
+
+    def batch(self, way: str) -> BatchOutput:
+        torch.cuda.synchronize()
+        began = time.perf_counter()
+        host = WAYS[way](self.rows)
+        results = [PieceResult(f"r{j}", host[j, : self.vocab], host[j, self.vocab :]) for j in range(host.shape[0])]
+        return BatchOutput(results, time.perf_counter() - began)
+
+
+def through_ray(count: int, args) -> dict:
+    import ray
+
+    actor = ray.remote(num_gpus=1, num_cpus=1)(ResultsActor).remote(count, args.vocab, args.hidden)
+    ray.get(actor.batch.remote("pageable"))
+    seen = {way: {"actor": [], "ray": []} for way in WAYS}
+    for _ in range(args.repeats):
+        for way in WAYS:
+            began = time.perf_counter()
+            out = ray.get(actor.batch.remote(way))
+            seen[way]["actor"].append(out.worker_s)
+            seen[way]["ray"].append(time.perf_counter() - began - out.worker_s)
+            del out  # as the pool's driver does once it has taken the rows out
+    ray.kill(actor)
+    return {way: {f"{part}_p50_ms": round(statistics.median(v) * 1e3, 3) for part, v in parts.items()} for way, parts in seen.items()}
 
 
 def timed(fn) -> float:
@@ -41,10 +79,15 @@ def main() -> None:
     parser.add_argument("--vocab", type=int, default=129280, help="the model's vocabulary (default DeepSeek-V3's)")
     parser.add_argument("--hidden", type=int, default=7168, help="the model's hidden width (default DeepSeek-V3's)")
     parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--ray", action="store_true", help="also each way through a Ray actor's call (needs ray)")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         parser.error("needs a CUDA GPU")
-    ways = {"pageable": lambda rows: rows.cpu().numpy(), "pinned": results_to_host}
+    ways = WAYS
+    if args.ray:
+        import ray
+
+        ray.init(num_cpus=2, num_gpus=1, include_dashboard=False)  # its workers take this process's PYTHONPATH: the repository on it
     report = {"probe": "result rows from the GPU to the host", "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
               "machine": machine(), "command": " ".join(sys.argv), "vocab": args.vocab, "hidden": args.hidden, "batches": {}}  # fmt: skip
     for count in args.prompts:
@@ -54,8 +97,12 @@ def main() -> None:
             first = timed(lambda: way(rows))
             later = [timed(lambda: way(rows)) for _ in range(args.repeats)]
             entry[name] = {"first_ms": round(first * 1e3, 3), "p50_ms": round(statistics.median(later) * 1e3, 3)}
+        if args.ray:
+            entry["ray"] = through_ray(count, args)
         report["batches"][str(count)] = entry
         print(f"{count} prompts ({entry['megabytes']} MB): " + ", ".join(f"{n} {entry[n]['p50_ms']} ms (first {entry[n]['first_ms']})" for n in ways), flush=True)
+        if args.ray:
+            print("  through Ray: " + ", ".join(f"{n} actor {v['actor_p50_ms']} ms + Ray {v['ray_p50_ms']} ms" for n, v in entry["ray"].items()), flush=True)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=1) + "\n")
 
