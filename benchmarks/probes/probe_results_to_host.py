@@ -83,7 +83,6 @@ def main() -> None:
     args = parser.parse_args()
     if not torch.cuda.is_available():
         parser.error("needs a CUDA GPU")
-    ways = WAYS
     if args.ray:
         import ray
 
@@ -93,14 +92,14 @@ def main() -> None:
     for count in args.prompts:
         rows = torch.randn(count, args.vocab + args.hidden, device="cuda")
         entry = {"megabytes": round(rows.numel() * rows.element_size() / 1e6, 2)}
-        for name, way in ways.items():
+        for name, way in WAYS.items():
             first = timed(lambda: way(rows))
             later = [timed(lambda: way(rows)) for _ in range(args.repeats)]
             entry[name] = {"first_ms": round(first * 1e3, 3), "p50_ms": round(statistics.median(later) * 1e3, 3)}
         if args.ray:
             entry["ray"] = through_ray(count, args)
         report["batches"][str(count)] = entry
-        print(f"{count} prompts ({entry['megabytes']} MB): " + ", ".join(f"{n} {entry[n]['p50_ms']} ms (first {entry[n]['first_ms']})" for n in ways), flush=True)
+        print(f"{count} prompts ({entry['megabytes']} MB): " + ", ".join(f"{n} {entry[n]['p50_ms']} ms (first {entry[n]['first_ms']})" for n in WAYS), flush=True)
         if args.ray:
             print("  through Ray: " + ", ".join(f"{n} actor {v['actor_p50_ms']} ms + Ray {v['ray_p50_ms']} ms" for n, v in entry["ray"].items()), flush=True)
     args.out.parent.mkdir(parents=True, exist_ok=True)
