@@ -4,7 +4,9 @@
     python benchmarks/probes/probe_rms_norm_fp8.py --out probe.json
 
 The layer profile of a 16x4K batch (2026-11-29, H200) put its calls that add the residual stream at
-about 3.1 TB/s, 65% of the card's bandwidth, where the plain norm kernel had reached 88%. Per case
+about 3.1 TB/s, 65% of the card's bandwidth, where the plain norm kernel had reached 88% (an estimate
+from the profile's totals: timed alone by this probe they ran at 3.8 TB/s,
+``2026-11-29-h200-probe-rms-norm-fp8.json``). Per case
 (``--tokens`` rows: a layer's first norm on the float32 stream, an add into it with its norm, and
 ``q_a_layernorm``'s bf16 rows of 1536) this times the kernel at each ``BLOCK_M`` x ``num_warps`` of
 ``--configs`` and the launcher's own choice, and the two passes it replaced (the plain norm,
