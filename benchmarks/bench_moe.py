@@ -161,13 +161,13 @@ def model_flops(config, prompt_lens: list[int]) -> float:
 
 
 def _run_prompts(worker, prompts: list[np.ndarray], chunk: int, tag: str):
-    """Prefill every prompt (all in flight, each chunk by chunk); returns rank 0's results by id."""
-    results = {}
+    """Prefill every prompt (all in flight, each chunk by chunk); returns rank 0's logits by id."""
+    logits = {}
     for pieces in chunk_batches(prompts, chunk, tag):
         out = worker.prefill(pieces)
         if out is not None:
-            results.update({r.request_id: r for r in out.results})
-    return results
+            logits.update({r.request_id: out.logits(r) for r in out.results})
+    return logits
 
 
 def _moe_layer(worker, tokens: int) -> dict:
@@ -293,7 +293,7 @@ def _worker(rank: int, layout: Layout, args, port: int, reports) -> None:
             loads = {k: v - loads_before.get(k, 0) for k, v in worker.moe_load().items()}
             # the first prompt's outputs go through a file: tensors in a queue die with their process
             outputs = Path(args.scratch) / f"{layout.name}-{rank}-{count}x{length}.pt"
-            torch.save({"logits": torch.from_numpy(first.logits) if first is not None else None, "kv": kv}, outputs)
+            torch.save({"logits": torch.from_numpy(first) if first is not None else None, "kv": kv}, outputs)
             out["cases"].append({
                 "case": spec, "prompts": count, "prompt_tokens": length, "seconds": statistics.median(times), "runs_s": times,
                 "pairs_per_layer": {str(k): v / (args.repeats + 1) for k, v in loads.items()}, "outputs": str(outputs),

@@ -6,7 +6,10 @@ new ones for every repeat, prefix caching off on both: no cache serves them). Pe
 prompts of L tokens submitted together) the median over ``--repeats`` runs after one warm-up run:
 
 - ``pool``: a :class:`cluster.pool.PrefillPool` in this process (Ray driver, scheduler and worker:
-  what a user of the pool waits for), from the submission of the prompts to the last result; one side
+  what a user of the pool waits for), from the submission of the prompts to the last result, each
+  result its first token as vLLM's is (``return_logits=False``); ``with_logits``, runs taking turns
+  with those, each result also its logits and last hidden row (``return_logits=True``, V3's 517 KB a
+  prompt through Ray's object store); one side
   per ``--fp8-gemms`` (``PoolConfig.fp8_gemm``: ``pool`` for ``auto``, ``pool:torch``, ``pool:deep_gemm``).
   ``parts_p50_s`` splits a run (``PoolStats.batch_s``, ``worker_s``): ``worker``, rank 0's own time in
   the batches (its forward, the results' copy to the host); ``ray_call``, the rest of the batches'
@@ -130,24 +133,29 @@ def run_pool(args, layers: int, vocab: int, fp8_gemm: str) -> dict:
                "fp8_gemm": fp8_gemm}, "fp8_gemm_used": pool.weights_report()["fp8_gemm"], "cases": {}}  # fmt: skip
         for case in args.cases:
             count, length = parse_case(case)
-            seconds, ttft, parts = [], [], {"worker": [], "ray_call": [], "driver": []}
+            runs = {ways: ([], [], {"worker": [], "ray_call": [], "driver": []}) for ways in (False, True)}
             for repeat in range(-1, args.repeats):
-                batch = prompts(case, repeat, vocab, args.seed)
-                before = pool.stats.batch_s, pool.stats.worker_s
-                began = time.perf_counter()
-                results = pool.prefill_many(batch)
-                if repeat >= 0:
-                    seconds.append(time.perf_counter() - began)
-                    ttft.append(statistics.median(r.ttft_s for r in results))
-                    batch_s, worker_s = pool.stats.batch_s - before[0], pool.stats.worker_s - before[1]
-                    parts["worker"].append(worker_s)
-                    parts["ray_call"].append(batch_s - worker_s)
-                    parts["driver"].append(seconds[-1] - batch_s)
+                for return_logits, (seconds, ttft, parts) in runs.items():  # taking turns; the first-token runs on vLLM's prompts
+                    batch = prompts(case, repeat + return_logits * (args.repeats + 1), vocab, args.seed)
+                    before = pool.stats.batch_s, pool.stats.worker_s
+                    began = time.perf_counter()
+                    results = pool.prefill_many(batch, return_logits=return_logits)
+                    if repeat >= 0:
+                        seconds.append(time.perf_counter() - began)
+                        ttft.append(statistics.median(r.ttft_s for r in results))
+                        batch_s, worker_s = pool.stats.batch_s - before[0], pool.stats.worker_s - before[1]
+                        parts["worker"].append(worker_s)
+                        parts["ray_call"].append(batch_s - worker_s)
+                        parts["driver"].append(seconds[-1] - batch_s)
             # where a run's time went: rank 0's own call, Ray's call and the results' way back, the driver's
             # queueing, batching and settling (PoolStats.batch_s / worker_s)
-            out["cases"][case] = {**summary(seconds, count, length, layers), "ttft_p50_s": statistics.median(ttft),
-                                  "parts_p50_s": {part: round(statistics.median(v), 5) for part, v in parts.items()}}  # fmt: skip
-            print(f"{pool_side(fp8_gemm)} {case}: {out['cases'][case]['seconds_p50']:.3f} s", flush=True)
+            measured = {
+                return_logits: {**summary(seconds, count, length, layers), "ttft_p50_s": statistics.median(ttft),
+                                "parts_p50_s": {part: round(statistics.median(v), 5) for part, v in parts.items()}}
+                for return_logits, (seconds, ttft, parts) in runs.items()
+            }  # fmt: skip
+            out["cases"][case] = {**measured[False], "with_logits": measured[True]}
+            print(f"{pool_side(fp8_gemm)} {case}: {measured[False]['seconds_p50']:.3f} s ({measured[True]['seconds_p50']:.3f} s with logits)", flush=True)
     return out
 
 

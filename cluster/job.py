@@ -176,7 +176,7 @@ def run(args: argparse.Namespace) -> int:
             while not stop.signal:
                 while len(pending) < args.max_in_flight and (prompt := next(queue, None)) is not None:
                     try:
-                        pending[pool.submit(prompt.token_ids, request_id=prompt.id, keep_kv=True)] = prompt
+                        pending[pool.submit(prompt.token_ids, request_id=prompt.id, keep_kv=True, return_logits=False)] = prompt
                     except (TypeError, ValueError) as exc:
                         failed[prompt.id] = str(exc)
                         emit("prompt_failed", request_id=prompt.id, line=prompt.line, error=str(exc))

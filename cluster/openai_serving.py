@@ -40,13 +40,13 @@ COMPLETION_MAX_TOKENS = 16  # vLLM's completions' max_tokens when a request give
 class OpenAIServing:
     """``POST /v1/completions``, ``POST /v1/chat/completions`` and ``GET /v1/models`` of one replica.
 
-    ``submit(token_ids, client_id, keep_kv)`` puts a prompt in the replica's pool and gives its
+    ``submit(token_ids, client_id, keep_kv, return_logits)`` puts a prompt in the replica's pool and gives its
     tier-unique request id and future; ``wait(request_id, future)`` its result; ``read_body(request)``
     the request's body within the size limit. Those three are the replica's (``HTTPError`` says why
     not; answered here in OpenAI's form)."""
 
     def __init__(self, config: ServeConfig, pool: PrefillPool, kv: KVServer, ticket_host: str, metrics: PoolMetrics,
-                 submit: Callable[[list[int], str | None, bool], tuple[str, Future]],
+                 submit: Callable[[list[int], str | None, bool, bool], tuple[str, Future]],
                  wait: Callable[[str, Future], Awaitable[PrefillResult]], read_body: Callable[[Request], Awaitable[bytes]]) -> None:  # fmt: skip
         self.config, self.pool, self.kv, self.ticket_host = config, pool, kv, ticket_host
         self.submit, self.wait, self.read_body = submit, wait, read_body
@@ -114,7 +114,7 @@ class OpenAIServing:
                 return await self._first_token_early(parsed, token_ids, first, received)
             return await self._with_first_token(parsed, token_ids, first, received)
         try:
-            request_id, future = self.submit(token_ids, None, True)
+            request_id, future = self.submit(token_ids, None, True, False)  # vLLM samples the first token
         except HTTPError as exc:
             raise OpenAIError(exc.status, str(exc)) from None
         forward = self._forward(parsed, parsed.passthrough, token_ids, {"mlapool": self.kv.ticket_ahead(request_id, token_ids, host=self.ticket_host)})
@@ -131,7 +131,7 @@ class OpenAIServing:
         sampled, and to vLLM with the KV's ``done`` (``KVServer.first_token``), which makes it vLLM's
         first token too (``kv.vllm_first_token``); the client gets vLLM's answer after it."""
         try:
-            request_id, future = self.submit(token_ids, None, True)
+            request_id, future = self.submit(token_ids, None, True, not first.greedy)
         except HTTPError as exc:
             raise OpenAIError(exc.status, str(exc)) from None
         ticket = {"mlapool": self.kv.ticket_ahead(request_id, token_ids, host=self.ticket_host, first_token=True)}
@@ -174,7 +174,7 @@ class OpenAIServing:
         the forward beside it waits for it (3.7 ms for 32K ids on the 2-core CPU)."""
         encoding = asyncio.ensure_future(asyncio.to_thread(prompt_json, token_ids))
         try:
-            result = await self._prefill(token_ids)
+            result = await self._prefill(token_ids, return_logits=not first.greedy)
         except HTTPError as exc:
             raise OpenAIError(exc.status, str(exc)) from None
         finally:
@@ -250,9 +250,10 @@ class OpenAIServing:
                 await self._discard(result)
 
     async def _first_chunk(self, first: FirstToken, result: PrefillResult, token_ids: list[int]) -> tuple[int, dict[str, Any] | None]:
-        """The first token sampled from ``result``'s logits, and its chunk (its ``finish_reason`` set when
-        it ends the answer), or None when its text is not whole on its own (vLLM samples it then)."""
-        token = first.sample(result.logits) if first.greedy else await asyncio.to_thread(first.sample, result.logits)
+        """The first token, greedy the worker's (``PrefillResult.first_token``), else sampled from
+        ``result``'s logits, and its chunk (its ``finish_reason`` set when it ends the answer), or None
+        when its text is not whole on its own (vLLM samples it then)."""
+        token = result.first_token if first.greedy else await asyncio.to_thread(first.sample, result.logits)
         finish = first.finish(token)
         text = "" if finish == "stop" else token_text(self.tokenizer.tokenizer, token_ids, token)
         if text is None:
@@ -287,15 +288,16 @@ class OpenAIServing:
             timeout_s=self.config.decode_timeout_s, prefill=self._prefill_kept, discard=self._discard, tokens=tokens, echo=echo,
         )  # fmt: skip
 
-    async def _prefill(self, token_ids: list[int]) -> PrefillResult:
-        """A prefill whose KV is kept for a decode server."""
-        request_id, future = self.submit(token_ids, None, True)
+    async def _prefill(self, token_ids: list[int], return_logits: bool) -> PrefillResult:
+        """A prefill whose KV is kept for a decode server (``return_logits``: the tier samples its first
+        token other than greedily)."""
+        request_id, future = self.submit(token_ids, None, True, return_logits)
         return await self.wait(request_id, future)
 
     async def _prefill_kept(self, token_ids: list[int]) -> tuple[Any, dict[str, Any]]:
         """A prefill whose KV is kept for a decode server, and its ticket (an answer going on elsewhere)."""
         try:
-            result = await self._prefill(token_ids)
+            result = await self._prefill(token_ids, return_logits=False)
         except HTTPError as exc:
             raise OpenAIError(exc.status, f"the prefill to go on failed: {exc}") from None
         return result, self._ticket(result)

@@ -51,7 +51,7 @@ from kv.frames import prompt_digest
 from workers.kv_cache import blocks_for
 from workers.pcp_layout import shard_rows
 from workers.weights import check_checkpoint_of
-from workers.worker import WorkerInfo
+from workers.worker import BatchOutput, PieceResult, WorkerInfo
 
 logger = logging.getLogger(__name__)
 ROUTE_WAIT_S = 0.5  # how long a request may wait in the queue for the replica holding its prefix
@@ -163,17 +163,22 @@ class PrefillPool:
         *,
         request_id: str | None = None,
         keep_kv: bool = False,
+        return_logits: bool = True,
         on_progress: Callable[[int, int], None] | None = None,
     ) -> Future:
         """Queue a prompt; the future resolves to a :class:`PrefillResult`.
 
         Raises ``TypeError``/``ValueError`` at once for a prompt the model cannot
         take. ``keep_kv`` keeps the latent KV on the workers for :meth:`fetch_kv`
-        until :meth:`release`. ``on_progress(done, total)`` is called after each chunk.
+        until :meth:`release`. ``return_logits`` False: the result carries the greedy
+        first token only (``logits`` and ``last_hidden`` None), as vLLM returns a sampled
+        token, and the vocabulary-sized row never leaves the GPU worker (V3's is 517 KB,
+        through Ray's object store at about 1 ms a MB). ``on_progress(done, total)`` is
+        called after each chunk.
         """
         self._check_running()
         try:
-            request = self._admit(token_ids, request_id, keep_kv, on_progress)
+            request = self._admit(token_ids, request_id, keep_kv, return_logits, on_progress)
         except (TypeError, ValueError):
             if self.metrics is not None:
                 self.metrics.failed("rejected")
@@ -185,6 +190,7 @@ class PrefillPool:
         prompts: Sequence,
         *,
         keep_kv: bool = False,
+        return_logits: bool = True,
         on_progress: Callable[[int, int], None] | None = None,
     ) -> list[Future]:
         """Queue prompts together; a future per prompt, in order (each as :meth:`submit`'s).
@@ -198,7 +204,7 @@ class PrefillPool:
         requests: list[Request] = []
         for index, token_ids in enumerate(prompts):
             try:
-                requests.append(self._admit(token_ids, None, keep_kv, on_progress))
+                requests.append(self._admit(token_ids, None, keep_kv, return_logits, on_progress))
             except (TypeError, ValueError) as exc:
                 with self.lock:  # nothing of this call is queued: its ids are free again
                     for request in requests:
@@ -237,7 +243,7 @@ class PrefillPool:
         self.queue.notify()
         return True
 
-    def _admit(self, token_ids, request_id: str | None, keep_kv: bool, on_progress) -> Request:
+    def _admit(self, token_ids, request_id: str | None, keep_kv: bool, return_logits: bool, on_progress) -> Request:
         """Validate a prompt and reserve its id."""
         tokens = validate_tokens(token_ids, self.model_config)
         kv_blocks = self._kv_blocks(len(tokens))
@@ -248,6 +254,8 @@ class PrefillPool:
                 f"{max(r.kv_blocks for r in self._replicas)}, so the longest prompt is {self.max_prompt_tokens} tokens. "
                 "Raise kv_cache_tokens or gpu_memory_utilization, or use a larger pcp"
             )
+        if not isinstance(return_logits, bool):
+            raise TypeError(f"return_logits must be True or False, got {return_logits!r}")
         with self.lock:
             request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
             if not isinstance(request_id, str) or not request_id:
@@ -255,7 +263,7 @@ class PrefillPool:
             if request_id in self._live:
                 raise DuplicateRequest(f"request id {request_id!r} is already in flight or holds KV; ids must be unique")
             names = block_hashes(tokens, self.config.block_size, self._identity) if self.config.prefix_caching else []
-            request = Request(request_id, tokens, Future(), keep_kv, on_progress, names)
+            request = Request(request_id, tokens, Future(), keep_kv, on_progress, names, return_logits=return_logits)
             self._live[request_id] = request
             self._in_flight += 1
         return request
@@ -525,23 +533,25 @@ class PrefillPool:
             self._live.pop(request.id, None)
             self.stats.cancelled += 1
 
-    def complete(self, replica: Replica, done: list[tuple[Request, object]]) -> None:
-        """Finish a batch's finished requests (``(request, its workers.worker.PieceResult)``): free the KV
-        of those not kept (one call per worker for all of them), then settle each one's future."""
+    def complete(self, replica: Replica, report: BatchOutput, done: list[tuple[Request, PieceResult]]) -> None:
+        """Finish a batch's finished requests (each with its result in ``report``, the batch's
+        ``workers.worker.BatchOutput``): free the KV of those not kept (one call per worker for all
+        of them), then settle each one's future."""
         freed = [request for request, _ in done if request.cancelled or not request.keep_kv]
         self._free(replica, freed)
         for request, piece in done:
-            self._complete_one(replica, request, piece, freed=request in freed)
+            self._complete_one(replica, request, report, piece, freed=request in freed)
 
-    def _complete_one(self, replica: Replica, request: Request, piece, *, freed: bool) -> None:
+    def _complete_one(self, replica: Replica, request: Request, report: BatchOutput, piece: PieceResult, *, freed: bool) -> None:
         cancelled = request.cancelled and freed  # one cancelled after the free above keeps its KV until released below
         if self.metrics is not None:
             self.metrics.prefix_cache(len(request.tokens), request.cached_tokens)
         result = PrefillResult(
             request_id=request.id,
             num_tokens=len(request.tokens),
-            logits=torch.from_numpy(piece.logits.copy()),  # Ray's arrays are read-only views of its store
-            last_hidden=torch.from_numpy(piece.last_hidden.copy()),
+            first_token=piece.first_token,
+            logits=owned_row(report.logits(piece)),
+            last_hidden=owned_row(report.last_hidden(piece)),
             replica=replica.index,
             ttft_s=time.perf_counter() - request.submitted,
             queue_s=(request.started or request.submitted) - request.submitted,
@@ -585,6 +595,11 @@ class PrefillPool:
             if replica.index == index:
                 return replica
         raise ValueError(f"replica {index} is not running")
+
+
+def owned_row(row: np.ndarray | None) -> torch.Tensor | None:
+    """A result's row as a tensor of its own (Ray's arrays are read-only views of its store)."""
+    return None if row is None else torch.from_numpy(row.copy())
 
 
 def _settle(future: Future, *, result=None, error: BaseException | None = None) -> bool:

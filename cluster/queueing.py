@@ -55,6 +55,7 @@ class Request:
     blocked_since: float | None = None  # when a replica first found it did not fit
     blocked_s: float = 0.0  # how long it waited for KV room before a replica admitted it
     wait_logged: bool = False  # its wait for room passed KV_WAIT_WARN_S and was logged
+    return_logits: bool = True  # its result carries its logits and last hidden row (else its first token only)
 
     @property
     def remaining(self) -> int:

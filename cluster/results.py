@@ -33,8 +33,9 @@ class PrefillResult:
 
     request_id: str
     num_tokens: int
-    logits: torch.Tensor  # [vocab] float32
-    last_hidden: torch.Tensor  # [hidden] float32
+    first_token: int  # greedy: the argmax of the float32 logits (the first maximal one), taken on the worker
+    logits: torch.Tensor | None  # [vocab] float32; None when submitted with return_logits=False
+    last_hidden: torch.Tensor | None  # [hidden] float32; None when submitted with return_logits=False
     replica: int
     ttft_s: float
     kv_kept: bool
@@ -43,10 +44,6 @@ class PrefillResult:
     finished: float = field(default_factory=time.monotonic)  # when the prefill finished (time.monotonic)
     cached_tokens: int = 0  # prompt tokens whose KV came from the replica's prefix cache (not computed)
     queue_s: float = 0.0  # of ttft_s, the wait from submission to its first chunk's batch (admission, routing, batching)
-
-    @property
-    def first_token(self) -> int:
-        return int(self.logits.argmax())
 
 
 @dataclass

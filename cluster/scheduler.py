@@ -138,7 +138,7 @@ class ReplicaScheduler:
     def _run_batch(self, batch: list[tuple[Request, int]]) -> None:
         pool, replica = self.pool, self.replica
         pieces = [
-            ChunkPiece(r.id, r.tokens[r.done : r.done + count], r.done, len(r.tokens), r.block_table if r.done == r.cached_tokens else None)
+            ChunkPiece(r.id, r.tokens[r.done : r.done + count], r.done, len(r.tokens), r.block_table if r.done == r.cached_tokens else None, r.return_logits)
             for r, count in batch
         ]  # fmt: skip
         pool.count_batch(len(pieces))
@@ -183,7 +183,7 @@ class ReplicaScheduler:
             if request.remaining == 0:
                 self.active.remove(request)
                 done.append((request, finished[request.id]))
-        pool.complete(replica, done)
+        pool.complete(replica, report, done)
 
     def _recover(self, batch: list[Request], exc: BaseException) -> None:
         """Replace the replica after a failed batch: requeue or fail its requests, kill its actors,

@@ -200,7 +200,7 @@ class PrefillServer:
 
     async def _prefill(self, req: dict[str, Any]) -> dict[str, Any]:
         client_id = req["request_id"]
-        result = await self._run(req["tokens"], client_id, req["handoff"])
+        result = await self._run(req["tokens"], client_id, req["handoff"], req["return_logits"])
         logger.info("prefilled", extra={"mlapool_request_id": result.request_id, "tokens": result.num_tokens, "ttft_s": round(result.ttft_s, 4)})
         answer: dict[str, Any] = {
             "request_id": result.request_id,
@@ -216,17 +216,17 @@ class PrefillServer:
             answer["ticket"] = self.kv.ticket(result, host=self.ticket_host)
         return answer
 
-    async def _run(self, tokens: list[int], client_id: str | None, keep_kv: bool):
+    async def _run(self, tokens: list[int], client_id: str | None, keep_kv: bool, return_logits: bool):
         """Prefill ``tokens`` under a tier-unique request id; ``HTTPError`` says why not."""
-        request_id, future = self._submit(tokens, client_id, keep_kv)
+        request_id, future = self._submit(tokens, client_id, keep_kv, return_logits)
         return await self._wait(request_id, future)
 
-    def _submit(self, tokens: list[int], client_id: str | None, keep_kv: bool):
+    def _submit(self, tokens: list[int], client_id: str | None, keep_kv: bool, return_logits: bool):
         if not self.pool.alive:
             raise HTTPError(503, "the prefill pool of this replica is down")
         request_id = f"{client_id}-{uuid.uuid4().hex[:16]}" if client_id else uuid.uuid4().hex  # unique across the tier
         try:
-            return request_id, self.pool.submit(tokens, request_id=request_id, keep_kv=keep_kv)
+            return request_id, self.pool.submit(tokens, request_id=request_id, keep_kv=keep_kv, return_logits=return_logits)
         except PromptTooLong as exc:
             raise HTTPError(413, str(exc)) from None
         except (TypeError, ValueError) as exc:

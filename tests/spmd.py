@@ -57,7 +57,7 @@ def _run_rank(rank, config, port, prompts, chunk, results, prepare):
         out = worker.prefill(pieces)
         if out is not None:
             strategies.append(out.pcp_strategy)
-            logits.update({r.request_id: r.logits for r in out.results})
+            logits.update({r.request_id: out.logits(r) for r in out.results})
     kv = {f"r{i}": worker.fetch_kv(f"r{i}").tensor().float().numpy() for i in range(len(prompts))}
     schedules = {moe.schedule for _, moe in worker.model.moe_layers()}
     _put(results, RankResult(rank, logits, kv, strategies, worker.moe_load(), info.experts, schedules, info.fp8_gemm))

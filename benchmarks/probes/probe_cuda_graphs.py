@@ -65,7 +65,7 @@ def main() -> None:
                 out = worker.prefill([ChunkPiece(request, ids, 0, tokens)])
                 elapsed = time.perf_counter() - started
                 worker.release([request])
-                logits[way] = out.results[0].logits
+                logits[way] = out.logits(out.results[0])
                 if i >= 2:
                     times[way].append(elapsed)
         worker.graphs = graphs

@@ -1,8 +1,9 @@
 """Probe: a batch's result rows (logits and last hidden rows, float32) from the GPU to the host, as the
 worker hands them to Ray: into pageable memory (``tensor.cpu()``) against through pinned memory from
 torch's caching host allocator (``workers.worker.results_to_host``); with ``--ray``, also the batch's
-output (``BatchOutput`` of ``PieceResult`` rows, as the worker returns it) through a Ray actor's call
-each way, to see whether Ray's part of the pool's call depends on where the arrays live.
+output (a ``BatchOutput``, as the worker returns it: one array of rows) through a Ray actor's call
+each way and with no rows at all (``first_token_only``: every request submitted with
+``return_logits=False``), to see what Ray's part of the pool's call owes to the rows and where they live.
 
     python benchmarks/probes/probe_results_to_host.py --out probe.json [--ray]
 
@@ -10,8 +11,9 @@ Per batch of ``--prompts`` requests of a model of ``--vocab`` and ``--hidden`` (
 each way's first call (nothing cached yet: fresh pages, a fresh pinned block) and the p50 of
 ``--repeats`` calls after it, wall time on the host including the synchronization. Through Ray
 (``ray``): per call the actor's own seconds (the copy and building the output) and the rest of the
-call as the driver saw it (Ray's: submitting, storing the arrays, fetching them), p50 of ``--repeats``
-calls of each way, the ways taking turns.
+call as the driver saw it (Ray's: submitting, storing the arrays, fetching them), then the driver's
+copies of each request's rows out of Ray's store (``cluster.pool``'s), p50 of ``--repeats`` calls of
+each way, the ways taking turns.
 """
 
 from __future__ import annotations
@@ -26,12 +28,14 @@ from pathlib import Path
 
 sys.path[:0] = [str(Path(__file__).resolve().parents[1]), str(Path(__file__).resolve().parents[2])]  # benchmarks/, the repository
 
+import numpy as np
 import torch
 from machine import machine  # benchmarks/machine.py
 
 from workers.worker import BatchOutput, PieceResult, results_to_host
 
 WAYS = {"pageable": lambda rows: rows.cpu().numpy(), "pinned": results_to_host}
+RAY_WAYS = (*WAYS, "first_token_only")
 
 
 class ResultsActor:
@@ -43,24 +47,30 @@ class ResultsActor:
     def batch(self, way: str) -> BatchOutput:
         torch.cuda.synchronize()
         began = time.perf_counter()
-        host = WAYS[way](self.rows)
-        results = [PieceResult(f"r{j}", host[j, : self.vocab], host[j, self.vocab :]) for j in range(host.shape[0])]
-        return BatchOutput(results, time.perf_counter() - began)
+        tokens = self.rows[:, : self.vocab].argmax(dim=1).tolist()
+        host = WAYS[way](self.rows) if way in WAYS else np.empty((0, self.rows.shape[1]), dtype=np.float32)
+        results = [PieceResult(f"r{j}", token, j if len(host) else None) for j, token in enumerate(tokens)]
+        return BatchOutput(results, host, self.vocab, time.perf_counter() - began)
 
 
 def through_ray(count: int, args) -> dict:
     import ray
 
+    from cluster.pool import owned_row
+
     actor = ray.remote(num_gpus=1, num_cpus=1)(ResultsActor).remote(count, args.vocab, args.hidden)
     ray.get(actor.batch.remote("pageable"))
-    seen = {way: {"actor": [], "ray": []} for way in WAYS}
+    seen = {way: {"actor": [], "ray": [], "driver": []} for way in RAY_WAYS}
     for _ in range(args.repeats):
-        for way in WAYS:
+        for way in RAY_WAYS:
             began = time.perf_counter()
             out = ray.get(actor.batch.remote(way))
+            fetched = time.perf_counter()
+            owned = [(owned_row(out.logits(r)), owned_row(out.last_hidden(r))) for r in out.results]
             seen[way]["actor"].append(out.worker_s)
-            seen[way]["ray"].append(time.perf_counter() - began - out.worker_s)
-            del out  # as the pool's driver does once it has taken the rows out
+            seen[way]["ray"].append(fetched - began - out.worker_s)
+            seen[way]["driver"].append(time.perf_counter() - fetched)
+            del out, owned  # as the pool's driver does once it has taken the rows out
     ray.kill(actor)
     return {way: {f"{part}_p50_ms": round(statistics.median(v) * 1e3, 3) for part, v in parts.items()} for way, parts in seen.items()}
 
@@ -101,7 +111,7 @@ def main() -> None:
         report["batches"][str(count)] = entry
         print(f"{count} prompts ({entry['megabytes']} MB): " + ", ".join(f"{n} {entry[n]['p50_ms']} ms (first {entry[n]['first_ms']})" for n in WAYS), flush=True)
         if args.ray:
-            print("  through Ray: " + ", ".join(f"{n} actor {v['actor_p50_ms']} ms + Ray {v['ray_p50_ms']} ms" for n, v in entry["ray"].items()), flush=True)
+            print("  through Ray: " + ", ".join(f"{n} actor {v['actor_p50_ms']} + Ray {v['ray_p50_ms']} + driver {v['driver_p50_ms']} ms" for n, v in entry["ray"].items()), flush=True)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=1) + "\n")
 

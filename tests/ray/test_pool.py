@@ -57,6 +57,22 @@ def test_batched_chunked_prefill_equals_single_process_reference(pool, prompts, 
     assert all(w["kv_requests"] == 0 for w in pool.health()[0])
 
 
+def test_requests_without_logits_share_batches_and_get_the_greedy_first_token(pool, prompts, reference):
+    asks = [i % 2 == 0 for i in range(len(prompts))]
+    futures = [pool.submit(prompt, return_logits=ask) for prompt, ask in zip(prompts, asks)]  # mixed in one batch
+    for future, ask, (logits, last_hidden, _) in zip(futures, asks, reference):
+        result = future.result()
+        assert result.first_token == int(logits.argmax())
+        if ask:
+            torch.testing.assert_close(result.logits, logits, atol=2e-5, rtol=1e-5)
+            torch.testing.assert_close(result.last_hidden, last_hidden, atol=2e-5, rtol=1e-5)
+        else:
+            assert result.logits is None and result.last_hidden is None
+    with pytest.raises(TypeError, match="return_logits must be True or False, got 'no'"):
+        pool.submit(prompts[0], return_logits="no")
+    assert pool.prefill(prompts[0]).first_token == int(reference[0][0].argmax())  # the pool serves on
+
+
 def test_each_prompt_alone_equals_the_batch(pool, prompts, reference):
     for prompt, (logits, _, _) in zip(prompts, reference):
         torch.testing.assert_close(pool.prefill(prompt).logits, logits, atol=2e-5, rtol=1e-5)
