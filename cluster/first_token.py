@@ -1,10 +1,11 @@
-"""The first token of an OpenAI request, sampled by the tier from its own prefill's logits.
+"""The first token of an OpenAI request, the tier's own: from its prefill's logits.
 
-The pool's prefill ends with the logits of the prompt's last token. For a request whose sampling the
-tier reproduces (:meth:`FirstToken.plan`), the endpoint (``cluster.serve``) samples the first token
-from them, sends it to the client at once, and forwards the prompt followed by that token to a vLLM
-decode server, with the ticket of the prompt's KV: vLLM loads the prompt's rows, computes only the
-new token's (no prompt token is computed twice) and generates the rest. The client's time to first
+The pool's prefill ends with the prompt's last token's greedy next token (the worker's argmax) and,
+when asked, its logits. For a request whose sampling the tier reproduces (:meth:`FirstToken.plan`),
+the endpoint (``cluster.serve``) takes the greedy token or samples one from the logits, sends it to
+the client at once, and forwards the prompt followed by that token to a vLLM decode server, with the
+ticket of the prompt's KV: vLLM loads the prompt's rows, computes only the new token's (no prompt
+token is computed twice) and generates the rest. The client's time to first
 token is then the prefill's and the hop's, not theirs plus the KV load and a vLLM step. SGLang's
 prefill/decode split works the same way (its prefill server samples the first token).
 
