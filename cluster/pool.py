@@ -177,6 +177,7 @@ class PrefillPool:
         called after each chunk.
         """
         self._check_running()
+        _check_flag("return_logits", return_logits)
         try:
             request = self._admit(token_ids, request_id, keep_kv, return_logits, on_progress)
         except (TypeError, ValueError):
@@ -201,6 +202,7 @@ class PrefillPool:
         alone while the rest were still being checked, and how they split would depend on timing.
         """
         self._check_running()
+        _check_flag("return_logits", return_logits)
         requests: list[Request] = []
         for index, token_ids in enumerate(prompts):
             try:
@@ -254,8 +256,6 @@ class PrefillPool:
                 f"{max(r.kv_blocks for r in self._replicas)}, so the longest prompt is {self.max_prompt_tokens} tokens. "
                 "Raise kv_cache_tokens or gpu_memory_utilization, or use a larger pcp"
             )
-        if not isinstance(return_logits, bool):
-            raise TypeError(f"return_logits must be True or False, got {return_logits!r}")
         with self.lock:
             request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
             if not isinstance(request_id, str) or not request_id:
@@ -595,6 +595,11 @@ class PrefillPool:
             if replica.index == index:
                 return replica
         raise ValueError(f"replica {index} is not running")
+
+
+def _check_flag(name: str, value) -> None:
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be True or False, got {value!r}")
 
 
 def owned_row(row: np.ndarray | None) -> torch.Tensor | None:

@@ -70,6 +70,10 @@ def test_requests_without_logits_share_batches_and_get_the_greedy_first_token(po
             assert result.logits is None and result.last_hidden is None
     with pytest.raises(TypeError, match="return_logits must be True or False, got 'no'"):
         pool.submit(prompts[0], return_logits="no")
+    in_flight = pool.in_flight
+    with pytest.raises(TypeError, match="return_logits must be True or False, got 1"):
+        pool.submit_many(prompts[:2], return_logits=1)
+    assert pool.in_flight == in_flight  # nothing of either call was queued
     assert pool.prefill(prompts[0]).first_token == int(reference[0][0].argmax())  # the pool serves on
 
 

@@ -10,6 +10,7 @@ import numpy as np
 from cluster.pool import PrefillPool
 from cluster.queueing import Request
 from configs.pool import PoolConfig
+from workers.worker import BatchOutput, PieceResult
 
 
 class Worker:
@@ -32,8 +33,11 @@ def _request(name, keep_kv=False):
     return Request(name, np.arange(8, dtype=np.int32), Future(), keep_kv, None)
 
 
-def _piece():
-    return SimpleNamespace(logits=np.arange(5, dtype=np.float32), last_hidden=np.zeros(3, dtype=np.float32))
+def _report(requests):
+    """Rank 0's output for a batch finishing ``requests``: each one's greedy token and its row (logits, then the hidden row)."""
+    rows = np.tile(np.concatenate([np.arange(5, dtype=np.float32), np.zeros(3, dtype=np.float32)]), (len(requests), 1))
+    pieces = [PieceResult(r.id, 4, i) for i, r in enumerate(requests)]
+    return BatchOutput(pieces, rows, vocab=5), list(zip(requests, pieces))
 
 
 def test_a_batchs_finished_requests_are_freed_in_one_call_per_worker_then_settled():
@@ -47,13 +51,16 @@ def test_a_batchs_finished_requests_are_freed_in_one_call_per_worker_then_settle
     seen_at_settle = []
     plain.future.add_done_callback(lambda _: seen_at_settle.append([list(w.calls) for w in workers]))
 
-    pool.complete(replica, [(plain, _piece()), (kept, _piece()), (cancelled, _piece())])
+    pool.complete(replica, *_report([plain, kept, cancelled]))
 
     assert [w.calls for w in workers] == [[["plain", "cancelled"]], [["plain", "cancelled"]]]  # one call each, all ids
     assert seen_at_settle == [[[["plain", "cancelled"]], [["plain", "cancelled"]]]]  # freed before the future settled
     assert prefix.released == ["plain", "cancelled"]
     result = plain.future.result()
     assert not result.kv_kept and result.first_token == 4 and result.generation == 3
+    assert result.logits.tolist() == [0, 1, 2, 3, 4] and result.last_hidden.tolist() == [0, 0, 0]
+    result.logits[0] = 9  # the result's own rows, not views of the batch's (Ray's store is read-only)
+    assert kept.future.result().logits[0] == 0
     assert kept.future.result().kv_kept and pool.kept_results() == [kept.future.result()]
     assert (pool.stats.completed, pool.stats.cancelled) == (2, 1)
     assert set(pool._live) == {"kept"}  # its id stays taken while its KV is held
@@ -65,5 +72,5 @@ def test_a_batch_with_nothing_to_free_calls_no_worker():
     replica = SimpleNamespace(index=0, generation=0, workers=workers, prefix=Prefix())
     kept = _request("kept", keep_kv=True)
     pool._live[kept.id] = kept
-    pool.complete(replica, [(kept, _piece())])
+    pool.complete(replica, *_report([kept]))
     assert workers[0].calls == [] and kept.future.result().kv_kept
