@@ -133,7 +133,7 @@ def run_pool(args, layers: int, vocab: int, fp8_gemm: str) -> dict:
                "fp8_gemm": fp8_gemm}, "fp8_gemm_used": pool.weights_report()["fp8_gemm"], "cases": {}}  # fmt: skip
         for case in args.cases:
             count, length = parse_case(case)
-            runs = {ways: ([], [], {"worker": [], "ray_call": [], "driver": []}) for ways in (False, True)}
+            runs = {return_logits: ([], [], {"worker": [], "ray_call": [], "driver": []}) for return_logits in (False, True)}
             for repeat in range(-1, args.repeats):
                 for return_logits, (seconds, ttft, parts) in runs.items():  # taking turns; the first-token runs on vLLM's prompts
                     batch = prompts(case, repeat + return_logits * (args.repeats + 1), vocab, args.seed)
