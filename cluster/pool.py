@@ -42,16 +42,17 @@ import torch
 from cluster.handoff import KVSource, pull_kv
 from cluster.metrics import PoolMetrics
 from cluster.prefix_cache import block_hashes, pool_identity
-from cluster.queueing import Request, RequestQueue, validate_tokens
+from cluster.queueing import Request, RequestQueue, check_flag, validate_tokens
 from cluster.replica import Replica, cause, connect_ray, start_replica, stop_replica
-from cluster.results import DuplicateRequest, PoolStats, PrefillResult, PromptTooLong
+from cluster.results import DuplicateRequest, PoolStats, PrefillResult, PromptTooLong, expert_load_report, owned_row, weights_report
 from cluster.scheduler import Recovery, ReplicaScheduler
 from configs.pool import PoolConfig
 from kv.frames import prompt_digest
 from workers.kv_cache import blocks_for
 from workers.pcp_layout import shard_rows
 from workers.weights import check_checkpoint_of
-from workers.worker import BatchOutput, PieceResult, WorkerInfo
+from workers.batch_io import BatchOutput, PieceResult
+from workers.worker import WorkerInfo
 
 logger = logging.getLogger(__name__)
 ROUTE_WAIT_S = 0.5  # how long a request may wait in the queue for the replica holding its prefix
@@ -177,7 +178,7 @@ class PrefillPool:
         called after each chunk.
         """
         self._check_running()
-        _check_flag("return_logits", return_logits)
+        check_flag("return_logits", return_logits)
         try:
             request = self._admit(token_ids, request_id, keep_kv, return_logits, on_progress)
         except (TypeError, ValueError):
@@ -202,7 +203,7 @@ class PrefillPool:
         alone while the rest were still being checked, and how they split would depend on timing.
         """
         self._check_running()
-        _check_flag("return_logits", return_logits)
+        check_flag("return_logits", return_logits)
         requests: list[Request] = []
         for index, token_ids in enumerate(prompts):
             try:
@@ -418,30 +419,12 @@ class PrefillPool:
         """Per MoE layer, the (token, expert) pairs each worker (EP rank) of each replica computed since
         start, and each replica's imbalance: its busiest rank over its mean (1.0 is even). None for a
         model without MoE layers."""
-        loads = [ray.get([w.moe_load.remote() for w in r.workers], timeout=60) for r in self._replicas]
-        if not loads or not loads[0][0]:
-            return None
-        report = {}
-        for layer in sorted(loads[0][0]):
-            pairs = [[rank[layer] for rank in replica] for replica in loads]
-            imbalance = [round(max(p) * len(p) / sum(p), 3) if sum(p) else None for p in pairs]
-            report[str(layer)] = {"pairs_per_rank": pairs, "imbalance": imbalance}
-        return report
+        return expert_load_report([ray.get([w.moe_load.remote() for w in r.workers], timeout=60) for r in self._replicas])
 
     def weights_report(self) -> dict:
         """How each worker holds its weights: the format (``fp8`` or a dtype), what runs its FP8 GEMMs, bytes, the bytes it read
         from the checkpoint, load seconds and peak host memory before and after loading, per replica and rank."""
-        infos = self.worker_infos
-        return {
-            "format": infos[0][0].weights,
-            "bytes_per_rank": [[i.weight_bytes for i in r] for r in infos],
-            "experts_per_rank": [[i.experts for i in r] for r in infos] if infos[0][0].experts else None,
-            "fp8_gemm": infos[0][0].fp8_gemm,
-            "read_bytes_per_rank": [[i.read_bytes for i in r] for r in infos],
-            "load_s": [[i.load_s for i in r] for r in infos],
-            "peak_host_mib_before_load": [[i.peak_host_mib_before_load for i in r] for r in infos],
-            "peak_host_mib": [[i.peak_host_mib for i in r] for r in infos],
-        }
+        return weights_report(self.worker_infos)
 
     # ---- what the replicas' schedulers report (cluster.scheduler) ------------------------------
     def start_replica(self, index: int, replacing: Replica | None = None) -> Replica:
@@ -535,7 +518,7 @@ class PrefillPool:
 
     def complete(self, replica: Replica, report: BatchOutput, done: list[tuple[Request, PieceResult]]) -> None:
         """Finish a batch's finished requests (each with its result in ``report``, the batch's
-        ``workers.worker.BatchOutput``): free the KV of those not kept (one call per worker for all
+        ``workers.batch_io.BatchOutput``): free the KV of those not kept (one call per worker for all
         of them), then settle each one's future."""
         freed = [request for request, _ in done if request.cancelled or not request.keep_kv]
         self._free(replica, freed)
@@ -595,16 +578,6 @@ class PrefillPool:
             if replica.index == index:
                 return replica
         raise ValueError(f"replica {index} is not running")
-
-
-def _check_flag(name: str, value) -> None:
-    if not isinstance(value, bool):
-        raise TypeError(f"{name} must be True or False, got {value!r}")
-
-
-def owned_row(row: np.ndarray | None) -> torch.Tensor | None:
-    """A result's row as a tensor of its own (Ray's arrays are read-only views of its store)."""
-    return None if row is None else torch.from_numpy(row.copy())
 
 
 def _settle(future: Future, *, result=None, error: BaseException | None = None) -> bool:

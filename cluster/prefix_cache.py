@@ -1,7 +1,7 @@
 """The KV blocks of one replica, owned by the driver, and the prefix cache over them.
 
 The driver decides which blocks every request's rows go to (as vLLM's scheduler does) and sends the
-block tables with a request's first chunk (``workers.worker.ChunkPiece.block_table``); the workers
+block tables with a request's first chunk (``workers.batch_io.ChunkPiece.block_table``); the workers
 only write and read where they are told. That makes the driver's accounting exact, and lets blocks
 be shared.
 

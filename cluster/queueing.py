@@ -182,6 +182,12 @@ def _int_list(tokens) -> np.ndarray | None:
         return None
 
 
+def check_flag(name: str, value) -> None:
+    """A request option that must be a bool (``TypeError`` naming it and the value otherwise)."""
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be True or False, got {value!r}")
+
+
 def validate_tokens(token_ids, model: ModelConfig) -> np.ndarray:
     """A prompt as the int32 array a request carries; ``TypeError``/``ValueError`` naming what is wrong
     (empty, not integers, not flat, longer than the model's positions, an id outside its vocabulary)."""

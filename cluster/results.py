@@ -1,14 +1,17 @@
-"""What the pool hands back (``cluster.pool``): a prefilled request's result, the pool's counters, and
-the errors that refuse a request at submit (and the HTTP error the Serve tier answers with)."""
+"""What the pool hands back (``cluster.pool``): a prefilled request's result, the pool's counters, its
+reports of the workers' weights and expert load, and the errors that refuse a request at submit (and
+the HTTP error the Serve tier answers with)."""
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from cluster.scheduler import Recovery
+from workers.worker import WorkerInfo
 
 
 class HTTPError(Exception):
@@ -46,6 +49,12 @@ class PrefillResult:
     queue_s: float = 0.0  # of ttft_s, the wait from submission to its first chunk's batch (admission, routing, batching)
 
 
+def owned_row(row: np.ndarray | None) -> torch.Tensor | None:
+    """A result's row (``workers.batch_io.BatchOutput``'s) as a tensor of its own: Ray's arrays are
+    read-only views of its store."""
+    return None if row is None else torch.from_numpy(row.copy())
+
+
 @dataclass
 class PoolStats:
     """Counters since start: batches run, chunk pieces in them, the seconds from sending a batch to
@@ -67,3 +76,33 @@ class PoolStats:
     recoveries: list[Recovery] = field(default_factory=list)
     pcp_strategies: dict[str, int] = field(default_factory=dict)
     pcp_bytes: int = 0
+
+
+def expert_load_report(loads: list[list[dict[int, int]]]) -> dict[str, dict] | None:
+    """Per MoE layer, from each replica's workers' ``moe_load()``: the (token, expert) pairs each rank
+    computed, and each replica's imbalance, its busiest rank over its mean (1.0 is even). None for a
+    model without MoE layers."""
+    if not loads or not loads[0][0]:
+        return None
+    report = {}
+    for layer in sorted(loads[0][0]):
+        pairs = [[rank[layer] for rank in replica] for replica in loads]
+        imbalance = [round(max(p) * len(p) / sum(p), 3) if sum(p) else None for p in pairs]
+        report[str(layer)] = {"pairs_per_rank": pairs, "imbalance": imbalance}
+    return report
+
+
+def weights_report(infos: list[list[WorkerInfo]]) -> dict:
+    """How each worker holds its weights (per replica and rank, from their ``WorkerInfo``): the format
+    (``fp8`` or a dtype), what runs its FP8 GEMMs, bytes, the bytes it read from the checkpoint, load
+    seconds and peak host memory before and after loading."""
+    return {
+        "format": infos[0][0].weights,
+        "bytes_per_rank": [[i.weight_bytes for i in r] for r in infos],
+        "experts_per_rank": [[i.experts for i in r] for r in infos] if infos[0][0].experts else None,
+        "fp8_gemm": infos[0][0].fp8_gemm,
+        "read_bytes_per_rank": [[i.read_bytes for i in r] for r in infos],
+        "load_s": [[i.load_s for i in r] for r in infos],
+        "peak_host_mib_before_load": [[i.peak_host_mib_before_load for i in r] for r in infos],
+        "peak_host_mib": [[i.peak_host_mib for i in r] for r in infos],
+    }

@@ -33,7 +33,7 @@ import ray
 
 from cluster.queueing import Request
 from cluster.replica import BatchTimeout, Replica, cause, gather, stop_replica
-from workers.worker import ChunkPiece
+from workers.batch_io import ChunkPiece
 
 logger = logging.getLogger(__name__)
 IDLE_WAIT_S = 0.5  # an idle scheduler re-checks the pool (stopping, cancelled requests) this often

@@ -32,7 +32,7 @@ class RankResult:
 def chunk_batches(prompts: list[np.ndarray], chunk: int, prefix: str = "r"):
     """The batches a worker runs for ``prompts`` all in flight: each batch takes the next chunk (at most
     ``chunk`` tokens) of every unfinished prompt, as request ``f"{prefix}{i}"``."""
-    from workers.worker import ChunkPiece
+    from workers.batch_io import ChunkPiece
 
     done = [0] * len(prompts)
     while any(d < len(p) for d, p in zip(done, prompts)):

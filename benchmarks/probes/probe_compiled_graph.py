@@ -32,7 +32,8 @@ from timing import spread_ms  # benchmarks/timing.py
 from cluster.pool import PrefillPool
 from cluster.replica import gather
 from configs.pool import PoolConfig
-from workers.worker import SAFE_NCCL_ENV, ChunkPiece
+from workers.batch_io import ChunkPiece
+from workers.worker import SAFE_NCCL_ENV
 
 
 def timed(call, workers, tokens: int, batches: int, vocab: int, tag: str) -> list[float]:

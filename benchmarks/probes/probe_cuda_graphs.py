@@ -27,7 +27,8 @@ from machine import machine  # benchmarks/machine.py
 from timing import spread_ms  # benchmarks/timing.py
 
 from configs.pool import PoolConfig
-from workers.worker import ChunkPiece, PrefillWorker
+from workers.batch_io import ChunkPiece
+from workers.worker import PrefillWorker
 
 
 def main() -> None:

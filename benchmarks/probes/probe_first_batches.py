@@ -31,7 +31,8 @@ import torch
 
 from configs.model import FP8_GEMMS
 from configs.pool import PoolConfig
-from workers.worker import ChunkPiece, PrefillWorker
+from workers.batch_io import ChunkPiece
+from workers.worker import PrefillWorker
 
 from machine import machine  # benchmarks/machine.py
 

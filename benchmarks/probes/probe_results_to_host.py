@@ -1,6 +1,6 @@
 """Probe: a batch's result rows (logits and last hidden rows, float32) from the GPU to the host, as the
 worker hands them to Ray: into pageable memory (``tensor.cpu()``) against through pinned memory from
-torch's caching host allocator (``workers.worker.results_to_host``); with ``--ray``, also the batch's
+torch's caching host allocator (``workers.batch_io.results_to_host``); with ``--ray``, also the batch's
 output (a ``BatchOutput``, as the worker returns it: one array of rows) through a Ray actor's call
 each way and with no rows at all (``first_token_only``: every request submitted with
 ``return_logits=False``), to see what Ray's part of the pool's call owes to the rows and where they live.
@@ -12,8 +12,8 @@ each way's first call (nothing cached yet: fresh pages, a fresh pinned block) an
 ``--repeats`` calls after it, wall time on the host including the synchronization. Through Ray
 (``ray``): per call the actor's own seconds (the copy and building the output) and the rest of the
 call as the driver saw it (Ray's: submitting, storing the arrays, fetching them), then the driver's
-copies of each request's rows out of Ray's store (``cluster.pool``'s), p50 of ``--repeats`` calls of
-each way, the ways taking turns.
+copies of each request's rows out of Ray's store (``cluster.results.owned_row``, the pool's), p50
+of ``--repeats`` calls of each way, the ways taking turns.
 """
 
 from __future__ import annotations
@@ -32,31 +32,31 @@ import numpy as np
 import torch
 from machine import machine  # benchmarks/machine.py
 
-from workers.worker import BatchOutput, PieceResult, results_to_host
+from workers.batch_io import BatchOutput, ChunkPiece, finished_results, results_to_host
 
 WAYS = {"pageable": lambda rows: rows.cpu().numpy(), "pinned": results_to_host}
 RAY_WAYS = (*WAYS, "first_token_only")
 
 
 class ResultsActor:
-    """What a worker's ``prefill`` does after its forward: the rows to the host, one result per prompt."""
+    """What a worker's ``prefill`` does after its forward (``workers.batch_io.finished_results``): the
+    greedy tokens, and the rows to the host (pageable or pinned) unless no request asks for them."""
 
     def __init__(self, count: int, vocab: int, hidden: int) -> None:
         self.rows, self.vocab = torch.randn(count, vocab + hidden, device="cuda"), vocab
 
     def batch(self, way: str) -> BatchOutput:
+        pieces = [ChunkPiece(f"r{j}", np.zeros(1, np.int32), 0, 1, return_logits=way in WAYS) for j in range(len(self.rows))]
         torch.cuda.synchronize()
         began = time.perf_counter()
-        tokens = self.rows[:, : self.vocab].argmax(dim=1).tolist()
-        host = WAYS[way](self.rows) if way in WAYS else np.empty((0, self.rows.shape[1]), dtype=np.float32)
-        results = [PieceResult(f"r{j}", token, j if len(host) else None) for j, token in enumerate(tokens)]
+        results, host = finished_results(pieces, self.rows, self.vocab, WAYS.get(way, results_to_host))
         return BatchOutput(results, host, self.vocab, time.perf_counter() - began)
 
 
 def through_ray(count: int, args) -> dict:
     import ray
 
-    from cluster.pool import owned_row
+    from cluster.results import owned_row
 
     actor = ray.remote(num_gpus=1, num_cpus=1)(ResultsActor).remote(count, args.vocab, args.hidden)
     ray.get(actor.batch.remote("pageable"))

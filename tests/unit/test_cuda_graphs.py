@@ -20,7 +20,8 @@ from configs.pool import PoolConfig
 from workers.cuda_graphs import PrefillGraphs, graph_reasons
 from workers.model import DeepseekPrefillModel
 from workers.weights import load_weights
-from workers.worker import ChunkPiece, InjectedFault, PrefillWorker
+from workers.batch_io import ChunkPiece
+from workers.worker import InjectedFault, PrefillWorker
 
 SIZES = (16, 64, 256)
 

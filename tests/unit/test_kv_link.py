@@ -11,7 +11,8 @@ import torch
 
 from configs.pool import PoolConfig
 from workers.kv_link import KVLink, KVLinkError
-from workers.worker import ChunkPiece, PrefillWorker
+from workers.batch_io import ChunkPiece
+from workers.worker import PrefillWorker
 
 CONFIG = PoolConfig(model="tiny", num_layers=2, chunk_tokens=48, block_size=16, seed=3, device="cpu")
 CPU = torch.device("cpu")

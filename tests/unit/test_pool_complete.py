@@ -10,7 +10,7 @@ import numpy as np
 from cluster.pool import PrefillPool
 from cluster.queueing import Request
 from configs.pool import PoolConfig
-from workers.worker import BatchOutput, PieceResult
+from workers.batch_io import BatchOutput, PieceResult
 
 
 class Worker:

@@ -1,4 +1,4 @@
-"""A batch's results on the host (``workers.worker.results_to_host``): the worker's logits and last
+"""A batch's results on the host (``workers.batch_io.results_to_host``): the worker's logits and last
 hidden rows, equal to the device's, from a GPU through pinned memory, and never written into by a
 later batch (the pinned buffers are reused by torch's caching host allocator); the rows only of the
 requests that ask for them, and every finished request's greedy token."""
@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from configs.pool import PoolConfig
-from workers.worker import ChunkPiece, PrefillWorker, results_to_host
+from workers.batch_io import ChunkPiece, results_to_host
+from workers.worker import PrefillWorker
 
 DEVICES = [
     "cpu",
