@@ -22,6 +22,10 @@ prompts of L tokens submitted together) the median over ``--repeats`` runs after
   The MoE backend vLLM says it used, and which Triton config, are read from its log.
 
 ``layer_tokens_per_s`` = prompt tokens x layers / seconds (one GPU); for one prompt the seconds are its TTFT.
+``gpu_after_runs``: per side and case, the GPU's SM clock and power draw right after its runs
+(``machine.gpu_state``; the file's ``machine`` has the power limit and top clock): runs back to back on
+an H200 end near its power limit at a lower clock, and boards of one kind differ, so ratios are taken
+within one run of this script.
 ``ratios``: per case, the fastest pool side's throughput over each vLLM side's and over the fastest of
 them, and each pool side's over vLLM's fastest.
 
@@ -62,7 +66,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 import numpy as np
-from machine import PEAK_TFLOPS, machine  # benchmarks/machine.py (this script's folder is first on the path)
+from machine import PEAK_TFLOPS, gpu_state, machine  # benchmarks/machine.py (this script's folder is first on the path)
 
 REPO = Path(__file__).resolve().parents[1]
 BACKENDS = ("auto", "triton", "deep_gemm", "flashinfer_cutlass", "cutlass", "triton-tuned")  # vLLM 0.26's moe_backend names for block FP8
@@ -154,7 +158,7 @@ def run_pool(args, layers: int, vocab: int, fp8_gemm: str) -> dict:
                                 "parts_p50_s": {part: round(statistics.median(v), 5) for part, v in parts.items()}}
                 for return_logits, (seconds, ttft, parts) in runs.items()
             }  # fmt: skip
-            out["cases"][case] = {**measured[False], "with_logits": measured[True]}
+            out["cases"][case] = {**measured[False], "with_logits": measured[True], "gpu_after_runs": gpu_state()}
             print(f"{pool_side(fp8_gemm)} {case}: {measured[False]['seconds_p50']:.3f} s ({measured[True]['seconds_p50']:.3f} s with logits)", flush=True)
     return out
 
@@ -238,7 +242,7 @@ def vllm_job(job_path: str, out_path: str) -> None:
             llm.generate(batch, params, use_tqdm=False)
             if repeat >= 0:
                 seconds.append(time.perf_counter() - began)
-        out["cases"][case] = summary(seconds, count, length, job["layers"])
+        out["cases"][case] = {**summary(seconds, count, length, job["layers"]), "gpu_after_runs": gpu_state()}
         print(f"vllm:{job['moe_backend']} {case}: {out['cases'][case]['seconds_p50']:.3f} s", flush=True)
     if job["moe_tokens"]:
         out["moe_layer"] = {"tokens": job["moe_tokens"], "layer_s": llm.collective_rpc(_moe_seconds, args=(job["moe_tokens"],))[0]}

@@ -1,7 +1,8 @@
 """``benchmarks/bench_vllm_prefill.py``'s reading of its runs (the GPU run against vLLM's MoE backends
 is only as right as these): the cases and prompts every side gets, the MoE layer's FLOPs, the backend
 vLLM's log names, the ratios and the MoE table, bench_moe.py's run folded in, the arguments it
-refuses; and ``benchmarks/profile_prefill.kernel_shares``, the parts of a profiled prefill."""
+refuses, the GPU's clock and power read after each side's runs; and
+``benchmarks/profile_prefill.kernel_shares``, the parts of a profiled prefill."""
 
 import json
 import subprocess
@@ -14,6 +15,7 @@ import pytest
 BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
 sys.path.insert(0, str(BENCHMARKS))
 from bench_vllm_prefill import backend_in_log, moe_layer_flops, moe_layer_table, parse_case, prompts, ratios, workers_sides  # noqa: E402
+from machine import parse_query  # noqa: E402
 from profile_prefill import idle_gaps, kernel_shares  # noqa: E402
 
 V3 = {"hidden_size": 7168, "moe_intermediate_size": 2048, "n_routed_experts": 256, "num_experts_per_tok": 8, "n_shared_experts": 1}
@@ -121,6 +123,13 @@ def test_backends_it_cannot_run_are_refused_before_anything_starts(tmp_path, bac
     done = subprocess.run([*command, "--backends", "triton", "triton-tuned"], capture_output=True, text=True, timeout=60)
     assert done.returncode == 2 and "is not in a block-FP8 format" in done.stderr, done.stderr
     assert not (tmp_path / "o.json").exists()
+
+
+def test_the_gpus_clock_and_power_are_read_from_nvidia_smis_line_or_not_at_all():
+    assert parse_query("1350, 678.86\n") == [1350.0, 678.86]  # --format=csv,noheader,nounits
+    assert parse_query("700.00, 1980\n1500, 650.5\n") == [700.0, 1980.0]  # the first GPU's line
+    for unsaid in ("[N/A], 600.1", "1350, [Not Supported]", "", "\n"):
+        assert parse_query(unsaid) is None
 
 
 def test_a_profiles_kernels_fall_into_the_parts_of_the_model_by_name():
