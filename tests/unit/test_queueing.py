@@ -140,8 +140,9 @@ def test_requests_put_together_are_seen_together_by_a_waiting_replica():
 
 
 def test_a_list_of_ints_is_read_as_the_array_path_reads_it_and_others_fail_as_before():
-    """Lists of Python ints take a C loop without numpy's type inference (``_int_list``); every other
-    prompt takes ``np.asarray``: the same ids, and the same errors naming what is wrong."""
+    """Lists of Python ints are packed in one C call without numpy's type inference (``_int_list``);
+    every other prompt takes ``np.asarray``: the same ids, and the same errors naming what is wrong,
+    ids past int32 included. An array the caller passes is copied: changing it later changes no request."""
     from configs.model import load_model_config
 
     model = load_model_config("tiny")
@@ -150,6 +151,10 @@ def test_a_list_of_ints_is_read_as_the_array_path_reads_it_and_others_fail_as_be
     assert got.dtype == np.int32 and np.array_equal(got, ids)
     assert np.array_equal(queueing.validate_tokens([np.int64(3), 4, np.int32(5)], model), [3, 4, 5])
     assert np.array_equal(queueing.validate_tokens([2, True], model), [2, 1])  # as np.asarray reads it
+    mine = np.arange(8, dtype=np.int32)
+    kept = queueing.validate_tokens(mine, model)
+    mine[0] = 7
+    assert kept[0] == 0
     for bad, error, message in [
         ([], ValueError, "empty prompt"),
         ([True, False], TypeError, "must be integers, got dtype bool"),
@@ -157,6 +162,8 @@ def test_a_list_of_ints_is_read_as_the_array_path_reads_it_and_others_fail_as_be
         ([1, "2"], TypeError, "must be integers"),
         ([[1, 2], [3, 4]], ValueError, "flat sequence, got shape"),
         ([1, 1 << 70], TypeError, "must be integers, got dtype object"),
+        ([1, 1 << 40], ValueError, f"token id {1 << 40} is outside the vocabulary"),  # past int32: np.asarray reads it
+        ([1, -(1 << 31) - 1], ValueError, f"token id {-(1 << 31) - 1} is outside"),
         ([1, 512], ValueError, r"token id 512 is outside the vocabulary \[0, 512\)"),
         ([-1, 2], ValueError, "token id -1 is outside"),
     ]:
