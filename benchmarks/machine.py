@@ -50,13 +50,21 @@ def parse_query(text: str) -> list[float] | None:
         return None
 
 
-def _nvidia_smi(fields: str) -> list[float] | None:
-    """``fields`` of the first GPU this process sees (``CUDA_VISIBLE_DEVICES``' first entry, an index or
-    a UUID, else GPU 0); None where ``nvidia-smi`` cannot be run or does not say."""
+def query_gpu(fields: str, *, units: bool = False) -> str | None:
+    """``nvidia-smi``'s CSV line of ``fields`` for the first GPU this process sees
+    (``CUDA_VISIBLE_DEVICES``' first entry, an index or a UUID, else GPU 0), with the units it prints
+    (``1350 MHz, 678.86 W``) or without; None where ``nvidia-smi`` cannot be run."""
     device = (os.environ.get("CUDA_VISIBLE_DEVICES") or "0").split(",")[0].strip() or "0"
-    command = ["nvidia-smi", "-i", device, f"--query-gpu={fields}", "--format=csv,noheader,nounits"]
+    form = "csv,noheader" if units else "csv,noheader,nounits"
     try:
-        done = subprocess.run(command, capture_output=True, text=True, timeout=10, check=True)
+        done = subprocess.run(["nvidia-smi", "-i", device, f"--query-gpu={fields}", f"--format={form}"],
+                              capture_output=True, text=True, timeout=10, check=True)  # fmt: skip
     except (OSError, subprocess.SubprocessError):
         return None
-    return parse_query(done.stdout)
+    return done.stdout.strip()
+
+
+def _nvidia_smi(fields: str) -> list[float] | None:
+    """``fields`` of the first visible GPU as numbers; None where ``nvidia-smi`` cannot be run or does not say."""
+    line = query_gpu(fields)
+    return None if line is None else parse_query(line)

@@ -20,7 +20,6 @@ import argparse
 import datetime
 import json
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -28,13 +27,7 @@ from pathlib import Path
 sys.path[:0] = [str(Path(__file__).resolve().parents[1]), str(Path(__file__).resolve().parents[2])]  # benchmarks/, the repository
 
 import numpy as np
-from machine import machine  # benchmarks/machine.py
-
-def gpu_state() -> str:
-    """The GPU's SM clock and power draw now, as ``nvidia-smi`` prints them."""
-    query = ["nvidia-smi", "--query-gpu=clocks.sm,power.draw", "--format=csv,noheader"]
-    return subprocess.run(query, capture_output=True, text=True, check=True).stdout.strip()
-
+from machine import machine, query_gpu  # benchmarks/machine.py
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -70,7 +63,7 @@ def main() -> int:
             if run >= args.group:
                 runs[way].append(seconds)
             if run % args.group == args.group - 1:
-                clocks.append(gpu_state())
+                clocks.append(query_gpu("clocks.sm,power.draw", units=True))  # as nvidia-smi prints them: "1350 MHz, 678.86 W"
     report = {
         "probe": "the pool's batches back to back against after an idle gap, and the GPU's clock",
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
