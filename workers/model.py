@@ -12,8 +12,8 @@
                       TP-split on all tokens (while the routed experts' combine is in flight),
                       reduce-scattered to the same 1/tp:
                       h_r = h[r] + routed(x[r]) + reduce_scatter(shared(x))[r];  h = all_gather(h_r)
-    last = norm(h)[last token of each sequence]                  [B, hidden]
-    logits = lm_head(last)                                       [B, vocab] float32
+    last = norm(h)[last token of each sequence]                  [B, hidden] float32
+    logits = lm_head(last)                                       [B, vocab] float32 (float32_logits)
 
 The residual stream ``h`` is float32 whatever the model's dtype (vLLM and DeepSeek's reference keep
 it in the model's: bf16, rounded at every add); the norms' outputs, the layers' inputs, are in the
@@ -50,6 +50,7 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from attention.backends.base import MLAPrefillBackend
@@ -309,9 +310,10 @@ class DeepseekPrefillModel(nn.Module):
                 pending = self.tp.all_reduce(layer.mlp(x))
             latents.append(latent)
         index = batch.last_token_index if last_index is None else last_index
-        last = self.model.norm(h[index]) if pending is None else self.model.norm(pending[index], h[index])
-        logits = self.lm_head(last).float()
-        return PrefillOutput(last_hidden=last, logits=logits, latents=latents)
+        last = h[index] if pending is None else h[index] + pending[index]
+        norm = self.model.norm
+        last = F.rms_norm(last, norm.weight.shape, norm.weight.float(), eps=norm.eps)
+        return PrefillOutput(last_hidden=last, logits=float32_logits(last, self.lm_head.weight), latents=latents)
 
     def _moe(self, moe: MoE, h: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """``h + moe(x)`` under TP, each rank routing its 1/tp of the tokens (see the module docstring)."""
@@ -340,6 +342,31 @@ class DeepseekPrefillModel(nn.Module):
                 f"a sequence of {longest} tokens exceeds {self.config.name}'s maximum of "
                 f"{self.config.max_position_embeddings} positions"
             )
+
+
+def float32_logits(rows: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``rows @ weight.T`` [B, vocab] in float32 from float32 ``rows`` and ``weight`` as stored.
+
+    The final norm and the head run in float32 for the last rows only (B of them). bf16 keeps 8
+    significant bits, so logits rounded to it are 2^-8 to 2^-7 of their size apart: at the one-scale
+    test checkpoints' top logits of about 0.1, 4.9e-4, where float32's top two are often 1e-5 to 5e-4
+    apart. A bf16 head makes such near-ties exact ties, which argmax settles by the lower token id, not
+    by the model. SGLang (``--enable-fp32-lm-head``) and vLLM 0.32 (``hf_overrides`` ``head_dtype``
+    float32) offer a float32 head, both off by default; the truth runs' vLLM 0.26 decodes with a bf16
+    one. On the CPU, 450 prompts on three bf16 checkpoints: the first token equal to float32's on 446
+    with a bf16 head, on all 450 with this one (``benchmarks/probes/probe_head_precision.py``).
+
+    On CUDA the rows are split into bf16 ``hi + lo`` (16 of float32's 24 significant bits), both halves
+    stacked into one GEMM with cuBLAS's float32 output (``out_dtype``), so the weight is read once as
+    by a bf16 head: at DeepSeek-V3's width and vocabulary, 16 rows take 475 us against the bf16 head's
+    441 us on an H200 (two GEMMs, one per half, took 864 us). On the CPU the weight is upcast."""
+    if weight.dtype == torch.float32:
+        return F.linear(rows, weight)
+    if not rows.is_cuda:
+        return F.linear(rows, weight.float())
+    hi = rows.to(weight.dtype)
+    halves = torch.mm(torch.cat([hi, (rows - hi.float()).to(weight.dtype)]), weight.t(), out_dtype=torch.float32)
+    return halves[: len(rows)] + halves[len(rows) :]
 
 
 def quantizing(norm: RMSNorm) -> FP8RMSNorm:

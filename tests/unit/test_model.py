@@ -7,7 +7,7 @@ from hf_models import tiny_deepseek_v3
 from attention.backends.torch_sdpa import TorchSDPAPrefillBackend
 from attention.mla import plan_prefill_batch
 from configs.model import load_model_config, model_config_from_dict
-from workers.model import DeepseekPrefillModel, TPShard, merged_parts
+from workers.model import DeepseekPrefillModel, TPShard, float32_logits, merged_parts
 from workers.weights import load_weights
 
 
@@ -27,6 +27,33 @@ def test_last_token_logits_match_transformers():
         expected = torch.stack([hf_model(p[None]).logits[0, -1] for p in prompts])
     torch.testing.assert_close(out.logits, expected, atol=1e-4, rtol=1e-4)
     assert out.logits.shape == (3, 300) and len(out.latents) == 3
+
+
+def test_a_bf16_model_gives_float32_logits_of_its_float32_last_rows():
+    """The final norm and the head in float32: bf16 logits would turn near-ties into ties."""
+    config = load_model_config("tiny", num_hidden_layers=1)
+    model = DeepseekPrefillModel.create(config, TorchSDPAPrefillBackend, dtype=torch.bfloat16)
+    load_weights(model, None, 5)
+    out = model(torch.randint(0, config.vocab_size, (40,)), plan_prefill_batch([25, 15]))
+    assert out.last_hidden.dtype == out.logits.dtype == torch.float32
+    assert (out.last_hidden != out.last_hidden.bfloat16().float()).any()  # not rounded to the model's dtype
+    expected = (out.last_hidden.double() @ model.lm_head.weight.double().t()).float()
+    torch.testing.assert_close(out.logits, expected, atol=1e-6, rtol=1e-5)
+    assert (out.logits != out.logits.bfloat16().float()).any()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_float32_logits_of_a_bf16_head_on_cuda_keep_16_bits_of_the_rows():
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    rows = torch.randn(16, 7168, device="cuda", generator=gen)
+    weight = (torch.randn(129280, 7168, device="cuda", generator=gen) * 0.02).bfloat16()
+    exact = rows.double() @ weight.double().t()
+    got = float32_logits(rows, weight)
+    assert got.dtype == torch.float32 and got.shape == (16, 129280)
+    bf16_head = (rows.bfloat16() @ weight.t()).double()
+    err, bf16_err = (got.double() - exact).abs().max().item(), (bf16_head - exact).abs().max().item()
+    assert err < 1e-4 * exact.abs().max().item() and err < bf16_err / 50, (err, bf16_err)
 
 
 def test_batch_of_mixed_lengths_equals_each_alone():
