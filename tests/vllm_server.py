@@ -183,8 +183,20 @@ class VLLMServer:
         os.killpg(self.process.pid, signal.SIGKILL)
         self.process.wait(timeout=60)
 
-    def restart(self) -> None:
-        """Started again on its port (after :meth:`kill`), until it answers ``/health``."""
+    def restart(self, port_timeout_s: float = 60) -> None:
+        """Started again on its port (after :meth:`kill`), until it answers ``/health``. It waits first
+        for the port to be free: :meth:`kill` reaps the API server, but the rest of its session (its
+        engine core) may still hold the listening socket while it exits, and the new server would fail
+        to bind ("Address already in use", seen once in the suite on 2 cores)."""
+        deadline = time.monotonic() + port_timeout_s
+        while True:
+            try:
+                with socket.create_server(("127.0.0.1", self.port)):  # SO_REUSEADDR, as vLLM binds it
+                    break
+            except OSError as exc:
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"port {self.port} still in use {port_timeout_s} s after the kill: {exc}") from exc
+                time.sleep(0.2)
         self.start()
         self.wait_up()
 
