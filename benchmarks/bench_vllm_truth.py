@@ -184,6 +184,18 @@ def totals(checkpoints: list[dict]) -> dict:
             for side, other in zip(sides, reversed(sides))}  # fmt: skip
 
 
+def checkpoint_specs(parser: argparse.ArgumentParser, option: str, specs: list[str]) -> list[tuple[int, bool]]:
+    """Each of ``specs`` ("SEED" or "SEED:one-scale") as (seed, one_scale); a malformed one is a usage
+    error of ``parser`` naming ``option`` and the spec."""
+    parsed = []
+    for spec in specs:
+        seed, _, kind = spec.partition(":")
+        if not seed.isdigit() or kind not in ("", "one-scale"):
+            parser.error(f"{option} {spec!r}: expected SEED or SEED:one-scale (e.g. 3:one-scale)")
+        parsed.append((int(seed), kind == "one-scale"))
+    return parsed
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, required=True, help="the results JSON (written after each checkpoint)")
@@ -201,12 +213,7 @@ def main() -> None:
     parser.add_argument("--fp8-gemm", choices=FP8_GEMMS, default="auto", help="what runs the pool's FP8 GEMMs (PoolConfig.fp8_gemm; default auto)")
     parser.add_argument("--wide", action="store_true", help="hidden 1024, q LoRA 512, MLP 1024, experts 512: every linear FP8 in the pool too")
     args = parser.parse_args()
-    specs = []
-    for spec in args.checkpoints:
-        seed, _, kind = spec.partition(":")
-        if not seed.isdigit() or kind not in ("", "one-scale"):
-            parser.error(f"--checkpoints {spec!r}: expected SEED or SEED:one-scale (e.g. 3:one-scale)")
-        specs.append((int(seed), kind == "one-scale"))
+    specs = checkpoint_specs(parser, "--checkpoints", args.checkpoints)
     if not 1 <= args.min_len <= args.max_len:
         parser.error(f"--min-len {args.min_len} and --max-len {args.max_len}: need 1 <= min <= max")
     if args.vllm_tp < 1:

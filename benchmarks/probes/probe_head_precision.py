@@ -27,6 +27,7 @@ sys.path[:0] = [str(Path(__file__).resolve().parents[1]), str(Path(__file__).res
 import numpy as np
 import torch
 import torch.nn.functional as F
+from bench_vllm_truth import checkpoint_specs
 from machine import machine  # benchmarks/machine.py
 
 VOCAB = 508  # write_vllm_checkpoint's words; its special ids are left out of the prompts
@@ -74,12 +75,7 @@ def main() -> int:
     parser.add_argument("--max-len", type=int, default=2048)
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
-    seeds = []
-    for spec in args.seeds:
-        seed, _, flag = spec.partition(":")
-        if not seed.isdigit() or flag not in ("", "one-scale"):
-            parser.error(f"--seeds {spec!r}: expected SEED or SEED:one-scale")
-        seeds.append((int(seed), flag == "one-scale"))
+    seeds = checkpoint_specs(parser, "--seeds", args.seeds)
     with tempfile.TemporaryDirectory() as folder:
         rows = []
         for seed, one_scale in seeds:
