@@ -302,8 +302,13 @@ class RMSNorm(nn.Module):
         if residual is not None:
             x = residual.add_(x)
         if x.dtype != self.weight.dtype:
-            return F.rms_norm(x.float(), self.weight.shape, self.weight.float(), eps=self.eps).to(self.weight.dtype)
+            return self.unrounded(x).to(self.weight.dtype)
         return F.rms_norm(x, self.weight.shape, self.weight, eps=self.eps)
+
+    def unrounded(self, x: torch.Tensor) -> torch.Tensor:
+        """``x / rms(x) * weight`` in float32, not rounded to the weight's dtype (for a few rows: the
+        last ones, which the head reads in float32, ``workers.model``)."""
+        return F.rms_norm(x.float(), self.weight.shape, self.weight.float(), eps=self.eps)
 
 
 class MLAAttention(nn.Module):

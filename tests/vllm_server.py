@@ -97,6 +97,15 @@ def ephemeral_ports() -> range:
     return range(low, high + 1)
 
 
+def port_free(port: int) -> bool:
+    """Whether a server can listen on ``port`` now (bound with SO_REUSEADDR, as vLLM binds it)."""
+    try:
+        with socket.create_server(("127.0.0.1", port)):
+            return True
+    except OSError:
+        return False
+
+
 def free_port() -> int:
     """A port free now, outside the ephemeral range. A server killed and started again takes its port
     back: a port the kernel may hand to any outgoing connection (Ray's, the tier's) could be taken
@@ -104,11 +113,8 @@ def free_port() -> int:
     ephemeral = ephemeral_ports()
     ports = [p for p in LISTEN_PORTS if p not in ephemeral]
     for port in random.SystemRandom().sample(ports, min(len(ports), 200)):
-        try:
-            with socket.create_server(("127.0.0.1", port)):
-                return port
-        except OSError:
-            continue
+        if port_free(port):
+            return port
     raise RuntimeError(f"no free port among {len(ports)} in {LISTEN_PORTS} outside the ephemeral range {ephemeral}")
 
 
@@ -189,14 +195,10 @@ class VLLMServer:
         engine core) may still hold the listening socket while it exits, and the new server would fail
         to bind ("Address already in use", seen once in the suite on 2 cores)."""
         deadline = time.monotonic() + port_timeout_s
-        while True:
-            try:
-                with socket.create_server(("127.0.0.1", self.port)):  # SO_REUSEADDR, as vLLM binds it
-                    break
-            except OSError as exc:
-                if time.monotonic() > deadline:
-                    raise RuntimeError(f"port {self.port} still in use {port_timeout_s} s after the kill: {exc}") from exc
-                time.sleep(0.2)
+        while not port_free(self.port):
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"port {self.port} still in use {port_timeout_s} s after the kill")
+            time.sleep(0.2)
         self.start()
         self.wait_up()
 

@@ -310,9 +310,7 @@ class DeepseekPrefillModel(nn.Module):
                 pending = self.tp.all_reduce(layer.mlp(x))
             latents.append(latent)
         index = batch.last_token_index if last_index is None else last_index
-        last = h[index] if pending is None else h[index] + pending[index]
-        norm = self.model.norm
-        last = F.rms_norm(last, norm.weight.shape, norm.weight.float(), eps=norm.eps)
+        last = self.model.norm.unrounded(h[index] if pending is None else h[index] + pending[index])
         return PrefillOutput(last_hidden=last, logits=float32_logits(last, self.lm_head.weight), latents=latents)
 
     def _moe(self, moe: MoE, h: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
