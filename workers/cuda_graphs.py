@@ -77,6 +77,11 @@ class PrefillGraphs:
     def capture(cls, model: DeepseekPrefillModel, sizes: Sequence[int], device: torch.device) -> PrefillGraphs:
         """Capture the forward for each token count of ``sizes``, the largest first, into one memory pool
         (a replay's intermediates are dead by the next replay, so the graphs may share them)."""
+        # torch.cuda.graph empties the allocator's cache as a capture starts; emptied here first, blocks freed
+        # before the capture (weight loading's temporaries) no longer leave the count during it, which made
+        # the graphs' figure negative and the KV cache sized past the memory left (2026-11-29, H200)
+        torch.cuda.synchronize(device)
+        torch.cuda.empty_cache()
         reserved = torch.cuda.memory_reserved(device)
         pool, stream, graphs = torch.cuda.graph_pool_handle(), torch.cuda.Stream(device), {}
         for size in sorted(set(sizes), reverse=True):

@@ -3,7 +3,9 @@
 On the CPU: the padding the graphs rely on (a prompt padded at its end to a captured length, its last
 token named, gives its own latent rows and logits, MoE layers included) and the config's checks. On
 a GPU: the replay writes what the same forward launched kernel by kernel writes, for prompts of every
-captured length in turn (the graphs share one memory pool), bf16 and FP8; the worker replays single
+captured length in turn (the graphs share one memory pool), bf16 and FP8; the graphs' memory figure
+(the KV cache is sized around it) is the same whatever the allocator's cache held before the capture
+(it once went negative by what torch.cuda.graph emptied); the worker replays single
 prompts without context, runs the rest eagerly, and runs a batch with a fault armed eagerly (its
 hook fires).
 """
@@ -119,6 +121,18 @@ def test_the_replay_writes_what_the_eager_forward_writes(tmp_path, moe_checkpoin
         graphs.run(_prompt(257, 0))
     with pytest.raises(ValueError, match="outside the vocabulary"):
         graphs.run(np.array([1, 10_000], dtype=np.int32))
+
+
+@on_gpu
+def test_the_graphs_memory_does_not_depend_on_what_the_cache_held_before_them(moe_checkpoint):
+    model = _model(moe_checkpoint, "cuda", dtype=torch.bfloat16)
+    alone = PrefillGraphs.capture(model, SIZES, torch.device("cuda")).pool_bytes
+    torch.cuda.synchronize()
+    junk = torch.empty(2**31, dtype=torch.uint8, device="cuda")
+    del junk  # 2 GiB freed into the allocator's cache, as weight loading's temporaries are
+    after_junk = PrefillGraphs.capture(model, SIZES, torch.device("cuda")).pool_bytes
+    assert 0 < alone < 2**30
+    assert abs(after_junk - alone) <= 64 * 2**20, (alone, after_junk)
 
 
 @on_gpu
