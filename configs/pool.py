@@ -100,8 +100,11 @@ class PoolConfig:
     block_size       tokens per block of the paged latent KV cache
     kv_cache_tokens  KV cache capacity per worker in tokens (under PCP a prompt's KV is striped over the
                      pcp workers of a TP rank, so a replica holds pcp times more); None = on GPU what gpu_memory_utilization
-                     leaves after the weights and a profile prefill of one chunk, on CPU 262144
-    gpu_memory_utilization  fraction of a GPU's memory a worker may use (weights, activations, KV)
+                     leaves after everything in use on the GPU and a profile prefill of the largest batch (set it
+                     where worker_gpus < 1: packed workers would each take what is left), on CPU 262144
+    gpu_memory_utilization  fraction of a GPU's memory in use once a worker is up, by every process on it: the
+                     worker's weights, graphs, activations and KV cache, and what others hold (a vLLM server
+                     on the same GPU counts against it)
     collective_timeout_s  bound on one collective of a batch once the replica is up: a rank waiting this
                      long for a peer (a stuck rank) raises, and the replica is replaced. Not a bound on a
                      batch: work between collectives is not counted (setup uses the start timeout)

@@ -78,8 +78,8 @@ class PrefillGraphs:
         """Capture the forward for each token count of ``sizes``, the largest first, into one memory pool
         (a replay's intermediates are dead by the next replay, so the graphs may share them)."""
         # torch.cuda.graph empties the allocator's cache as a capture starts; emptied here first, blocks freed
-        # before the capture (weight loading's temporaries) no longer leave the count during it, which made
-        # the graphs' figure negative and the KV cache sized past the memory left (2026-11-29, H200)
+        # before the capture (weight loading's temporaries) no longer leave the count during it (they made
+        # the graphs' figure negative: -11 GB on an H200, 2026-11-29)
         torch.cuda.synchronize(device)
         torch.cuda.empty_cache()
         reserved = torch.cuda.memory_reserved(device)

@@ -1,5 +1,6 @@
 """Where a worker runs and what it may take there: its device (which of the GPUs it sees), its
-compute dtype, and whether its shard's weights fit before anything is allocated."""
+compute dtype, whether its shard's weights fit before anything is allocated, and whether its KV
+cache may be sized by the GPU memory left."""
 
 from __future__ import annotations
 
@@ -31,6 +32,16 @@ def check_weights_fit(weight_bytes: int, device: torch.device, config: PoolConfi
             f"{model_config.name} ({model_config.num_hidden_layers} layers) needs {weight_bytes / 2**30:.1f} GiB of weights "
             f"per rank at TP={config.tp} x PCP={config.pcp}{experts}; {where}. Use more ranks per replica "
             "(tp x pcp), FP8 weights, or fewer layers (--num-layers)"
+        )
+
+
+def check_kv_sizing(device: torch.device, config: PoolConfig) -> None:
+    """Refuse a KV cache sized by the memory left on a GPU that packed workers share: each would
+    measure the same free memory and take it (``kv_cache_tokens`` fixes each worker's share)."""
+    if device.type == "cuda" and config.kv_cache_tokens is None and config.worker_gpus < 1:
+        raise ValueError(
+            f"worker_gpus={config.worker_gpus} packs workers on one GPU, and kv_cache_tokens=None would size each "
+            "one's KV cache by the GPU memory left, which they would all take at once; set kv_cache_tokens"
         )
 
 

@@ -62,7 +62,7 @@ from workers import deepgemm
 from workers.expert_parallel import EPGroup
 from workers.pcp import PCPCostModel, PCPGroup, PCPPlan, measure_cost_model
 from workers.pcp_layout import shard_rows
-from workers.placement import check_weights_fit, resolve_device, resolve_dtype
+from workers.placement import check_kv_sizing, check_weights_fit, resolve_device, resolve_dtype
 from workers.weights import load_weights
 
 logger = logging.getLogger(__name__)
@@ -189,6 +189,7 @@ class PrefillWorker(KVHolder):
         index = self._device_index if self._device_index is not None else (self.rank if config.worker_gpus < 1 else None)
         device = resolve_device(config.device, index)
         dtype = resolve_dtype(config.dtype, device, model_config.dtype)
+        check_kv_sizing(device, config)
         if device.type == "cuda":
             torch.cuda.set_device(device)
         tp_group, ep = None, EPGroup()
@@ -440,9 +441,10 @@ class PrefillWorker(KVHolder):
         return shard_rows(tokens, self.pcp.rank, self.pcp.size, self.config.block_size)
 
     def _allocate_kv_cache(self, model_config, dtype: torch.dtype, device: torch.device) -> PagedKVCache:
-        """The paged cache, sized by ``kv_cache_tokens`` or, on a GPU, by the memory left at
-        ``gpu_memory_utilization`` after a profile prefill of the largest batch: ``max_batch_tokens``
-        of new requests, one full chunk each."""
+        """The paged cache, sized by ``kv_cache_tokens`` or, on a GPU, by what ``gpu_memory_utilization``
+        of the GPU leaves once everything in use on it is counted (other processes, CUDA contexts,
+        this worker's weights and graphs) and the activations of the largest batch, measured by a
+        profile prefill of ``max_batch_tokens`` of new requests, one full chunk each."""
         config, layers, width = self.config, model_config.num_hidden_layers, model_config.attention.latent_dim
         per_block = PagedKVCache.bytes_per_block(layers, config.block_size, width, dtype)
         if config.kv_cache_tokens is not None:
@@ -458,17 +460,22 @@ class PrefillWorker(KVHolder):
             ids = np.arange(chunk, dtype=np.int32) % model_config.vocab_size
             self.prefill([ChunkPiece(name, ids[:n], 0, n) for name, n in zip(names, lens)])
             self.release(names)
-            peak = torch.cuda.max_memory_allocated(device)
             del self.kv
+            # the batch's activations: its peak over what stays allocated (the profile's own KV cache aside)
+            activations = torch.cuda.max_memory_allocated(device) - torch.cuda.memory_allocated(device) - profile_blocks * per_block
             torch.cuda.empty_cache()
-            graphs = self.graphs.pool_bytes if self.graphs is not None else 0  # held apart, beside the peak
-            budget = torch.cuda.get_device_properties(device).total_memory * config.gpu_memory_utilization - peak - graphs
-            num_blocks = int(budget // per_block)
+            # every byte in use on the GPU: other processes' (a vLLM server beside the pool), CUDA contexts and
+            # libraries' buffers, which torch's counters do not see, and this worker's weights and graphs
+            free, total = torch.cuda.mem_get_info(device)
+            allowed = total * config.gpu_memory_utilization
+            num_blocks = int((allowed - (total - free) - activations) // per_block)
             if num_blocks < 1:
                 raise ValueError(
-                    f"no GPU memory left for the KV cache: weights and a {config.max_batch_tokens}-token batch peak at "
-                    f"{peak / 2**30:.1f} GiB of {torch.cuda.get_device_properties(device).total_memory / 2**30:.1f} GiB; "
-                    "raise gpu_memory_utilization, lower chunk_tokens or max_batch_tokens, or use more TP"
+                    f"no GPU memory left for the KV cache: gpu_memory_utilization={config.gpu_memory_utilization} allows "
+                    f"{allowed / 2**30:.1f} GiB in use on this {total / 2**30:.1f} GiB GPU; {(total - free) / 2**30:.1f} GiB are "
+                    f"(this worker's weights and graphs, CUDA contexts, other processes) and a {config.max_batch_tokens}-token "
+                    f"batch takes {activations / 2**30:.1f} GiB more; raise gpu_memory_utilization, lower chunk_tokens or "
+                    "max_batch_tokens, use more TP, or free the GPU"
                 )
         else:
             num_blocks = blocks_for(CPU_KV_CACHE_TOKENS, config.block_size)

@@ -116,3 +116,50 @@ def test_a_batchs_pieces_are_appended_together_as_each_alone_would_be(device):
     assert torch.equal(mixed.rows("p", 0), latents[0][[13, 1, 7, 2]]) and torch.equal(mixed.rows("q", 1), latents[1][3:5])
     with pytest.raises(KeyError, match="no KV cache for request 'zz'"):
         mixed.append_many(latents, [("zz", slice(0, 1))])
+
+
+# ---- sized by GPU memory (workers.worker._allocate_kv_cache, workers.placement.check_kv_sizing) --------
+def test_workers_packed_on_a_gpu_need_a_fixed_kv_cache():
+    from configs.pool import PoolConfig
+    from workers.placement import check_kv_sizing
+
+    packed = PoolConfig(model="tiny", worker_gpus=0.5)
+    with pytest.raises(ValueError, match=r"worker_gpus=0.5 packs workers on one GPU, and kv_cache_tokens=None .* set kv_cache_tokens"):
+        check_kv_sizing(torch.device("cuda", 0), packed)
+    check_kv_sizing(torch.device("cuda", 0), packed.replace(kv_cache_tokens=8192))  # each worker's share fixed
+    check_kv_sizing(torch.device("cuda", 0), packed.replace(worker_gpus=1.0))  # one worker a GPU: sized by what is left
+    check_kv_sizing(torch.device("cpu"), packed)  # a CPU worker's cache has a fixed default
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_a_kv_cache_sized_by_gpu_memory_counts_what_another_process_holds():
+    import subprocess
+    import sys
+
+    import numpy as np
+
+    from configs.pool import PoolConfig
+    from workers.batch_io import ChunkPiece
+    from workers.worker import PrefillWorker
+
+    held = 16 << 30  # another process on the GPU (a vLLM server beside the pool)
+    holder = subprocess.Popen(
+        [sys.executable, "-c", f"import torch, time; x = torch.empty({held}, dtype=torch.uint8, device='cuda'); print('held', flush=True); time.sleep(600)"],
+        stdout=subprocess.PIPE,
+    )  # fmt: skip
+    try:
+        assert holder.stdout.readline().strip() == b"held"
+        config = PoolConfig(model="tiny", num_layers=2, device="cuda", dtype="bfloat16", chunk_tokens=2048, max_batch_tokens=4096,
+                            gpu_memory_utilization=0.5, cuda_graph_tokens=(), seed=3)  # fmt: skip
+        worker = PrefillWorker(config, 0)
+        worker.setup("127.0.0.1", 0)
+        ids = np.arange(2048, dtype=np.int32) % 512  # the tiny model's vocabulary
+        worker.prefill([ChunkPiece(f"r{i}", ids, 0, 2048) for i in range(2)])  # the largest batch: its activations were counted
+        free, total = torch.cuda.mem_get_info()
+        allowed = 0.5 * total
+        assert worker.kv.blocks.nbytes > 20 << 30  # sized by memory, not a default
+        assert allowed - (2 << 30) <= total - free <= allowed + (1 << 30), (allowed / 2**30, (total - free) / 2**30)
+    finally:
+        holder.kill()
+        holder.wait()
