@@ -472,7 +472,7 @@ class PrefillWorker(KVHolder):
             if num_blocks < 1:
                 raise ValueError(
                     f"no GPU memory left for the KV cache: gpu_memory_utilization={config.gpu_memory_utilization} allows "
-                    f"{allowed / 2**30:.1f} GiB in use on this {total / 2**30:.1f} GiB GPU; {(total - free) / 2**30:.1f} GiB are "
+                    f"{allowed / 2**30:.1f} GiB in use on this {total / 2**30:.1f} GiB GPU; {(total - free) / 2**30:.1f} GiB are in use "
                     f"(this worker's weights and graphs, CUDA contexts, other processes) and a {config.max_batch_tokens}-token "
                     f"batch takes {activations / 2**30:.1f} GiB more; raise gpu_memory_utilization, lower chunk_tokens or "
                     "max_batch_tokens, use more TP, or free the GPU"
