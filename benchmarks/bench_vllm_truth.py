@@ -23,7 +23,11 @@ linear layer the pool runs in FP8 (at the narrow ones four stay bf16 in the pool
 - the tier + vLLM (bf16): the pool prefills the prompt and keeps its KV, the first token is the
   pool's greedy choice (as the tier's OpenAI endpoint samples it), and vLLM gets the prompt followed
   by that token with the pool's ticket: it loads the prompt's rows through ``kv.vllm_connector`` and
-  computes from the first token on. Its rows are read from vLLM's cache after the load.
+  computes from the first token on. Its rows are read from vLLM's cache after the load;
+- the pool alone (bf16): every token the pool's own greedy choice, each step the prompt and the
+  tokens so far prefilled again (its prefix cache supplies the rows of their full blocks, as a
+  decode's KV cache would): the pool's own numerics, its FP8 path's with ``--fp8``, over every step
+  rather than the first alone. Its rows are the tier's (the pool's, loaded by vLLM unchanged).
 
 Per checkpoint: on how many prompts each engine's tokens all equal the truth's, where each first
 departs and the truth's margin there, and per layer the relative L2 distance of each engine's rows
@@ -105,9 +109,10 @@ def truth_rows(checkpoint: Path, prompts: list[list[int]], device: str, dtype: s
     return rows
 
 
-def engines(checkpoint: Path, prompts: list[list[int]], steps: int, args, workdir: Path) -> tuple[list[dict], list[dict], str | None]:
-    """vLLM alone and the tier + vLLM on every prompt: tokens and rows (``[layers, prompt tokens, 576]``),
-    and what ran the pool's FP8 GEMMs (``WorkerInfo.fp8_gemm``; None: none, its weights dequantized)."""
+def engines(checkpoint: Path, prompts: list[list[int]], steps: int, args, workdir: Path) -> tuple[list[dict], list[dict], list[dict], str | None]:
+    """vLLM alone, the tier + vLLM and the pool alone on every prompt: tokens and rows (``[layers, prompt
+    tokens, 576]``), and what ran the pool's FP8 GEMMs (``WorkerInfo.fp8_gemm``; None: none, its weights
+    dequantized)."""
     from vllm_job import run_vllm  # tests/vllm_job.py
 
     from cluster.kv_server import KVServer
@@ -137,17 +142,22 @@ def engines(checkpoint: Path, prompts: list[list[int]], steps: int, args, workdi
         job = {"model": str(checkpoint), "extra_config": {"token": TOKEN, "timeout_s": 60.0}, "engine": engine, "max_tokens": steps, "steps": job_steps}
         done = run_vllm(job, workdir, vllm_pythonpath=args.vllm_pythonpath, env=env)["results"]
         left = [r.request_id for r in pool.kept_results()]
+        greedy = [[r.first_token] for r in kept]  # the pool alone: one step of every prompt a batch
+        for _ in range(steps - 1):
+            for tokens, result in zip(greedy, pool.prefill_many([p + tokens for p, tokens in zip(prompts, greedy)])):
+                tokens.append(result.first_token)
     if left:
         raise SystemExit(f"vLLM did not take the KV of {left}: see {workdir / 'driver.log'}")
-    alone, tier = [], []
-    for i, (prompt, result) in enumerate(zip(prompts, kept)):
+    alone, tier, pool_alone = [], [], []
+    for i, (prompt, result, tokens) in enumerate(zip(prompts, kept, greedy)):
         own, loaded = done[f"alone-{i}/0"], done[f"tier-{i}/0"]
         if loaded["first_step_tokens"] != 1:
             raise SystemExit(f"prompt {i}: vLLM computed {loaded['first_step_tokens']} tokens of the tier's request, not 1: its load failed")
         alone.append({"tokens": own["tokens"], "rows": own["rows"], "other_ranks": own["other_ranks_rows"]})
         tier.append({"tokens": [result.first_token] + loaded["tokens"][: steps - 1], "rows": loaded["rows"][:, : len(prompt)],
                      "other_ranks": [rows[:, : len(prompt)] for rows in loaded["other_ranks_rows"]]})  # fmt: skip
-    return alone, tier, fp8_gemm
+        pool_alone.append({"tokens": tokens, "rows": tier[-1]["rows"], "other_ranks": []})
+    return alone, tier, pool_alone, fp8_gemm
 
 
 def compare(truth: list[dict], rows: list[torch.Tensor], runs: list[dict]) -> dict:
@@ -171,17 +181,22 @@ def compare(truth: list[dict], rows: list[torch.Tensor], runs: list[dict]) -> di
     }
 
 
+# each engine's counterpart: the one it is set beside in ``departs_alone``
+COUNTERPART = {"vllm_alone": "tier_and_vllm", "tier_and_vllm": "vllm_alone", "pool_alone": "vllm_alone"}
+
+
 def totals(checkpoints: list[dict]) -> dict:
     """Per engine, over every checkpoint: prompts whose first token, and whose every token, equals the
-    truth's, and on how many prompts it alone departs from the truth (the other engine does not): the
-    prompts both get wrong or both get right say nothing about which is nearer."""
-    sides = ("vllm_alone", "tier_and_vllm")
+    truth's, and on how many prompts it departs from the truth where its counterpart does not (vLLM
+    alone's: the tier; the tier's and the pool alone's: vLLM alone): the prompts both get wrong or both
+    get right say nothing about which is nearer."""
+    sides = [side for side in COUNTERPART if side in checkpoints[0]]
     departed = [{side: {d["prompt"] for d in c[side]["departures"]} for side in sides} for c in checkpoints]
     return {side: {"prompts": sum(c[side]["prompts_equal_to_truth"] + len(c[side]["departures"]) for c in checkpoints),
                    "first_tokens_equal_to_truth": sum(c[side]["first_tokens_equal_to_truth"] for c in checkpoints),
                    "prompts_equal_to_truth": sum(c[side]["prompts_equal_to_truth"] for c in checkpoints),
-                   "departs_alone": sum(len(d[side] - d[other]) for d in departed)}
-            for side, other in zip(sides, reversed(sides))}  # fmt: skip
+                   "departs_alone": sum(len(d[side] - d[COUNTERPART[side]]) for d in departed)}
+            for side in sides}  # fmt: skip
 
 
 def checkpoint_specs(parser: argparse.ArgumentParser, option: str, specs: list[str]) -> list[tuple[int, bool]]:
@@ -231,7 +246,7 @@ def main() -> None:
     ray.init(num_cpus=os.cpu_count() if gpu else 2, num_gpus=1 if gpu else 0, include_dashboard=False, log_to_driver=False,
              runtime_env={"env_vars": SAFE_NCCL_ENV})  # fmt: skip
     work = Path(tempfile.mkdtemp(prefix="bench-truth-"))
-    report = {"what": "greedy tokens and latent KV rows of vLLM alone and of the tier + vLLM, each against the float32 truth",
+    report = {"what": "greedy tokens and latent KV rows of vLLM alone, of the tier + vLLM and of the pool alone, each against the float32 truth",
               "date": datetime.date.today().isoformat(), "machine": machine(), "command": " ".join(sys.argv), "engines_dtype": args.dtype, "vllm_tp": args.vllm_tp,
               "weights": "fp8 (128x128 blocks; truth: dequantized, float32)" if args.fp8 else args.dtype, "wide": args.wide, "pool_fp8_gemm": args.fp8_gemm if args.fp8 else None,
               "prompts": args.prompts, "prompt_tokens": [args.min_len, args.max_len], "max_tokens": args.max_tokens, "checkpoints": []}  # fmt: skip
@@ -246,16 +261,17 @@ def main() -> None:
         truth = truth_tokens(reference, prompts, args.max_tokens, args.device)
         rows = truth_rows(reference, prompts, args.device)
         (work / f"{checkpoint.name}-vllm").mkdir()
-        alone, tier, fp8_gemm = engines(checkpoint, prompts, args.max_tokens, args, work / f"{checkpoint.name}-vllm")
+        alone, tier, pool_alone, fp8_gemm = engines(checkpoint, prompts, args.max_tokens, args, work / f"{checkpoint.name}-vllm")
         entry = {"seed": seed, "one_scale": one_scale, "pool_fp8_gemm_used": fp8_gemm, "vllm_alone": compare(truth, rows, alone), "tier_and_vllm": compare(truth, rows, tier),
-                 "truth_near_ties": sum(min(t["margins"]) < 0.05 for t in truth), "seconds": round(time.monotonic() - started, 1)}  # fmt: skip
+                 "pool_alone": compare(truth, rows, pool_alone), "truth_near_ties": sum(min(t["margins"]) < 0.05 for t in truth), "seconds": round(time.monotonic() - started, 1)}  # fmt: skip
         report["checkpoints"].append(entry)
         report["totals"] = totals(report["checkpoints"])
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(report, indent=1) + "\n")
         print(f"seed {seed}{' one-scale' if one_scale else ''}: all {args.max_tokens} tokens equal to float32's on "
               f"{entry['vllm_alone']['prompts_equal_to_truth']}/{args.prompts} prompts for vLLM alone, "
-              f"{entry['tier_and_vllm']['prompts_equal_to_truth']}/{args.prompts} for the tier + vLLM ({entry['seconds']} s)", flush=True)  # fmt: skip
+              f"{entry['tier_and_vllm']['prompts_equal_to_truth']}/{args.prompts} for the tier + vLLM, "
+              f"{entry['pool_alone']['prompts_equal_to_truth']}/{args.prompts} for the pool alone ({entry['seconds']} s)", flush=True)  # fmt: skip
     ray.shutdown()
 
 

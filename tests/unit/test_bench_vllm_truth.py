@@ -42,6 +42,14 @@ def test_totals_add_every_checkpoint_per_engine():
     }
 
 
+def test_the_pool_alone_is_set_beside_vllm_alone():
+    checkpoints = [{"vllm_alone": _side(1, [{"prompt": 0, "step": 4}]), "tier_and_vllm": _side(1, [{"prompt": 1, "step": 2}]),
+                    "pool_alone": _side(0, [{"prompt": 0, "step": 6}, {"prompt": 1, "step": 3}])}]  # fmt: skip
+    got = totals(checkpoints)
+    assert got["pool_alone"] == {"prompts": 2, "first_tokens_equal_to_truth": 2, "prompts_equal_to_truth": 0, "departs_alone": 1}
+    assert got["vllm_alone"]["departs_alone"] == 1 and got["tier_and_vllm"]["departs_alone"] == 1  # each other's counterparts
+
+
 def test_the_tiers_pool_holds_every_prompts_kept_kv_at_once():
     """The tier keeps each prompt's KV until vLLM loads it, after every prefill: a cache too small for all
     of them left the first prefill past its 131,072 tokens waiting for a release that never came (96 prompts
