@@ -8,17 +8,22 @@ plain; after filling and freeing a large block of garbage (what the earlier test
 ``torch.utils.deterministic.fill_uninitialized_memory`` (every ``torch.empty`` filled with NaN). A
 kernel that reads what it never wrote shows up as a difference between the three (NaN in the last).
 
-    PYTHONPATH=.:tests python benchmarks/probes/probe_uninitialized_reads.py --out probe.json
+    python benchmarks/probes/probe_uninitialized_reads.py --out probe.json
 """
 
 import argparse
+import datetime
 import json
-import platform
-import time
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path[:0] = [str(Path(__file__).resolve().parents[1]), str(Path(__file__).resolve().parents[2]), str(Path(__file__).resolve().parents[2] / "tests")]
 
 import numpy as np
 import torch
-from hf_models import tiny_moe
+from hf_models import tiny_moe  # tests/hf_models.py
+from machine import machine  # benchmarks/machine.py
 
 from attention.backends.torch_sdpa import TorchSDPAPrefillBackend
 from attention.mla import plan_prefill_batch
@@ -69,8 +74,6 @@ def main():
     ap.add_argument("--repeats", type=int, default=3, help="rounds of the three modes")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
-    import tempfile
-
     path = tempfile.mkdtemp()
     tiny_moe("v3", seed=3).save_pretrained(path)
     rounds = []
@@ -91,9 +94,8 @@ def main():
     json.dump(
         {
             "what": "the bf16 tiny MoE forward on CUDA, eager and replayed, plain / after freed garbage / NaN-filled empties: max |difference| to the plain eager run",
-            "date": time.strftime("%Y-%m-%d"),
-            "machine": f"{torch.cuda.get_device_name()} ({platform.node()})",
-            "torch": torch.__version__,
+            "date": datetime.date.today().isoformat(),
+            "machine": machine(),
             "garbage_gib": args.garbage_gib,
             "rounds": rounds,
         },

@@ -4,7 +4,7 @@ On the CPU: the padding the graphs rely on (a prompt padded at its end to a capt
 token named, gives its own latent rows and logits, MoE layers included) and the config's checks. On
 a GPU: the replay writes what the same forward launched kernel by kernel writes, for prompts of every
 captured length in turn (the graphs share one memory pool), bf16 and FP8; the graphs' memory figure
-(the KV cache is sized around it) is the same whatever the allocator's cache held before the capture
+(the worker's start logs it) is the same whatever the allocator's cache held before the capture
 (it once went negative by what torch.cuda.graph emptied); the worker replays single
 prompts without context, runs the rest eagerly, and runs a batch with a fault armed eagerly (its
 hook fires).
