@@ -10,13 +10,20 @@ from configs.model import DTYPES, ModelConfig
 from configs.pool import PoolConfig
 
 
+def gpu_bytes_allowed(device: torch.device, utilization: float) -> tuple[float, int, int]:
+    """What ``utilization`` of a GPU's memory still allows (its share less every byte in use there: other
+    processes', CUDA contexts and libraries' buffers, which torch's counters do not see, and this
+    process's), with the GPU's free and total bytes (``torch.cuda.mem_get_info``)."""
+    free, total = torch.cuda.mem_get_info(device)
+    return total * utilization - (total - free), free, total
+
+
 def check_weights_fit(weight_bytes: int, device: torch.device, config: PoolConfig, model_config: ModelConfig) -> None:
     """Refuse, before allocating, a shard whose weights exceed what this device allows: on a GPU
     ``gpu_memory_utilization`` of its memory less what other processes hold, on the CPU the host's
     available memory (Linux; elsewhere the CPU is not checked)."""
     if device.type == "cuda":
-        free, total = torch.cuda.mem_get_info(device)
-        budget = total * config.gpu_memory_utilization - (total - free)
+        budget, free, total = gpu_bytes_allowed(device, config.gpu_memory_utilization)
         where = (
             f"this GPU has {free / 2**30:.1f} GiB free of {total / 2**30:.1f} GiB and "
             f"gpu_memory_utilization={config.gpu_memory_utilization} allows {max(budget, 0) / 2**30:.1f} GiB"

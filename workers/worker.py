@@ -62,7 +62,7 @@ from workers import deepgemm
 from workers.expert_parallel import EPGroup
 from workers.pcp import PCPCostModel, PCPGroup, PCPPlan, measure_cost_model
 from workers.pcp_layout import shard_rows
-from workers.placement import check_kv_sizing, check_weights_fit, resolve_device, resolve_dtype
+from workers.placement import check_kv_sizing, check_weights_fit, gpu_bytes_allowed, resolve_device, resolve_dtype
 from workers.weights import load_weights
 
 logger = logging.getLogger(__name__)
@@ -464,15 +464,13 @@ class PrefillWorker(KVHolder):
             # the batch's activations: its peak over what stays allocated (the profile's own KV cache aside)
             activations = torch.cuda.max_memory_allocated(device) - torch.cuda.memory_allocated(device) - profile_blocks * per_block
             torch.cuda.empty_cache()
-            # every byte in use on the GPU: other processes' (a vLLM server beside the pool), CUDA contexts and
-            # libraries' buffers, which torch's counters do not see, and this worker's weights and graphs
-            free, total = torch.cuda.mem_get_info(device)
-            allowed = total * config.gpu_memory_utilization
-            num_blocks = int((allowed - (total - free) - activations) // per_block)
+            # less every byte in use on the GPU: a vLLM server's beside the pool, this worker's weights and graphs
+            left, free, total = gpu_bytes_allowed(device, config.gpu_memory_utilization)
+            num_blocks = int((left - activations) // per_block)
             if num_blocks < 1:
                 raise ValueError(
                     f"no GPU memory left for the KV cache: gpu_memory_utilization={config.gpu_memory_utilization} allows "
-                    f"{allowed / 2**30:.1f} GiB in use on this {total / 2**30:.1f} GiB GPU; {(total - free) / 2**30:.1f} GiB are in use "
+                    f"{total * config.gpu_memory_utilization / 2**30:.1f} GiB in use on this {total / 2**30:.1f} GiB GPU; {(total - free) / 2**30:.1f} GiB are in use "
                     f"(this worker's weights and graphs, CUDA contexts, other processes) and a {config.max_batch_tokens}-token "
                     f"batch takes {activations / 2**30:.1f} GiB more; raise gpu_memory_utilization, lower chunk_tokens or "
                     "max_batch_tokens, use more TP, or free the GPU"
