@@ -22,13 +22,13 @@ be cancelled (``future.cancel()`` or :meth:`PrefillPool.cancel`): it is taken ou
 before its next chunk and its KV blocks are freed. A batch that fails (a worker
 raised, died or got stuck) replaces its replica; its requests are retried once
 (``cluster.scheduler``). ``stats`` counts every outcome, ``stats.recoveries``
-times each replacement. The result, counter and error types are ``cluster.results``'.
+times each replacement; the ids, kept results and counters are the books of ``cluster.ledger``.
+The result, counter and error types are ``cluster.results``'.
 This module, ``cluster.replica`` and ``cluster.handoff`` are the only places that call ``ray.get``/``ray.wait``.
 """
 
 from __future__ import annotations
 
-import itertools
 import logging
 import threading
 import time
@@ -40,12 +40,13 @@ import ray
 import torch
 
 from cluster.handoff import KVSource, pull_kv
+from cluster.ledger import RequestLedger
 from cluster.metrics import PoolMetrics
 from cluster.prefix_cache import block_hashes, pool_identity
 from cluster.queueing import Request, RequestQueue, check_flag, validate_tokens
 from cluster.replica import Replica, cause, connect_ray, start_replica, stop_replica
-from cluster.results import DuplicateRequest, PoolStats, PrefillResult, PromptTooLong, expert_load_report, owned_row, weights_report
-from cluster.scheduler import Recovery, ReplicaScheduler
+from cluster.results import PoolStats, PrefillResult, PromptTooLong, expert_load_report, owned_row, weights_report
+from cluster.scheduler import ReplicaScheduler
 from configs.pool import PoolConfig
 from kv.frames import prompt_digest
 from workers.kv_cache import blocks_for
@@ -83,7 +84,6 @@ class PrefillPool:
                 )
         self._placement_group, self._bundle_offset = placement_group, bundle_offset
         self.metrics = metrics
-        self._in_flight = 0
         self.config = config
         self.model_config = config.model_config()  # validates the model against TP before any actor starts
         if config.checkpoint:
@@ -92,14 +92,11 @@ class PrefillPool:
         self._start_timeout_s = start_timeout_s
         self.queue = RequestQueue()
         self._replicas: list[Replica] = []
-        self._ids = itertools.count()
-        self._live: dict[str, Request | None] = {}  # ids in flight (their request) or holding KV (None)
-        self._kept: dict[str, PrefillResult] = {}  # results whose KV stays on the workers
-        self.lock = threading.Lock()
+        self.ledger = RequestLedger()
+        self.lock = threading.Lock()  # over the replicas' state: blocks, prefix caches, generations
         self._owns_ray = False
         self._use_gpus = False
         self.stopping = False
-        self.stats = PoolStats()
         self._identity = b""  # the root of the prefix cache's block hashes, once the workers say their dtype
 
     # ---- lifecycle -------------------------------------------------------
@@ -209,10 +206,7 @@ class PrefillPool:
             try:
                 requests.append(self._admit(token_ids, None, keep_kv, return_logits, on_progress))
             except (TypeError, ValueError) as exc:
-                with self.lock:  # nothing of this call is queued: its ids are free again
-                    for request in requests:
-                        del self._live[request.id]
-                    self._in_flight -= len(requests)
+                self.ledger.withdraw(requests)  # nothing of this call is queued: its ids are free again
                 if self.metrics is not None:
                     self.metrics.failed("rejected")
                 raise type(exc)(f"prompt {index} of {len(prompts)}: {exc}") from exc
@@ -229,7 +223,7 @@ class PrefillPool:
         for request in requests:
             request.future.add_done_callback(self._finished)
         if self.metrics is not None:
-            self.metrics.queued(self._in_flight)
+            self.metrics.queued(self.ledger.in_flight)
         if not self.queue.put_many(requests):  # shut down meanwhile
             for request in requests:
                 self.settle_failed(request, RuntimeError("the prefill pool was shut down"))
@@ -239,8 +233,7 @@ class PrefillPool:
         """Cancel a request that has not finished (the same as its ``future.cancel()``): it is taken
         out before its next chunk and its KV blocks are freed. False if there is no such request
         in flight (unknown, finished, or already cancelled)."""
-        with self.lock:
-            request = self._live.get(request_id)
+        request = self.ledger.request(request_id)
         if request is None or request.future.done() or not request.future.cancel():
             return False
         self.queue.notify()
@@ -257,22 +250,11 @@ class PrefillPool:
                 f"{max(r.kv_blocks for r in self._replicas)}, so the longest prompt is {self.max_prompt_tokens} tokens. "
                 "Raise kv_cache_tokens or gpu_memory_utilization, or use a larger pcp"
             )
-        with self.lock:
-            request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
-            if not isinstance(request_id, str) or not request_id:
-                raise TypeError(f"request_id must be a non-empty string, got {request_id!r}")
-            if request_id in self._live:
-                raise DuplicateRequest(f"request id {request_id!r} is already in flight or holds KV; ids must be unique")
-            names = block_hashes(tokens, self.config.block_size, self._identity) if self.config.prefix_caching else []
-            request = Request(request_id, tokens, Future(), keep_kv, on_progress, names, return_logits=return_logits)
-            self._live[request_id] = request
-            self._in_flight += 1
-        return request
+        names = block_hashes(tokens, self.config.block_size, self._identity) if self.config.prefix_caching else []
+        return self.ledger.open(request_id, lambda id_: Request(id_, tokens, Future(), keep_kv, on_progress, names, return_logits=return_logits))
 
     def _finished(self, future: Future) -> None:
-        with self.lock:
-            self._in_flight -= 1
-            depth = self._in_flight
+        depth = self.ledger.finished()
         if future.cancelled():
             self.queue.notify()  # its scheduler takes it out now, not at its next batch
         if self.metrics is None:
@@ -296,8 +278,12 @@ class PrefillPool:
     @property
     def in_flight(self) -> int:
         """Requests submitted and not finished (queued, waiting for KV, or prefilling)."""
-        with self.lock:
-            return self._in_flight
+        return self.ledger.in_flight
+
+    @property
+    def stats(self) -> PoolStats:
+        """The pool's counters since start (``cluster.results.PoolStats``, kept by ``ledger``)."""
+        return self.ledger.stats
 
     @property
     def max_prompt_tokens(self) -> int:
@@ -348,12 +334,9 @@ class PrefillPool:
     def release(self, result: PrefillResult) -> None:
         """Free a kept request's KV on its workers (a no-op if its replica restarted since)."""
         replica = self._replica(result.replica)
-        with self.lock:  # one release wins, however many callers race (a KV server and the user, say)
-            held = replica.generation == result.generation and result.kv_kept
-            result.kv_kept = False
-            if self._live.get(result.request_id, 0) is None:
-                del self._live[result.request_id]
-            self._kept.pop(result.request_id, None)
+        released = self.ledger.release(result)  # one release wins, however many callers race (a KV server and the user, say)
+        with self.lock:
+            held = released and replica.generation == result.generation
             workers = replica.workers
         if held:
             try:
@@ -367,12 +350,7 @@ class PrefillPool:
 
     def counts(self) -> dict:
         """The request and fault counters of ``stats``, as plain values."""
-        with self.lock:
-            stats = self.stats
-            return {
-                "completed": stats.completed, "failed": stats.failed, "cancelled": stats.cancelled,
-                "retried": stats.retried, "replica_faults": len(stats.recoveries),
-            }  # fmt: skip
+        return self.ledger.counts()
 
     def inject_fault(self, replica: int, rank: int, kind: str, layer: int = 0, after_batches: int = 0) -> None:
         """Chaos testing: make worker ``rank`` of ``replica`` fail inside a coming batch
@@ -384,19 +362,16 @@ class PrefillPool:
 
     def kept_results(self) -> list[PrefillResult]:
         """Every result whose KV is kept on the workers."""
-        with self.lock:
-            return list(self._kept.values())
+        return self.ledger.kept_results()
 
     def kept_result(self, request_id: str) -> PrefillResult | None:
         """The result of a request whose KV is kept on the workers (None if none is)."""
-        with self.lock:
-            return self._kept.get(request_id)
+        return self.ledger.kept_result(request_id)
 
     def prefilling(self, request_id: str) -> Future | None:
         """The future of a request still in flight (queued or prefilling), None otherwise (unknown,
         finished, failed or cancelled): a KV server waits on it for a ticket issued ahead."""
-        with self.lock:
-            request = self._live.get(request_id)
+        request = self.ledger.request(request_id)
         return None if request is None else request.future
 
     def health(self) -> list[list[dict]]:
@@ -467,29 +442,6 @@ class PrefillPool:
         with self.lock:
             return [r.prefix.report() if r.prefix is not None else None for r in self._replicas]
 
-    def count_batch(self, pieces: int) -> None:
-        with self.lock:
-            self.stats.batches += 1
-            self.stats.pieces += pieces
-
-    def count_time(self, batch_s: float, worker_s: float) -> None:
-        with self.lock:
-            self.stats.batch_s += batch_s
-            self.stats.worker_s += worker_s
-
-    def count_pcp(self, report) -> None:
-        if report.pcp_strategy is None:
-            return
-        with self.lock:
-            counts = self.stats.pcp_strategies
-            counts[report.pcp_strategy] = counts.get(report.pcp_strategy, 0) + 1
-            self.stats.pcp_bytes += report.pcp_bytes
-
-    def record_recovery(self, recovery: Recovery) -> None:
-        with self.lock:
-            self.stats.recoveries.append(recovery)
-            self.stats.retried += recovery.retried
-
     def replica_lost(self, replica: Replica, reason: str) -> None:
         """A replica that could not be restarted: if it was the last, fail what is queued."""
         if not self.alive:
@@ -498,12 +450,7 @@ class PrefillPool:
 
     def settle_failed(self, request: Request, error: BaseException) -> None:
         """Fail a request (its KV, if any, is already freed or gone)."""
-        with self.lock:
-            self._live.pop(request.id, None)
-            if not request.cancelled:
-                self.stats.failed += 1
-            else:
-                self.stats.cancelled += 1
+        self.ledger.failed(request)
         _settle(request.future, error=error)
 
     def drop_cancelled(self, request: Request, replica: Replica | None) -> None:
@@ -512,9 +459,7 @@ class PrefillPool:
             with self.lock:
                 replica.pending_tokens -= request.remaining
             self._free(replica, [request])
-        with self.lock:
-            self._live.pop(request.id, None)
-            self.stats.cancelled += 1
+        self.ledger.dropped(request)
 
     def complete(self, replica: Replica, report: BatchOutput, done: list[tuple[Request, PieceResult]]) -> None:
         """Finish a batch's finished requests (each with its result in ``report``, the batch's
@@ -543,21 +488,9 @@ class PrefillPool:
             generation=replica.generation,
             cached_tokens=request.cached_tokens,
         )
-        with self.lock:
-            if cancelled:
-                self.stats.cancelled += 1
-                self._live.pop(request.id, None)
-            else:
-                self.stats.completed += 1
-                if result.kv_kept:
-                    self._live[request.id] = None  # the id stays taken while its KV is held
-                    self._kept[request.id] = result
-                else:
-                    self._live.pop(request.id, None)
+        self.ledger.completed(result, cancelled=cancelled)
         if not _settle(request.future, result=result) and not cancelled:  # cancelled since the check above
-            with self.lock:
-                self.stats.completed -= 1
-                self.stats.cancelled += 1
+            self.ledger.cancelled_after_completion()
             self.release(result)
 
     def _free(self, replica: Replica, requests: list[Request]) -> None:

@@ -141,7 +141,7 @@ class ReplicaScheduler:
             ChunkPiece(r.id, r.tokens[r.done : r.done + count], r.done, len(r.tokens), r.block_table if r.done == r.cached_tokens else None, r.return_logits)
             for r, count in batch
         ]  # fmt: skip
-        pool.count_batch(len(pieces))
+        pool.ledger.count_batch(len(pieces))
         self._last_batch_requests = len(pieces)
         now = time.perf_counter()
         for request, _ in batch:
@@ -163,8 +163,9 @@ class ReplicaScheduler:
             self._recovering = None
         report = outputs[0]
         finished = {result.request_id: result for result in report.results}
-        pool.count_time(ran_s, report.worker_s)
-        pool.count_pcp(report)
+        pool.ledger.count_time(ran_s, report.worker_s)
+        if report.pcp_strategy is not None:
+            pool.ledger.count_pcp(report.pcp_strategy, report.pcp_bytes)
         block_size = pool.config.block_size
         with pool.lock:
             replica.pending_tokens -= sum(count for _, count in batch)
@@ -215,7 +216,7 @@ class ReplicaScheduler:
         self.active.clear()
         for request in reversed(retry):  # back at the front, in their order, for any replica
             pool.requeue(request)
-        pool.record_recovery(recovery)
+        pool.ledger.record_recovery(recovery)
         try:
             fresh = pool.start_replica(replica.index, replacing=replica)
         except Exception as start_exc:  # noqa: BLE001 -- the other replicas go on serving

@@ -6,9 +6,11 @@ from concurrent.futures import Future
 from types import SimpleNamespace
 
 import numpy as np
+import pytest
 
 from cluster.pool import PrefillPool
 from cluster.queueing import Request
+from cluster.results import DuplicateRequest
 from configs.pool import PoolConfig
 from workers.batch_io import BatchOutput, PieceResult
 
@@ -47,7 +49,7 @@ def test_a_batchs_finished_requests_are_freed_in_one_call_per_worker_then_settle
     plain, kept, cancelled = _request("plain"), _request("kept", keep_kv=True), _request("cancelled", keep_kv=True)
     cancelled.future.cancel()
     for request in (plain, kept, cancelled):
-        pool._live[request.id] = request
+        pool.ledger.open(request.id, lambda _, r=request: r)
     seen_at_settle = []
     plain.future.add_done_callback(lambda _: seen_at_settle.append([list(w.calls) for w in workers]))
 
@@ -63,7 +65,10 @@ def test_a_batchs_finished_requests_are_freed_in_one_call_per_worker_then_settle
     assert kept.future.result().logits[0] == 0
     assert kept.future.result().kv_kept and pool.kept_results() == [kept.future.result()]
     assert (pool.stats.completed, pool.stats.cancelled) == (2, 1)
-    assert set(pool._live) == {"kept"}  # its id stays taken while its KV is held
+    assert [pool.ledger.request(r.id) for r in (plain, kept, cancelled)] == [None, None, None]  # none in flight
+    with pytest.raises(DuplicateRequest):  # the kept one's id stays taken while its KV is held
+        pool.ledger.open("kept", lambda _: kept)
+    pool.ledger.open("plain", lambda _: plain)  # the others' are free
 
 
 def test_a_batch_with_nothing_to_free_calls_no_worker():
@@ -71,6 +76,6 @@ def test_a_batch_with_nothing_to_free_calls_no_worker():
     workers = [Worker()]
     replica = SimpleNamespace(index=0, generation=0, workers=workers, prefix=Prefix())
     kept = _request("kept", keep_kv=True)
-    pool._live[kept.id] = kept
+    pool.ledger.open(kept.id, lambda _: kept)
     pool.complete(replica, *_report([kept]))
     assert workers[0].calls == [] and kept.future.result().kv_kept
