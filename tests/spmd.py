@@ -103,10 +103,10 @@ def run_workers(config, prompts: list[np.ndarray], chunk: int, *, prepare=None, 
 def emulated_fp8() -> None:
     """FP8 GEMMs on the CPU (``fp8_emulation``'s stand-ins), and a worker that believes it has them."""
     import fp8_emulation
-    import workers.worker
+    import workers.fp8_choice
 
     fp8_emulation.install()
-    workers.worker.fp8_gemm_supported = lambda device: True
+    workers.fp8_choice.fp8_gemm_supported = lambda device: True
 
 
 # ---- one MoE layer on every rank of an EP group -------------------------------------------------------

@@ -53,12 +53,11 @@ from kv.laps import Laps
 from kv.mapped import host_identity
 from workers.collectives import expert_parallel_group, grid_groups
 from workers.batch_io import BatchOutput, ChunkPiece, finished_results
-from workers.fp8 import fp8_gemm_supported
+from workers.fp8_choice import fp8_gemm_for, use_fp8
 from workers.kv_cache import PagedKVCache, blocks_for
 from workers.kv_holder import KVHolder
 from workers.cuda_graphs import PrefillGraphs, capture_forward
 from workers.model import DeepseekPrefillModel, PrefillOutput, TPShard
-from workers import deepgemm
 from workers.expert_parallel import EPGroup
 from workers.pcp import PCPCostModel, PCPGroup, PCPPlan, measure_cost_model
 from workers.pcp_layout import shard_rows
@@ -210,8 +209,8 @@ class PrefillWorker(KVHolder):
         backend_cls = self._backend_class(model_config, device, dtype)
         laps.lap("backend")  # importing its library (FA4's CuTe DSL: seconds)
         tp = TPShard(self.tp_rank, config.tp, tp_group)
-        fp8 = self._use_fp8(model_config, device, dtype)
-        fp8_gemm = self._fp8_gemm(model_config, fp8)
+        fp8 = use_fp8(config, model_config, device, dtype, announce=self.rank == 0)
+        fp8_gemm = fp8_gemm_for(config, model_config, fp8, announce=self.rank == 0)
         shard = {"tp": tp, "ep": ep, "fp8": fp8, "ep_schedule": config.ep_schedule, "ep_comm_sms": config.ep_comm_sms,
                  "moe_rounding": config.moe_rounding, "fp8_gemm": fp8_gemm or "torch", "dtype": dtype}  # fmt: skip
         weight_bytes = DeepseekPrefillModel.create(model_config, TorchSDPAPrefillBackend, device="meta", **shard).weight_bytes()
@@ -293,53 +292,6 @@ class PrefillWorker(KVHolder):
         if kind == "hang":
             time.sleep(3600)
         raise InjectedFault(f"rank {self.rank}: injected fault at layer {layer} (t={time.time():.3f})")
-
-    def _use_fp8(self, model_config: ModelConfig, device: torch.device, dtype: torch.dtype) -> bool:
-        """FP8 GEMMs for an FP8 model (``quantization="auto"``) where torch runs DeepSeek's block-scaled
-        recipe (SM90) and the compute dtype is bfloat16; otherwise its weights are dequantized at load."""
-        if model_config.quantization is None:
-            return False
-        reasons = []
-        if self.config.quantization == "none":
-            reasons.append("quantization='none'")
-        if not fp8_gemm_supported(device):
-            reasons.append(f"{device} is not an SM90 GPU (torch's block-scaled FP8 GEMM)")
-        if dtype != torch.bfloat16:
-            reasons.append(f"the compute dtype is {str(dtype).removeprefix('torch.')}, not bfloat16")
-        if reasons and self.rank == 0:
-            logger.warning("%s: FP8 weights are dequantized to %s at load: %s", model_config.name, dtype, "; ".join(reasons))
-        return not reasons
-
-    def _fp8_gemm(self, model_config: ModelConfig, fp8: bool) -> str | None:
-        """What runs the FP8 GEMMs (``PoolConfig.fp8_gemm`` resolved; None: no FP8 GEMMs here, the weights
-        dequantized), said at startup. "auto" takes DeepGEMM where it imports and the routed experts (if
-        any) are whole 128x128 blocks, torch's GEMMs otherwise; "deep_gemm" imports DeepGEMM here, so that
-        a worker without it fails to start, naming it."""
-        choice = self.config.fp8_gemm
-        if not fp8:
-            if choice == "deep_gemm" and model_config.quantization is not None and self.rank == 0:
-                logger.warning("%s: fp8_gemm 'deep_gemm' has no effect: the FP8 weights are dequantized here", model_config.name)
-            return None
-        why = ""
-        if choice == "auto":
-            choice, why = self._auto_fp8_gemm(model_config)
-        elif choice == "deep_gemm":
-            deepgemm.load()
-        if self.rank == 0:
-            logger.info("%s: FP8 GEMMs run by %s%s", model_config.name, choice, why)
-        return choice
-
-    @staticmethod
-    def _auto_fp8_gemm(model_config: ModelConfig) -> tuple[str, str]:
-        """fp8_gemm "auto" resolved, and why: DeepGEMM where it imports and takes the experts' shape."""
-        try:
-            deepgemm.load()
-        except RuntimeError as exc:
-            return "torch", f" (auto: DeepGEMM is not here: {exc.__cause__})"
-        moe = model_config.moe
-        if moe is not None and not deepgemm.whole_blocks(model_config.hidden_size, moe.moe_intermediate_size):
-            return "torch", " (auto: DeepGEMM needs the experts' hidden and width in whole 128-wide blocks)"
-        return "deep_gemm", " (auto: DeepGEMM is here)"
 
     def _experts(self) -> tuple[int, int] | None:
         moe_layers = self._model().moe_layers()

@@ -29,7 +29,7 @@ from workers import deepgemm
 from workers.moe import Experts, gather_sum, route
 from workers.pcp_layout import interleave_shards
 from workers.weights import check_checkpoint, load_weights
-from workers.worker import PrefillWorker
+from workers.fp8_choice import fp8_gemm_for
 
 PROMPT_LENS = (1, 47, 130, 200)
 LOAD_DEEP_GEMM = deepgemm.load  # the real one: spmd.emulated_fp8 puts a stand-in there for good
@@ -356,12 +356,10 @@ def test_auto_takes_deep_gemm_where_it_imports_and_the_experts_are_whole_blocks(
     whose weights are dequantized here has no FP8 GEMMs at all."""
 
     def resolve(path, fp8=True, **config):
-        worker = PrefillWorker.__new__(PrefillWorker)
-        worker.config, worker.rank = PoolConfig(checkpoint=str(path), **config), 0
-        return worker._fp8_gemm(load_model_config(path), fp8)
+        return fp8_gemm_for(PoolConfig(checkpoint=str(path), **config), load_model_config(path), fp8, announce=True)
 
     fp8_emulation.install(monkeypatch)  # DeepGEMM's stand-in imports
-    caplog.set_level(logging.INFO, logger="workers.worker")
+    caplog.set_level(logging.INFO, logger="workers.fp8_choice")
     assert resolve(blocks_checkpoint[0]) == "deep_gemm"
     assert "FP8 GEMMs run by deep_gemm (auto: DeepGEMM is here)" in caplog.text
     assert resolve(checkpoints["v3-fp8"][0]) == "torch"  # its experts are 512 x 32: not whole blocks
