@@ -82,20 +82,15 @@ class RequestLedger:
                 self.stats.failed += 1
 
     def dropped(self, request: Request) -> None:
-        """A cancelled request taken out before it finished."""
+        """A cancelled request taken out, before it finished or as it finished with its KV freed."""
         with self._lock:
             self._live.pop(request.id, None)
             self.stats.cancelled += 1
 
-    def completed(self, result: PrefillResult, *, cancelled: bool) -> None:
+    def completed(self, result: PrefillResult) -> None:
         """A request's prefill finished with ``result``: counted completed, its id kept taken while
-        ``result.kv_kept``; or, ``cancelled`` (its caller cancelled it and its KV is already freed),
-        counted cancelled."""
+        ``result.kv_kept``."""
         with self._lock:
-            if cancelled:
-                self.stats.cancelled += 1
-                self._live.pop(result.request_id, None)
-                return
             self.stats.completed += 1
             if result.kv_kept:
                 self._live[result.request_id] = None

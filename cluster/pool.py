@@ -488,7 +488,10 @@ class PrefillPool:
             generation=replica.generation,
             cached_tokens=request.cached_tokens,
         )
-        self.ledger.completed(result, cancelled=cancelled)
+        if cancelled:
+            self.ledger.dropped(request)
+        else:
+            self.ledger.completed(result)
         if not _settle(request.future, result=result) and not cancelled:  # cancelled since the check above
             self.ledger.cancelled_after_completion()
             self.release(result)

@@ -46,9 +46,9 @@ def test_withdrawn_requests_free_their_ids_and_count_in_no_outcome():
 def test_each_ending_is_counted_once_and_a_kept_result_holds_its_id_until_released():
     ledger = RequestLedger()
     plain, kept, failed, dropped, late = (_open(ledger, name) for name in ("plain", "kept", "failed", "dropped", "late"))
-    ledger.completed(_result(plain, kv_kept=False), cancelled=False)
+    ledger.completed(_result(plain, kv_kept=False))
     kept_result = _result(kept, kv_kept=True)
-    ledger.completed(kept_result, cancelled=False)
+    ledger.completed(kept_result)
     ledger.failed(failed)
     ledger.dropped(dropped)
     late.future.cancel()
@@ -70,7 +70,7 @@ def test_each_ending_is_counted_once_and_a_kept_result_holds_its_id_until_releas
 def test_of_many_racing_releases_exactly_one_wins():
     ledger = RequestLedger()
     result = _result(_open(ledger, "held", keep_kv=True), kv_kept=True)
-    ledger.completed(result, cancelled=False)
+    ledger.completed(result)
     wins, start = [], threading.Barrier(8)
 
     def release():
