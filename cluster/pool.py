@@ -17,7 +17,7 @@ they join a batch, so a bad request fails alone. The driver owns each replica's 
 (``cluster.prefix_cache``: every PCP rank's, shared by prompts with a common prefix, cached prefixes
 evicted LRU for room): a prompt that could never fit is refused at submit, one that does not fit yet
 waits for releases (logged once past ``cluster.queueing.KV_WAIT_WARN_S``), and a request goes to
-the replica holding most of its prefix (:meth:`PrefillPool.routed_elsewhere`). A request's future can
+the replica holding most of its prefix (``cluster.routing``). A request's future can
 be cancelled (``future.cancel()`` or :meth:`PrefillPool.cancel`): it is taken out
 before its next chunk and its KV blocks are freed. A batch that fails (a worker
 raised, died or got stuck) replaces its replica; its requests are retried once
@@ -56,7 +56,6 @@ from workers.batch_io import BatchOutput, PieceResult
 from workers.worker import WorkerInfo
 
 logger = logging.getLogger(__name__)
-ROUTE_WAIT_S = 0.5  # how long a request may wait in the queue for the replica holding its prefix
 
 
 class PrefillPool:
@@ -387,6 +386,11 @@ class PrefillPool:
         return report
 
     @property
+    def replicas(self) -> tuple[Replica, ...]:
+        """The running replicas (a replica being replaced keeps its place, its ``prefix`` None)."""
+        return tuple(self._replicas)
+
+    @property
     def worker_infos(self) -> list[list[WorkerInfo]]:
         return [r.infos for r in self._replicas]
 
@@ -414,27 +418,6 @@ class PrefillPool:
     def requeue(self, request: Request) -> None:
         if not self.queue.put(request, front=True):
             self.settle_failed(request, RuntimeError("the prefill pool was shut down"))
-
-    def routed_elsewhere(self, request: Request, replica: Replica) -> bool:
-        """Whether ``replica`` should leave a request to another one (called under ``lock``). The rule:
-        a request goes to the replica whose cache holds the longest prefix of it, unless that replica
-        has more than ``chunk_tokens`` more prompt tokens waiting to be prefilled than ``replica``
-        (overloaded), or no room for the request now; a request that has waited ``ROUTE_WAIT_S`` in
-        the queue goes to whichever replica takes it first."""
-        if len(self._replicas) == 1 or not request.names or time.perf_counter() - request.submitted > ROUTE_WAIT_S:
-            return False
-        mine = replica.prefix.cached_tokens(request.names, len(request.tokens))
-        for other in self._replicas:
-            if other is replica or other.prefix is None or not other.alive:
-                continue
-            theirs = other.prefix.cached_tokens(request.names, len(request.tokens))
-            if (
-                theirs > mine
-                and other.pending_tokens <= replica.pending_tokens + self.config.chunk_tokens
-                and other.prefix.fits(len(request.tokens), request.names)
-            ):
-                return True
-        return False
 
     def prefix_report(self) -> list[dict | None]:
         """Per replica, its KV blocks (in use, cached, free per PCP rank), evictions and prefix-cache

@@ -33,6 +33,7 @@ import ray
 
 from cluster.queueing import Request
 from cluster.replica import BatchTimeout, Replica, cause, gather, stop_replica
+from cluster.routing import routed_elsewhere
 from workers.batch_io import ChunkPiece
 
 logger = logging.getLogger(__name__)
@@ -117,10 +118,10 @@ class ReplicaScheduler:
 
     def _reserve(self, request: Request) -> bool:
         """Admit a request here if its blocks fit (its cached prefix shared) and the pool's routing
-        does not keep it for a replica holding more of its prefix (``PrefillPool.routed_elsewhere``)."""
+        does not keep it for a replica holding more of its prefix (``cluster.routing``)."""
         pool, replica = self.pool, self.replica
         with pool.lock:
-            if replica.prefix is None or pool.routed_elsewhere(request, replica):
+            if replica.prefix is None or routed_elsewhere(request, replica, pool.replicas, pool.config.chunk_tokens):
                 return False
             evictions = replica.prefix.evictions
             cached = replica.prefix.admit(request.id, len(request.tokens), request.names)
