@@ -5,7 +5,10 @@ tensors, so CI exercises the same kernel code the GPU runs. The variable must
 be set before triton is first imported.
 """
 
+import atexit
+import logging
 import os
+import sys
 
 import pytest
 import torch
@@ -25,15 +28,11 @@ def _seed():
 def pytest_unconfigure(config):
     """End the test process once pytest is done, with pytest's exit status, without tearing the
     interpreter down. The suite leaves native state in this process that nothing tests at exit: vLLM's
-    CPU extension and Ray's core worker loaded, in-process workers' gloo groups and threads. CI saw
+    CPU extension and Ray's core worker loaded, in-process workers' sockets and threads. CI saw
     the process segfault after ``819 passed`` (2026-11-29, exit 139) in that teardown, which turned a
     passing run into a failed one. Our own processes' exits are tested where they happen, in
     processes of their own (the CLI, ``ray job submit``, the workers and vLLM servers the tests stop).
     The exit handlers still run (the vLLM fork server is stopped, logs flushed)."""
-    import atexit
-    import logging
-    import sys
-
     status = getattr(config, "_mlapool_exitstatus", None)
     if status is None:  # pytest ended before a session (a usage error): let it exit as it would
         return
