@@ -387,7 +387,8 @@ class PrefillPool:
 
     @property
     def replicas(self) -> tuple[Replica, ...]:
-        """The running replicas (a replica being replaced keeps its place, its ``prefix`` None)."""
+        """The pool's replicas in index order: one being replaced keeps its place with ``prefix`` None,
+        one that could not be restarted with ``alive`` False."""
         return tuple(self._replicas)
 
     @property

@@ -17,6 +17,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+EXIT_STATUS = pytest.StashKey[int]()  # pytest's exit status, kept at the session's end for pytest_unconfigure
 
 
 @pytest.fixture(autouse=True)
@@ -33,7 +34,7 @@ def pytest_unconfigure(config):
     passing run into a failed one. Our own processes' exits are tested where they happen, in
     processes of their own (the CLI, ``ray job submit``, the workers and vLLM servers the tests stop).
     The exit handlers still run (the vLLM fork server is stopped, logs flushed)."""
-    status = getattr(config, "_mlapool_exitstatus", None)
+    status = config.stash.get(EXIT_STATUS, None)
     if status is None:  # pytest ended before a session (a usage error): let it exit as it would
         return
     atexit._run_exitfuncs()
@@ -44,4 +45,4 @@ def pytest_unconfigure(config):
 
 
 def pytest_sessionfinish(session, exitstatus):
-    session.config._mlapool_exitstatus = exitstatus
+    session.config.stash[EXIT_STATUS] = int(exitstatus)
