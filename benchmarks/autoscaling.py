@@ -211,10 +211,13 @@ def kill_node_of_a_replica() -> str:
 
 
 def run_autoscaling(
-    *, max_nodes: int = 3, clients: int = 6, time_scale: float = 0.02, kill_node: bool = True, timeout_s: float = 300, system_config: dict | None = None
+    *, max_nodes: int = 3, clients: int = 6, time_scale: float = 0.02, kill_node: bool = True, timeout_s: float = 300,
+    system_config: dict | None = None, settle_s: float = 5.0,
 ) -> dict:  # fmt: skip
     """The run above; ``system_config``: Ray's own settings for the head (``ray start --system-config``),
-    e.g. a shorter node health check than Ray's 3 s x 5 misses, so that a lost node is seen sooner."""
+    e.g. a shorter node health check than Ray's 3 s x 5 misses, so that a lost node is seen sooner;
+    ``settle_s``: how long the load runs on the scaled-up tier before a node is killed, and again
+    before the load stops."""
     cluster_settings, args = shipped_configs(max_nodes, time_scale)
     interval = min(0.5, args["look_back_period_s"] / 2)
     env = {REPORT_INTERVAL_ENV: str(interval), "OMP_NUM_THREADS": "1", "RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S": "30"}
@@ -223,7 +226,8 @@ def run_autoscaling(
     fake = FakeNodesCluster(head_resources={"CPU": 0}, **cluster_settings)
     fake.start(_system_config=system_config, override_env=env)
     report: dict = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "settings": {"cluster": cluster_settings, "tier": args,
-                    "clients": clients, "time_scale": time_scale, "kill_node": kill_node, "ray_system_config": system_config}, "phases": {}}  # fmt: skip
+                    "clients": clients, "time_scale": time_scale, "kill_node": kill_node, "ray_system_config": system_config,
+                    "settle_s": settle_s}, "phases": {}}  # fmt: skip
     try:
         ray.init("auto", log_to_driver=False)
         port = _free_port()
@@ -238,7 +242,7 @@ def run_autoscaling(
         load = Load(url, clients, watch.started)
         report["phases"]["scaled_up_s"] = round(watch.wait_for("replicas >= 2 on >= 2 nodes", lambda s: (s["replicas"] or 0) >= 2 and s["worker_nodes"] >= 2, timeout_s), 1)
         if kill_node:
-            time.sleep(5)
+            time.sleep(settle_s)
             serving, before = watch.now(), set(replica_actors())
             report["phases"]["killed_node"] = {"node": kill_node_of_a_replica(), "t": serving["t"]}
             seen = watch.wait_for("the lost node seen gone", lambda s: s["worker_nodes"] < serving["worker_nodes"], timeout_s)
@@ -246,7 +250,7 @@ def run_autoscaling(
             back = watch.wait_for("the lost replica replaced (a new replica actor, as many running as before)",
                                   lambda s: (s["replicas"] or 0) >= serving["replicas"] and set(replica_actors()) - before, timeout_s)  # fmt: skip
             report["phases"]["replaced_s"] = round(seen + back, 1)
-        time.sleep(5)  # the load on the tier as it is now
+        time.sleep(settle_s)  # the load on the tier as it is now
         outcomes = load.stop()
         report["phases"]["load_stopped"] = watch.now()["t"]
         report["phases"]["scaled_down_s"] = round(watch.wait_for(f"replicas back to {args['min_replicas']} on one node", lambda s: s["replicas"] == args["min_replicas"]
